@@ -1,0 +1,132 @@
+"""Notebook-facing model API: :func:`load_config`, :func:`load_model`, :func:`forward_logits`, :func:`inspect`."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dinfer_jax.models.config import ConfigError, ModelConfig, load_config
+from dinfer_jax.models.params import abstract_params, count_params, init_params, param_specs
+from dinfer_jax.models.v4 import ForwardOptions, ForwardOutput, forward, forward_jit, mtp_forward_jit
+from sharding.rules import Sharder
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass
+class Model:
+    """A config plus its parameter pytree. ``dtype`` is the activation/weight dtype ("float32" or "bfloat16")."""
+
+    config: ModelConfig
+    params: Any
+    dtype: str = "float32"
+    sharder: Sharder | None = None
+    moe_impl: str = "ragged"
+
+    def options(self, collect: bool = False) -> ForwardOptions:
+        return ForwardOptions(collect=collect, moe_impl=self.moe_impl, sharder=self.sharder)
+
+    @property
+    def num_params(self) -> int:
+        return count_params(self.params)
+
+
+def _check_dtype(dtype: str) -> str:
+    dtype = jnp.dtype(dtype).name
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return dtype
+
+
+def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None = None,
+               moe_impl: str | None = None) -> Model:
+    """Load a Hugging Face checkpoint directory (DeepSeek release or transformers ``save_pretrained`` layout).
+
+    FP8/FP4 weights are dequantised exactly at load. With a ``sharder`` the parameters are placed by its rules
+    (experts over ``ep``) and the forward uses the mesh-friendly dense MoE.
+    """
+    from dinfer_jax.loading import load_params
+
+    dtype = _check_dtype(dtype)
+    cfg = load_config(path)
+    if not Path(path).is_dir():
+        raise ConfigError(f"{path} is not a checkpoint directory (a preset has no weights; use random_model)")
+    params = load_params(path, cfg, dtype=dtype, sharder=sharder)
+    impl = moe_impl or ("dense" if sharder is not None else "ragged")
+    return Model(cfg, params, dtype, sharder, impl)
+
+
+def random_model(config: ModelConfig | str, seed: int = 0, dtype: str = "float32", include_mtp: bool = True,
+                 sharder: Sharder | None = None) -> Model:
+    """A model with random parameters (see :func:`init_params`) for experiments and tests."""
+    cfg = load_config(config) if isinstance(config, (str, Path)) else config
+    dtype = _check_dtype(dtype)
+    params = init_params(cfg, seed=seed, dtype=dtype, include_mtp=include_mtp)
+    if sharder is not None:
+        from dinfer_jax.models.params import map_specs
+
+        shardings = map_specs(lambda s: sharder.named(s.axes, s.shape), param_specs(cfg, include_mtp))
+        params = jax.device_put(params, shardings)
+    return Model(cfg, params, dtype, sharder, "dense" if sharder is not None else "ragged")
+
+
+def _validate_ids(model: Model, token_ids: Any) -> jax.Array:
+    ids = np.asarray(token_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"token_ids must be [B, S], got shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"token_ids must be integers, got {ids.dtype}")
+    if ids.shape[1] == 0:
+        raise ValueError("token_ids has an empty sequence")
+    bad = (ids < 0) | (ids >= model.config.vocab_size)
+    if bad.any():
+        b, s = np.argwhere(bad)[0]
+        raise ValueError(f"token id {int(ids[b, s])} at [{b}, {s}] is outside the vocabulary [0, {model.config.vocab_size})")
+    if ids.shape[1] > model.config.max_position_embeddings:
+        raise ValueError(f"sequence length {ids.shape[1]} exceeds max_position_embeddings "
+                         f"{model.config.max_position_embeddings}")
+    return jnp.asarray(ids, jnp.int32)
+
+
+def run(model: Model, token_ids: Any, collect: bool = False) -> ForwardOutput:
+    """Jitted full-sequence forward of ``token_ids [B,S]`` from position 0 (device arrays)."""
+    ids = _validate_ids(model, token_ids)
+    return forward_jit(model.params, ids, cfg=model.config, dtype=model.dtype, options=model.options(collect))
+
+
+def forward_logits(model: Model, token_ids: Any) -> np.ndarray:
+    """Float32 logits ``[B, S, vocab]`` of the full-sequence forward from position 0."""
+    return np.asarray(run(model, token_ids).logits, dtype=np.float32)
+
+
+def inspect(model: Model, token_ids: Any) -> dict[str, Any]:
+    """Logits plus intermediates as numpy: ``hidden_states [L+1,B,S,n,D]``, ``final_hidden``, per-layer
+    ``indexer_topk`` / ``indexer_scores`` (CSA layers) and ``router_indices`` / ``router_weights``."""
+    out = run(model, token_ids, collect=True)
+    result = jax.tree_util.tree_map(np.asarray, out.intermediates)
+    result["logits"] = np.asarray(out.logits)
+    return result
+
+
+def mtp_logits(model: Model, token_ids: Any, depth: int = 0) -> np.ndarray:
+    """MTP block logits ``[B, S-1, V]``: position t predicts token t+2 from the backbone state at t and token t+1."""
+    if not model.params.get("mtp"):
+        raise ValueError("this model has no MTP parameters (transformers-saved checkpoints drop them)")
+    ids = _validate_ids(model, token_ids)
+    out = forward_jit(model.params, ids, cfg=model.config, dtype=model.dtype, options=model.options(True))
+    streams = out.intermediates["hidden_states"][-1][:, :-1]
+    logits, _ = mtp_forward_jit(model.params, streams, ids[:, 1:], cfg=model.config, depth=depth, dtype=model.dtype,
+                                options=model.options(False))
+    return np.asarray(logits, np.float32)
+
+
+__all__ = [
+    "ConfigError", "ForwardOptions", "ForwardOutput", "Model", "ModelConfig", "abstract_params", "count_params",
+    "forward", "forward_logits", "init_params", "inspect", "load_config", "load_model", "mtp_logits", "param_specs",
+    "random_model", "run",
+]

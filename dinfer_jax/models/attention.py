@@ -1,0 +1,142 @@
+"""V4 attention for the full-sequence reference path (positions 0..S−1, no cache): spec ``model-v4.md`` §3.4–3.7.
+
+Every layer attends to a sliding window of raw KV rows; CSA layers (m = 4, overlapping compressor + lightning
+indexer top-k) and HCA layers (m large, all closed windows) add compressed KV rows. K = V = one 512-wide latent
+shared by all heads, learned per-head sink, inverse RoPE on the output, grouped low-rank output projection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax.models.config import ATTN_CSA, ATTN_SLIDING, ModelConfig
+from dinfer_jax.models.ops import F32, apply_rope_tail, linear, matmul_precision, rms_norm, rope_cos_sin
+from sharding.rules import Sharder, constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeTable:
+    """cos/sin ``[S, r/2]`` (fp32) for the query positions and for compressed-row positions ``w·m``."""
+
+    cos: jax.Array
+    sin: jax.Array
+
+
+def compress_full(p: Mapping[str, jax.Array], h: jax.Array, *, ratio: int, dim: int, overlap: bool,
+                  inv_freq: Any, norm_eps: float) -> jax.Array:
+    """Compressor over all closed windows of a sequence starting at position 0 (fp32 throughout).
+
+    h: ``[B,S,D]``. Returns ``[B, T, dim]`` fp32 with ``T = S // ratio``; row w pools tokens
+    ``[w·m, (w+1)·m)`` (overlap: plus the first half-channels of window w−1) and carries RoPE at position ``w·m``.
+    A trailing partial window produces no row (no query of this sequence could see it).
+    """
+    B, S, _ = h.shape
+    T = S // ratio
+    if T == 0:
+        return jnp.zeros((B, 0, dim), F32)
+    hf = h[:, :T * ratio].astype(F32)
+    kv = linear(hf, p["wkv"]).reshape(B, T, ratio, -1)
+    gate = linear(hf, p["wgate"]).reshape(B, T, ratio, -1) + p["ape"].astype(F32)
+    if overlap:
+        prev_kv = jnp.pad(kv[:, :-1, :, :dim], ((0, 0), (1, 0), (0, 0), (0, 0)))
+        prev_gate = jnp.pad(gate[:, :-1, :, :dim], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
+        kv = jnp.concatenate([prev_kv, kv[..., dim:]], axis=2)  # [B,T,2m,dim]
+        gate = jnp.concatenate([prev_gate, gate[..., dim:]], axis=2)
+    weights = jax.nn.softmax(gate, axis=2)
+    pooled = jnp.sum(kv * weights, axis=2)
+    pooled = rms_norm(pooled, p["norm"], norm_eps, out_dtype=F32)
+    cos, sin = rope_cos_sin(jnp.arange(T) * ratio, inv_freq)
+    return apply_rope_tail(pooled, cos, sin)
+
+
+def indexer_select(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, *, cfg: ModelConfig, ratio: int,
+                   rope: RopeTable, inv_freq: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Lightning indexer: top-k compressed rows per query.
+
+    h: ``[B,S,D]``, cq: ``[B,S,q_lora]``. Returns ``(indices [B,S,k] int32 with −1 for an invalid pick,
+    selected [B,S,T] bool, scores [B,S,T] fp32 with −inf on rows the query cannot see)``, k = min(index_topk, T).
+    Ties are broken towards the lowest row index (``jax.lax.top_k``).
+    """
+    B, S, _ = h.shape
+    Hi, di = cfg.index_n_heads, cfg.index_head_dim
+    k_rows = compress_full(p["compressor"], h, ratio=ratio, dim=di, overlap=True, inv_freq=inv_freq,
+                           norm_eps=cfg.norm_eps)  # [B,T,di] fp32
+    T = k_rows.shape[1]
+    q = linear(cq, p["wq_b"]).reshape(B, S, Hi, di)
+    q = apply_rope_tail(q, rope.cos[:, None, :], rope.sin[:, None, :])
+    w = linear(h.astype(F32), p["weights_proj"]) * (di ** -0.5) * (Hi ** -0.5)  # [B,S,Hi]
+    dots = jnp.einsum("bshd,btd->bsht", q.astype(F32), k_rows, precision=jax.lax.Precision.HIGHEST)
+    scores = jnp.einsum("bsht,bsh->bst", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)
+    visible = jnp.arange(T)[None, :] < ((jnp.arange(S) + 1) // ratio)[:, None]  # [S,T]
+    scores = jnp.where(visible[None], scores, -jnp.inf)
+    k = min(cfg.index_topk, T)
+    top_scores, top_idx = jax.lax.top_k(scores, k)
+    valid = top_scores > -jnp.inf
+    top_idx = jnp.where(valid, top_idx, -1).astype(jnp.int32)
+    selected = jnp.zeros((B, S, T + 1), bool)
+    bi = jnp.arange(B)[:, None, None]
+    si = jnp.arange(S)[None, :, None]
+    selected = selected.at[bi, si, jnp.where(valid, top_idx, T)].set(True)[..., :T]
+    return top_idx, selected, scores
+
+
+def attention_full(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig, kind: str, ratio: int, rope: RopeTable,
+                   inv_freq: Any, sharder: Sharder | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One attention sublayer over a whole sequence from position 0.
+
+    h: ``[B,S,D]`` (already RMS-normalised), activation dtype. Returns ``(out [B,S,D], aux)`` where ``aux`` holds
+    ``indexer_topk`` ``[B,S,k]`` and ``indexer_scores`` ``[B,S,T]`` on CSA layers.
+    """
+    B, S, _ = h.shape
+    H, d, G = cfg.num_heads, cfg.head_dim, cfg.o_groups
+    dt = h.dtype
+    eps = cfg.norm_eps
+    cos_q, sin_q = rope.cos[:, None, :], rope.sin[:, None, :]
+
+    cq = rms_norm(linear(h, p["wq_a"]), p["q_norm"], eps)  # [B,S,q_lora]
+    q = linear(cq, p["wq_b"]).reshape(B, S, H, d)
+    q = rms_norm(q, None, eps)
+    q = apply_rope_tail(q, cos_q, sin_q)
+    q = constrain(sharder, q, ("act_batch", "act_seq", "act_heads", None))
+    kv = rms_norm(linear(h, p["wkv"]), p["kv_norm"], eps)
+    kv = apply_rope_tail(kv, rope.cos, rope.sin)  # [B,S,d]
+
+    prec = matmul_precision(dt)
+    scale = d ** -0.5
+    pos = jnp.arange(S)
+    win_mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - cfg.sliding_window)  # [S(q), S(k)]
+    logits = jnp.einsum("bshd,btd->bhst", q, kv, preferred_element_type=F32, precision=prec) * scale
+    logits = jnp.where(win_mask[None, None], logits, -jnp.inf)
+    values = [kv]
+    aux: dict[str, jax.Array] = {}
+    if kind != ATTN_SLIDING:
+        ckv = compress_full(p["compressor"], h, ratio=ratio, dim=d, overlap=kind == ATTN_CSA, inv_freq=inv_freq,
+                            norm_eps=eps).astype(dt)  # [B,T,d]
+        T = ckv.shape[1]
+        cmask = jnp.broadcast_to((jnp.arange(T)[None, :] < ((pos + 1) // ratio)[:, None])[None], (B, S, T))
+        if kind == ATTN_CSA and T > 0:
+            top_idx, selected, scores = indexer_select(p["indexer"], h, cq, cfg=cfg, ratio=ratio, rope=rope,
+                                                       inv_freq=inv_freq)
+            cmask = cmask & selected
+            aux["indexer_topk"] = top_idx
+            aux["indexer_scores"] = scores
+        c_logits = jnp.einsum("bshd,btd->bhst", q, ckv, preferred_element_type=F32, precision=prec) * scale
+        c_logits = jnp.where(cmask[:, None], c_logits, -jnp.inf)
+        logits = jnp.concatenate([logits, c_logits], axis=-1)
+        values.append(ckv)
+    sink = jnp.broadcast_to(p["attn_sink"].astype(F32)[None, :, None, None], (B, H, S, 1))
+    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+    v = jnp.concatenate(values, axis=1)
+    o = jnp.einsum("bhst,btd->bshd", probs.astype(dt), v, preferred_element_type=F32, precision=prec).astype(dt)
+    o = apply_rope_tail(o, cos_q, sin_q, inverse=True)
+
+    R = cfg.o_lora_rank
+    wo_a = p["wo_a"].astype(dt).reshape(G, R, H * d // G)
+    z = jnp.einsum("bsgi,gri->bsgr", o.reshape(B, S, G, H * d // G), wo_a, preferred_element_type=F32,
+                   precision=prec).astype(dt)
+    out = linear(z.reshape(B, S, G * R), p["wo_b"])
+    return out, aux

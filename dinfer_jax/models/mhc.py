@@ -1,0 +1,61 @@
+"""Manifold-constrained hyper-connections (mHC): the n residual streams of V4 (spec ``model-v4.md`` §3.3)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax.models.ops import F32
+
+
+def _normed_mix(streams: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
+    """``(x̄ · fnᵀ) · rsqrt(mean(x̄²) + eps)`` with x̄ the flattened streams ``[B,S,n·D]`` in fp32."""
+    flat = streams.reshape(*streams.shape[:-2], -1).astype(F32)
+    flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    return jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision=jax.lax.Precision.HIGHEST)
+
+
+def sinkhorn(comb_logits: jax.Array, iters: int, eps: float) -> jax.Array:
+    """Doubly-stochastic projection of ``[..., n(j), n(k)]`` logits: softmax over k, then alternate normalisation.
+
+    First a column normalisation (sum over j), then ``iters − 1`` rounds of row (sum over k) + column.
+    """
+    c = jax.nn.softmax(comb_logits, axis=-1) + eps
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    return c
+
+
+def hc_pre(streams: jax.Array, site: Mapping[str, jax.Array], *, hc_mult: int, sinkhorn_iters: int, hc_eps: float,
+           norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Collapse the streams for one sublayer.
+
+    streams: ``[B,S,n,D]``. Returns ``(u [B,S,D] in the streams' dtype, post [B,S,n] fp32, comb [B,S,n,n] fp32)``.
+    """
+    n = hc_mult
+    mix = _normed_mix(streams, site["fn"], norm_eps)  # [B,S,(2+n)n]
+    base, scale = site["base"].astype(F32), site["scale"].astype(F32)
+    pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb_logits = mix[..., 2 * n:] * scale[2] + base[2 * n:]
+    comb = sinkhorn(comb_logits.reshape(*comb_logits.shape[:-1], n, n), sinkhorn_iters, hc_eps)
+    u = jnp.einsum("...j,...jd->...d", pre, streams.astype(F32), precision=jax.lax.Precision.HIGHEST)
+    return u.astype(streams.dtype), post, comb
+
+
+def hc_post(streams: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """Expand a sublayer output back into the streams: ``X'_k = post_k · y + Σ_j comb[j,k] · X_j`` (fp32 math)."""
+    mixed = jnp.einsum("...jk,...jd->...kd", comb, streams.astype(F32), precision=jax.lax.Precision.HIGHEST)
+    out = post[..., None] * y.astype(F32)[..., None, :] + mixed
+    return out.astype(streams.dtype)
+
+
+def hc_head(streams: jax.Array, head: Mapping[str, jax.Array], *, hc_eps: float, norm_eps: float) -> jax.Array:
+    """Final collapse of ``[B,S,n,D]`` streams to ``[B,S,D]`` (fp32) without Sinkhorn."""
+    mix = _normed_mix(streams, head["fn"], norm_eps)
+    pre = jax.nn.sigmoid(mix * head["scale"].astype(F32) + head["base"].astype(F32)) + hc_eps
+    return jnp.einsum("...j,...jd->...d", pre, streams.astype(F32), precision=jax.lax.Precision.HIGHEST)

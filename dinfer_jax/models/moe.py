@@ -1,0 +1,108 @@
+"""V4 mixture of experts (spec ``model-v4.md`` §3.8): sqrtsoftplus router, selection-only bias, hash routing,
+renormalised and scaled weights, SwiGLU with clamp, shared expert.
+
+Two expert implementations compute the same function:
+
+* ``"ragged"`` (default): tokens sorted by expert, grouped GEMM with ``jax.lax.ragged_dot``; work ∝ tokens·k.
+* ``"dense"``: every expert on every token, combined with a dense ``[N, E]`` weight matrix; work ∝ tokens·E. With
+  experts sharded over the ``ep`` mesh axis each device computes its own experts and XLA reduces the sum; this is
+  the mesh-friendly reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax.models.config import ModelConfig
+from dinfer_jax.models.ops import F32, linear, matmul_precision
+from sharding.rules import Sharder, constrain
+
+MOE_IMPLS = ("ragged", "dense")
+
+
+def route(gate: Mapping[str, jax.Array], x: jax.Array, token_ids: jax.Array | None, *, cfg: ModelConfig,
+          hash_routed: bool) -> tuple[jax.Array, jax.Array]:
+    """Router in fp32. x: ``[N,D]``; token_ids: ``[N]`` (hash layers). Returns ``(indices [N,k] int32,
+    weights [N,k] fp32)``; weights are renormalised over the k picks and multiplied by ``routed_scaling_factor``."""
+    logits = linear(x.astype(F32), gate["weight"])
+    scores = jnp.sqrt(jax.nn.softplus(logits))
+    if hash_routed:
+        if token_ids is None:
+            raise ValueError("hash-routed MoE layer needs the token ids")
+        idx = gate["tid2eid"][token_ids].astype(jnp.int32)
+    else:
+        _, idx = jax.lax.top_k(scores + gate["bias"].astype(F32), cfg.n_activated_experts)
+        idx = idx.astype(jnp.int32)
+    w = jnp.take_along_axis(scores, idx, axis=-1)
+    w = w / jnp.sum(w, axis=-1, keepdims=True) * cfg.route_scale
+    return idx, w
+
+
+def _swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
+    g = jnp.minimum(g.astype(F32), limit)
+    u = jnp.clip(u.astype(F32), -limit, limit)
+    return jax.nn.silu(g) * u
+
+
+def _experts_dense(ex: Mapping[str, jax.Array], x: jax.Array, idx: jax.Array, w: jax.Array, *, cfg: ModelConfig,
+                   sharder: Sharder | None) -> jax.Array:
+    N = x.shape[0]
+    dt = x.dtype
+    prec = matmul_precision(dt)
+    combine = jnp.zeros((N, cfg.n_routed_experts), F32).at[jnp.arange(N)[:, None], idx].add(w)
+    combine = constrain(sharder, combine, (None, "act_experts"))
+    g = jnp.einsum("nd,eid->nei", x, ex["w1"].astype(dt), preferred_element_type=F32, precision=prec)
+    u = jnp.einsum("nd,eid->nei", x, ex["w3"].astype(dt), preferred_element_type=F32, precision=prec)
+    a = (_swiglu(g, u, cfg.swiglu_limit) * combine[..., None]).astype(dt)
+    a = constrain(sharder, a, (None, "act_experts", None))
+    return jnp.einsum("nei,edi->nd", a, ex["w2"].astype(dt), preferred_element_type=F32, precision=prec)
+
+
+def _experts_ragged(ex: Mapping[str, jax.Array], x: jax.Array, idx: jax.Array, w: jax.Array, *,
+                    cfg: ModelConfig) -> jax.Array:
+    N, k = idx.shape
+    E = cfg.n_routed_experts
+    dt = x.dtype
+    prec = matmul_precision(dt)
+    flat_e = idx.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    token_of = order // k
+    xs = x[token_of]  # [N·k, D] sorted by expert
+    sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+    w1 = jnp.swapaxes(ex["w1"].astype(dt), 1, 2)  # [E,D,I]
+    w3 = jnp.swapaxes(ex["w3"].astype(dt), 1, 2)
+    w2 = jnp.swapaxes(ex["w2"].astype(dt), 1, 2)  # [E,I,D]
+    g = jax.lax.ragged_dot(xs, w1, sizes, precision=prec, preferred_element_type=F32)
+    u = jax.lax.ragged_dot(xs, w3, sizes, precision=prec, preferred_element_type=F32)
+    a = (_swiglu(g, u, cfg.swiglu_limit) * w.reshape(-1)[order][:, None]).astype(dt)
+    y = jax.lax.ragged_dot(a, w2, sizes, precision=prec, preferred_element_type=F32)  # [N·k, D]
+    return jnp.zeros((N, x.shape[1]), F32).at[token_of].add(y)
+
+
+def shared_expert(p: Mapping[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Always-on expert with the same clamp; fp32 result ``[N,D]``."""
+    a = _swiglu(linear(x, p["w1"], F32), linear(x, p["w3"], F32), cfg.swiglu_limit).astype(x.dtype)
+    return linear(a, p["w2"], F32)
+
+
+def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg: ModelConfig, hash_routed: bool,
+        impl: str = "ragged", sharder: Sharder | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """MoE sublayer. x: ``[B,S,D]`` (normalised), token_ids ``[B,S]``. Returns ``(y [B,S,D] in x's dtype, aux)``,
+    aux = ``{"router_indices": [B,S,k] int32, "router_weights": [B,S,k] fp32}``."""
+    B, S, D = x.shape
+    xf = x.reshape(B * S, D)
+    tid = None if token_ids is None else token_ids.reshape(B * S)
+    idx, w = route(p["gate"], xf, tid, cfg=cfg, hash_routed=hash_routed)
+    if impl == "dense":
+        y = _experts_dense(p["experts"], xf, idx, w, cfg=cfg, sharder=sharder)
+    elif impl == "ragged":
+        y = _experts_ragged(p["experts"], xf, idx, w, cfg=cfg)
+    else:
+        raise ValueError(f"unknown MoE implementation {impl!r}; choose one of {MOE_IMPLS}")
+    if "shared_experts" in p:
+        y = y + shared_expert(p["shared_experts"], xf, cfg)
+    aux = {"router_indices": idx.reshape(B, S, -1), "router_weights": w.reshape(B, S, -1)}
+    return y.reshape(B, S, D).astype(x.dtype), aux

@@ -1,0 +1,84 @@
+"""Elementary ops shared by the V4 family: RMSNorm, interleaved tail RoPE with optional YaRN, linear."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dinfer_jax.models.config import YarnConfig
+
+F32 = jnp.float32
+
+
+def matmul_precision(dtype: jnp.dtype) -> jax.lax.Precision:
+    """Full fp32 products for fp32 inputs (no TF32 on GPUs); the backend default otherwise."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def linear(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """``x · wᵀ`` for a weight stored ``[out, in]``; computed in ``x``'s dtype with fp32 accumulation."""
+    w = w.astype(x.dtype)
+    y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32, precision=matmul_precision(x.dtype))
+    return y.astype(out_dtype or x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """``w ⊙ x / sqrt(mean(x²) + eps)`` over the last axis; reduction and weight multiply in fp32."""
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = y * weight.astype(F32)
+    return y.astype(out_dtype or x.dtype)
+
+
+def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnConfig | None) -> np.ndarray:
+    """Per-pair inverse frequencies ``[r/2]`` (fp32), YaRN-interpolated when ``yarn`` is given (no mscale).
+
+    Follows DeepSeek's ``precompute_freqs_cis`` (equal to transformers' ``_compute_yarn_parameters``):
+    low/high correction dims floored/ceiled, linear ramp over pair indices.
+    """
+    pos_freqs = np.power(np.float32(theta), np.arange(0, rope_dim, 2, dtype=np.float32) / np.float32(rope_dim))
+    inv = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    if yarn is None:
+        return inv
+
+    def corr_dim(n_rot: float) -> float:
+        return (rope_dim * math.log(yarn.original_max_position_embeddings / (n_rot * 2 * math.pi))) / (
+            2 * math.log(theta))
+
+    low = max(math.floor(corr_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(corr_dim(yarn.beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float32) - low) / np.float32(high - low), 0, 1)
+    extrap = (np.float32(1) - ramp).astype(np.float32)
+    interp = (np.float32(1.0) / (np.float32(yarn.factor) * pos_freqs)).astype(np.float32)
+    return (interp * (np.float32(1) - extrap) + inv * extrap).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos/sin ``[..., r/2]`` (fp32) of ``positions[..., None] * inv_freq``."""
+    ang = positions.astype(F32)[..., None] * jnp.asarray(inv_freq, F32)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope_tail(x: jax.Array, cos: jax.Array, sin: jax.Array, inverse: bool = False) -> jax.Array:
+    """Rotate the last ``r = 2·cos.shape[-1]`` channels of ``x`` in interleaved pairs (2i, 2i+1).
+
+    x: ``[..., S, (heads,) dim]``; cos/sin: ``[..., S, r/2]`` broadcast over any head axis the caller inserted.
+    ``inverse`` rotates by −φ. Computed in fp32, returned in ``x``'s dtype.
+    """
+    half = cos.shape[-1]
+    r = 2 * half
+    nope, rot = x[..., :-r], x[..., -r:]
+    rf = rot.astype(F32).reshape(*rot.shape[:-1], half, 2)
+    x0, x1 = rf[..., 0], rf[..., 1]
+    if inverse:
+        sin = -sin
+    y0 = x0 * cos - x1 * sin
+    y1 = x0 * sin + x1 * cos
+    rotated = jnp.stack([y0, y1], axis=-1).reshape(rot.shape).astype(x.dtype)
+    return jnp.concatenate([nope, rotated], axis=-1)

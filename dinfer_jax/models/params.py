@@ -1,0 +1,214 @@
+"""Declaration of every V4 parameter: shape, logical axes, dtype policy and checkpoint name.
+
+One declaration drives random initialisation, abstract evaluation (parameter counts without allocation),
+checkpoint loading and sharding. The parameter pytree mirrors DeepSeek's release names, e.g.
+``params["layers"][1]["attn"]["wq_a"]`` is ``layers.1.attn.wq_a.weight``. Linear weights are stored ``[out, in]``
+as in the checkpoint. Routed experts are stacked: ``ffn.experts.w1`` is ``[E, I, D]`` built from the per-expert
+tensors ``layers.L.ffn.experts.{e}.w1.weight``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dinfer_jax.models.config import ATTN_CSA, ATTN_SLIDING, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter. ``ckpt`` is its release name; ``{e}`` marks a per-expert tensor stacked on axis 0."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    ckpt: str
+    init: str = "normal"  # normal | ones | zeros | bias | tid2eid
+    keep_fp32: bool = False  # stored and used in fp32 whatever the model dtype (spec: reference keeps fp32)
+    integer: bool = False
+
+    @property
+    def stacked_experts(self) -> bool:
+        return "{e}" in self.ckpt
+
+    def dtype(self, model_dtype: Any) -> jnp.dtype:
+        if self.integer:
+            return jnp.dtype(jnp.int32)
+        return jnp.dtype(jnp.float32) if self.keep_fp32 else jnp.dtype(model_dtype)
+
+
+def _lin(out: int, inn: int, axes: tuple[str | None, str | None], name: str, fp32: bool = False) -> ParamSpec:
+    return ParamSpec((out, inn), axes, f"{name}.weight", keep_fp32=fp32)
+
+
+def _norm(dim: int, name: str) -> ParamSpec:
+    return ParamSpec((dim,), (None,), f"{name}.weight", init="ones", keep_fp32=True)
+
+
+def _hc_site(c: ModelConfig, prefix: str, site: str) -> dict[str, ParamSpec]:
+    n, d = c.hc_mult, c.hidden_size
+    rows = (2 + n) * n
+    return {
+        "fn": ParamSpec((rows, n * d), ("hc", None), f"{prefix}hc_{site}_fn", keep_fp32=True),
+        "base": ParamSpec((rows,), ("hc",), f"{prefix}hc_{site}_base", init="bias", keep_fp32=True),
+        "scale": ParamSpec((3,), (None,), f"{prefix}hc_{site}_scale", init="ones", keep_fp32=True),
+    }
+
+
+def _compressor(c: ModelConfig, name: str, ratio: int, dim: int, overlap: bool) -> dict[str, ParamSpec]:
+    coff = 2 if overlap else 1
+    return {
+        "wkv": _lin(coff * dim, c.hidden_size, (None, "embed"), f"{name}.wkv", fp32=True),
+        "wgate": _lin(coff * dim, c.hidden_size, (None, "embed"), f"{name}.wgate", fp32=True),
+        "ape": ParamSpec((ratio, coff * dim), (None, None), f"{name}.ape", init="bias", keep_fp32=True),
+        "norm": _norm(dim, f"{name}.norm"),
+    }
+
+
+def _attention(c: ModelConfig, name: str, kind: str, ratio: int) -> dict[str, Any]:
+    H, d, D = c.num_heads, c.head_dim, c.hidden_size
+    G, R = c.o_groups, c.o_lora_rank
+    p: dict[str, Any] = {
+        "wq_a": _lin(c.q_lora_rank, D, ("q_lora", "embed"), f"{name}.wq_a"),
+        "q_norm": _norm(c.q_lora_rank, f"{name}.q_norm"),
+        "wq_b": _lin(H * d, c.q_lora_rank, ("heads_dim", "q_lora"), f"{name}.wq_b"),
+        "wkv": _lin(d, D, ("kv", "embed"), f"{name}.wkv"),
+        "kv_norm": _norm(d, f"{name}.kv_norm"),
+        "wo_a": _lin(G * R, H * d // G, ("o_rank", "o_group_in"), f"{name}.wo_a"),
+        "wo_b": _lin(D, G * R, ("embed", "o_rank"), f"{name}.wo_b"),
+        "attn_sink": ParamSpec((H,), ("heads",), f"{name}.attn_sink", init="bias", keep_fp32=True),
+    }
+    if kind != ATTN_SLIDING:
+        p["compressor"] = _compressor(c, f"{name}.compressor", ratio, d, overlap=kind == ATTN_CSA)
+    if kind == ATTN_CSA:
+        Hi, di = c.index_n_heads, c.index_head_dim
+        p["indexer"] = {
+            "wq_b": _lin(Hi * di, c.q_lora_rank, ("idx_heads_dim", "q_lora"), f"{name}.indexer.wq_b"),
+            "weights_proj": _lin(Hi, D, (None, "embed"), f"{name}.indexer.weights_proj", fp32=True),
+            "compressor": _compressor(c, f"{name}.indexer.compressor", ratio, di, overlap=True),
+        }
+    return p
+
+
+def _ffn(c: ModelConfig, name: str, hash_routed: bool) -> dict[str, Any]:
+    E, I, D = c.n_routed_experts, c.moe_inter_dim, c.hidden_size
+    gate: dict[str, ParamSpec] = {"weight": _lin(E, D, ("experts_gate", "embed"), f"{name}.gate", fp32=True)}
+    if hash_routed:
+        gate["tid2eid"] = ParamSpec((c.vocab_size, c.n_activated_experts), ("vocab", None), f"{name}.gate.tid2eid",
+                                    init="tid2eid", integer=True)
+    else:
+        gate["bias"] = ParamSpec((E,), (None,), f"{name}.gate.bias", init="bias", keep_fp32=True)
+    p: dict[str, Any] = {
+        "gate": gate,
+        "experts": {
+            "w1": ParamSpec((E, I, D), ("experts", "expert_mlp", "embed"), f"{name}.experts.{{e}}.w1.weight"),
+            "w2": ParamSpec((E, D, I), ("experts", "embed", "expert_mlp"), f"{name}.experts.{{e}}.w2.weight"),
+            "w3": ParamSpec((E, I, D), ("experts", "expert_mlp", "embed"), f"{name}.experts.{{e}}.w3.weight"),
+        },
+    }
+    if c.n_shared_experts:
+        p["shared_experts"] = {
+            "w1": _lin(I, D, ("mlp", "embed"), f"{name}.shared_experts.w1"),
+            "w2": _lin(D, I, ("embed", "mlp"), f"{name}.shared_experts.w2"),
+            "w3": _lin(I, D, ("mlp", "embed"), f"{name}.shared_experts.w3"),
+        }
+    return p
+
+
+def _block(c: ModelConfig, prefix: str, kind: str, ratio: int, hash_routed: bool) -> dict[str, Any]:
+    return {
+        "attn_norm": _norm(c.hidden_size, f"{prefix}attn_norm"),
+        "ffn_norm": _norm(c.hidden_size, f"{prefix}ffn_norm"),
+        "hc_attn": _hc_site(c, prefix, "attn"),
+        "hc_ffn": _hc_site(c, prefix, "ffn"),
+        "attn": _attention(c, f"{prefix}attn", kind, ratio),
+        "ffn": _ffn(c, f"{prefix}ffn", hash_routed),
+    }
+
+
+def _hc_head(c: ModelConfig, prefix: str) -> dict[str, ParamSpec]:
+    n, d = c.hc_mult, c.hidden_size
+    return {
+        "fn": ParamSpec((n, n * d), (None, None), f"{prefix}hc_head_fn", keep_fp32=True),
+        "base": ParamSpec((n,), (None,), f"{prefix}hc_head_base", init="bias", keep_fp32=True),
+        "scale": ParamSpec((1,), (None,), f"{prefix}hc_head_scale", init="ones", keep_fp32=True),
+    }
+
+
+def param_specs(c: ModelConfig, include_mtp: bool = True) -> dict[str, Any]:
+    """The pytree of :class:`ParamSpec` for config ``c`` (MTP blocks included when ``include_mtp``)."""
+    D = c.hidden_size
+    specs: dict[str, Any] = {
+        "embed": ParamSpec((c.vocab_size, D), ("vocab", "embed"), "embed.weight"),
+        "head": ParamSpec((c.vocab_size, D), ("vocab", "embed"), "head.weight"),
+        "norm": _norm(D, "norm"),
+        "hc_head": _hc_head(c, ""),
+        "layers": [
+            _block(c, f"layers.{i}.", c.attn_kinds[i], c.compress_ratios[i], c.hash_layers[i])
+            for i in range(c.num_layers)
+        ],
+        "mtp": [],
+    }
+    if include_mtp:
+        for j in range(c.n_mtp_layers):
+            pre = f"mtp.{j}."
+            blk = _block(c, pre, ATTN_SLIDING, 0, hash_routed=False)
+            blk.update({
+                "e_proj": _lin(D, D, ("embed", None), f"{pre}e_proj"),
+                "h_proj": _lin(D, D, ("embed", None), f"{pre}h_proj"),
+                "enorm": _norm(D, f"{pre}enorm"),
+                "hnorm": _norm(D, f"{pre}hnorm"),
+                "norm": _norm(D, f"{pre}norm"),
+                "hc_head": _hc_head(c, pre),
+            })
+            specs["mtp"].append(blk)
+    return specs
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def map_specs(fn: Callable[[ParamSpec], Any], specs: Any) -> Any:
+    return jax.tree_util.tree_map(fn, specs, is_leaf=is_spec)
+
+
+def abstract_params(c: ModelConfig, dtype: Any = jnp.bfloat16, include_mtp: bool = True) -> Any:
+    """``jax.ShapeDtypeStruct`` pytree of the parameters: no memory is allocated."""
+    return map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype(dtype)), param_specs(c, include_mtp))
+
+
+def count_params(tree: Any) -> int:
+    """Number of scalars in a pytree of arrays or ``ShapeDtypeStruct``."""
+    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(tree))
+
+
+def init_params(c: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, include_mtp: bool = True,
+                std: float = 0.02) -> Any:
+    """Random parameters (numpy RNG, host side) for tests and experiments.
+
+    Matrices ~ N(0, std²); norms 1; everything a framework would zero-initialise (sinks, compressor ``ape``,
+    mHC bases, router bias) ~ N(0, 0.5²) or N(0, 0.1²) so every path of the forward matters; ``tid2eid`` holds k
+    distinct experts per token id.
+    """
+    rng = np.random.default_rng(seed)
+    E, k = c.n_routed_experts, c.n_activated_experts
+
+    def make(s: ParamSpec) -> jax.Array:
+        if s.init == "ones":
+            x = 1.0 + 0.1 * rng.standard_normal(s.shape)
+        elif s.init == "zeros":
+            x = np.zeros(s.shape)
+        elif s.init == "bias":
+            x = (0.1 if "gate.bias" in s.ckpt else 0.5) * rng.standard_normal(s.shape)
+        elif s.init == "tid2eid":
+            x = np.argsort(rng.random((s.shape[0], E)), axis=1)[:, :k]
+        else:
+            x = std * rng.standard_normal(s.shape)
+        return jnp.asarray(x, dtype=s.dtype(dtype))
+
+    return map_specs(make, param_specs(c, include_mtp))
