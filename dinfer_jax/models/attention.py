@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.models.config import ATTN_CSA, ATTN_SLIDING, ModelConfig
-from dinfer_jax.models.ops import F32, apply_rope_tail, linear, matmul_precision, rms_norm, rope_cos_sin
+from dinfer_jax.models.ops import F32, apply_rope_tail, linear, matmul, rms_norm, rope_cos_sin
 from sharding.rules import Sharder, constrain
 
 
@@ -105,11 +105,10 @@ def attention_full(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig, kind
     kv = rms_norm(linear(h, p["wkv"]), p["kv_norm"], eps)
     kv = apply_rope_tail(kv, rope.cos, rope.sin)  # [B,S,d]
 
-    prec = matmul_precision(dt)
     scale = d ** -0.5
     pos = jnp.arange(S)
     win_mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - cfg.sliding_window)  # [S(q), S(k)]
-    logits = jnp.einsum("bshd,btd->bhst", q, kv, preferred_element_type=F32, precision=prec) * scale
+    logits = matmul("bshd,btd->bhst", q, kv) * scale
     logits = jnp.where(win_mask[None, None], logits, -jnp.inf)
     values = [kv]
     aux: dict[str, jax.Array] = {}
@@ -124,19 +123,18 @@ def attention_full(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig, kind
             cmask = cmask & selected
             aux["indexer_topk"] = top_idx
             aux["indexer_scores"] = scores
-        c_logits = jnp.einsum("bshd,btd->bhst", q, ckv, preferred_element_type=F32, precision=prec) * scale
+        c_logits = matmul("bshd,btd->bhst", q, ckv) * scale
         c_logits = jnp.where(cmask[:, None], c_logits, -jnp.inf)
         logits = jnp.concatenate([logits, c_logits], axis=-1)
         values.append(ckv)
     sink = jnp.broadcast_to(p["attn_sink"].astype(F32)[None, :, None, None], (B, H, S, 1))
     probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
     v = jnp.concatenate(values, axis=1)
-    o = jnp.einsum("bhst,btd->bshd", probs.astype(dt), v, preferred_element_type=F32, precision=prec).astype(dt)
+    o = matmul("bhst,btd->bshd", probs.astype(dt), v).astype(dt)
     o = apply_rope_tail(o, cos_q, sin_q, inverse=True)
 
     R = cfg.o_lora_rank
     wo_a = p["wo_a"].astype(dt).reshape(G, R, H * d // G)
-    z = jnp.einsum("bsgi,gri->bsgr", o.reshape(B, S, G, H * d // G), wo_a, preferred_element_type=F32,
-                   precision=prec).astype(dt)
+    z = matmul("bsgi,gri->bsgr", o.reshape(B, S, G, H * d // G), wo_a).astype(dt)
     out = linear(z.reshape(B, S, G * R), p["wo_b"])
     return out, aux

@@ -126,10 +126,7 @@ class ModelConfig:
             "o_groups": self.o_groups,
             "o_lora_rank": self.o_lora_rank,
             "sliding_window": self.sliding_window,
-            "layer_kinds": list(self.attn_kinds),
             "compress_ratios": list(self.compress_ratios) + list(self.mtp_compress_ratios),
-            "num_hash_layers": None,
-            "hash_layers": list(self.hash_layers),
             "rope_theta": self.rope_theta,
             "compress_rope_theta": self.compress_rope_theta,
             "index_n_heads": self.index_n_heads,
@@ -153,7 +150,15 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_id),
         }
-        del out["num_hash_layers"]
+        derived = tuple(ATTN_SLIDING if r == 0 else ATTN_CSA if r == _CSA_RATIO else ATTN_HCA
+                        for r in self.compress_ratios)
+        if derived != self.attn_kinds:  # not expressible with DeepSeek's keys alone
+            out["layer_kinds"] = list(self.attn_kinds)
+        n_hash = sum(self.hash_layers)
+        if self.hash_layers == tuple(i < n_hash for i in range(self.num_layers)):
+            out["num_hash_layers"] = n_hash
+        else:
+            out["hash_layers"] = list(self.hash_layers)
         if self.yarn is not None:
             out["rope_scaling"] = {"type": "yarn", **dataclasses.asdict(self.yarn)}
         if self.quantization is not None:

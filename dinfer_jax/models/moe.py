@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.models.config import ModelConfig
-from dinfer_jax.models.ops import F32, linear, matmul_precision
+from dinfer_jax.models.ops import F32, f32_accumulating, linear, matmul, matmul_precision
 from sharding.rules import Sharder, constrain
 
 MOE_IMPLS = ("ragged", "dense")
@@ -51,14 +51,13 @@ def _experts_dense(ex: Mapping[str, jax.Array], x: jax.Array, idx: jax.Array, w:
                    sharder: Sharder | None) -> jax.Array:
     N = x.shape[0]
     dt = x.dtype
-    prec = matmul_precision(dt)
     combine = jnp.zeros((N, cfg.n_routed_experts), F32).at[jnp.arange(N)[:, None], idx].add(w)
     combine = constrain(sharder, combine, (None, "act_experts"))
-    g = jnp.einsum("nd,eid->nei", x, ex["w1"].astype(dt), preferred_element_type=F32, precision=prec)
-    u = jnp.einsum("nd,eid->nei", x, ex["w3"].astype(dt), preferred_element_type=F32, precision=prec)
+    g = matmul("nd,eid->nei", x, ex["w1"].astype(dt))
+    u = matmul("nd,eid->nei", x, ex["w3"].astype(dt))
     a = (_swiglu(g, u, cfg.swiglu_limit) * combine[..., None]).astype(dt)
     a = constrain(sharder, a, (None, "act_experts", None))
-    return jnp.einsum("nei,edi->nd", a, ex["w2"].astype(dt), preferred_element_type=F32, precision=prec)
+    return matmul("nei,edi->nd", a, ex["w2"].astype(dt))
 
 
 def _experts_ragged(ex: Mapping[str, jax.Array], x: jax.Array, idx: jax.Array, w: jax.Array, *,
@@ -75,10 +74,10 @@ def _experts_ragged(ex: Mapping[str, jax.Array], x: jax.Array, idx: jax.Array, w
     w1 = jnp.swapaxes(ex["w1"].astype(dt), 1, 2)  # [E,D,I]
     w3 = jnp.swapaxes(ex["w3"].astype(dt), 1, 2)
     w2 = jnp.swapaxes(ex["w2"].astype(dt), 1, 2)  # [E,I,D]
-    g = jax.lax.ragged_dot(xs, w1, sizes, precision=prec, preferred_element_type=F32)
-    u = jax.lax.ragged_dot(xs, w3, sizes, precision=prec, preferred_element_type=F32)
+    g = jax.lax.ragged_dot(*f32_accumulating(xs, w1), sizes, precision=prec, preferred_element_type=F32)
+    u = jax.lax.ragged_dot(*f32_accumulating(xs, w3), sizes, precision=prec, preferred_element_type=F32)
     a = (_swiglu(g, u, cfg.swiglu_limit) * w.reshape(-1)[order][:, None]).astype(dt)
-    y = jax.lax.ragged_dot(a, w2, sizes, precision=prec, preferred_element_type=F32)  # [N·k, D]
+    y = jax.lax.ragged_dot(*f32_accumulating(a, w2), sizes, precision=prec, preferred_element_type=F32)  # [N·k, D]
     return jnp.zeros((N, x.shape[1]), F32).at[token_of].add(y)
 
 

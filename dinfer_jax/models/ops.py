@@ -18,10 +18,27 @@ def matmul_precision(dtype: jnp.dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
+def f32_accumulating(*operands: jax.Array) -> tuple[jax.Array, ...]:
+    """Operands for a dot with fp32 accumulation.
+
+    XLA:CPU has no bf16×bf16→f32 dot, so on CPU bf16 operands are widened to fp32 first: the products of bf16
+    values are exact in fp32, so this is the same arithmetic as a GPU bf16 dot with fp32 accumulation.
+    """
+    if jax.default_backend() == "cpu":
+        return tuple(o.astype(F32) if o.dtype == jnp.bfloat16 else o for o in operands)
+    return operands
+
+
+def matmul(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``einsum(eq, a, b)`` in the operands' dtype with fp32 accumulation and an fp32 result."""
+    prec = matmul_precision(a.dtype)
+    a, b = f32_accumulating(a, b)
+    return jnp.einsum(eq, a, b, preferred_element_type=F32, precision=prec)
+
+
 def linear(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
     """``x · wᵀ`` for a weight stored ``[out, in]``; computed in ``x``'s dtype with fp32 accumulation."""
-    w = w.astype(x.dtype)
-    y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32, precision=matmul_precision(x.dtype))
+    y = matmul("...i,oi->...o", x, w.astype(x.dtype))
     return y.astype(out_dtype or x.dtype)
 
 
