@@ -119,3 +119,15 @@ def test_missing_field_and_unknown_preset():
         config_from_dict(d)
     with pytest.raises(ConfigError, match="known presets"):
         load_config("deepseek-v9")
+
+
+def test_pro_shapes_match_spec_table():
+    p = abstract_params(load_config("deepseek-v4-pro"))
+    a = p["layers"][2]["attn"]
+    assert a["wq_a"].shape == (1536, 7168) and a["wq_b"].shape == (65536, 1536)
+    assert a["wo_a"].shape == (16384, 4096) and a["wo_b"].shape == (7168, 16384) and a["attn_sink"].shape == (128,)
+    assert p["layers"][2]["hc_attn"]["fn"].shape == (24, 28672)
+    assert a["indexer"]["wq_b"].shape == (8192, 1536) and a["indexer"]["weights_proj"].shape == (64, 7168)
+    assert p["layers"][0]["attn"]["compressor"]["ape"].shape == (128, 512)  # layer 0 is HCA in Pro
+    assert p["layers"][3]["ffn"]["experts"]["w1"].shape == (384, 3072, 7168)
+    assert p["layers"][3]["ffn"]["gate"]["bias"].shape == (384,) and p["hc_head"]["fn"].shape == (4, 28672)

@@ -62,11 +62,11 @@ def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None
 
 
 def random_model(config: ModelConfig | str, seed: int = 0, dtype: str = "float32", include_mtp: bool = True,
-                 sharder: Sharder | None = None) -> Model:
+                 sharder: Sharder | None = None, std: float = 0.02) -> Model:
     """A model with random parameters (see :func:`init_params`) for experiments and tests."""
     cfg = load_config(config) if isinstance(config, (str, Path)) else config
     dtype = _check_dtype(dtype)
-    params = init_params(cfg, seed=seed, dtype=dtype, include_mtp=include_mtp)
+    params = init_params(cfg, seed=seed, dtype=dtype, include_mtp=include_mtp, std=std)
     if sharder is not None:
         from dinfer_jax.models.params import map_specs
 

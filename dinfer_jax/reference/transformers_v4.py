@@ -110,3 +110,77 @@ def hf_logits_and_layers(model, token_ids: np.ndarray) -> tuple[np.ndarray, list
         for h in handles:
             h.remove()
     return logits, layers_out, picks
+
+
+def hf_tensor_name(release_name: str) -> str:
+    """Spelling that transformers' ``save_pretrained`` uses for a release tensor name (spec §6.2, third column)."""
+    import re
+
+    if release_name == "head.weight":
+        return "head.weight"
+    if release_name == "embed.weight":
+        return "model.embed_tokens.weight"
+    m = re.fullmatch(r"hc_head_(fn|base|scale)", release_name)
+    if m:
+        return f"model.hc_head.hc_{m.group(1)}"
+    m = re.fullmatch(r"(layers\.\d+\.attn)\.kv_norm\.weight", release_name)
+    if m:
+        return f"model.{m.group(1)}.norm.weight"
+    return f"model.{release_name}"
+
+
+def hf_config_dict(cfg) -> dict[str, Any]:
+    """transformers ``DeepseekV4Config`` keyword arguments equivalent to a :class:`ModelConfig`."""
+    rates: dict[str, int] = {}
+    for kind, ratio in zip(cfg.attn_kinds, cfg.compress_ratios):
+        if kind == "sliding":
+            continue
+        key = _KIND_TO_HF[kind]
+        if rates.setdefault(key, ratio) != ratio:
+            raise ValueError(f"transformers needs one compress rate per layer type; {key} has {rates[key]} and {ratio}")
+    compress: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.compress_rope_theta}
+    if cfg.yarn is not None:
+        compress = {"rope_type": "yarn", "rope_theta": cfg.compress_rope_theta, "factor": cfg.yarn.factor,
+                    "original_max_position_embeddings": cfg.yarn.original_max_position_embeddings,
+                    "beta_fast": cfg.yarn.beta_fast, "beta_slow": cfg.yarn.beta_slow, "attention_factor": 1.0}
+    return dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.moe_inter_dim,
+        num_hidden_layers=cfg.num_layers, layer_types=[_KIND_TO_HF[k] for k in cfg.attn_kinds],
+        mlp_layer_types=["hash_moe" if h else "moe" for h in cfg.hash_layers],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, **rates},
+        num_attention_heads=cfg.num_heads, num_key_value_heads=1, head_dim=cfg.head_dim,
+        partial_rotary_factor=cfg.rope_head_dim / cfg.head_dim, q_lora_rank=cfg.q_lora_rank, o_groups=cfg.o_groups,
+        o_lora_rank=cfg.o_lora_rank, n_routed_experts=cfg.n_routed_experts,
+        num_experts_per_tok=cfg.n_activated_experts, n_shared_experts=cfg.n_shared_experts,
+        routed_scaling_factor=cfg.route_scale, swiglu_limit=cfg.swiglu_limit,
+        rope_parameters={"main": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "compress": compress},
+        rope_theta=cfg.rope_theta, compress_rope_theta=cfg.compress_rope_theta, sliding_window=cfg.sliding_window,
+        index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk,
+        max_position_embeddings=cfg.max_position_embeddings, hc_mult=cfg.hc_mult,
+        hc_sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, rms_norm_eps=cfg.norm_eps,
+        num_nextn_predict_layers=cfg.n_mtp_layers, tie_word_embeddings=False,
+    )
+
+
+def hf_model_from_params(cfg, params):
+    """A transformers model (fp32, eval) holding exactly the given parameters (MTP blocks are not built by HF)."""
+    import tempfile
+
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    from dinfer_jax.loading.safetensors_io import save_file
+    from dinfer_jax.loading.writer import iter_release_tensors
+
+    tensors = {}
+    for name, value in iter_release_tensors(cfg, params):
+        if name.startswith("mtp."):
+            continue
+        v = np.asarray(value)
+        tensors[hf_tensor_name(name)] = v.astype(np.int64) if name.endswith("tid2eid") else v.astype(np.float32)
+    with tempfile.TemporaryDirectory() as d:
+        DeepseekV4Config(**hf_config_dict(cfg)).save_pretrained(d)
+        save_file(tensors, Path(d) / "model.safetensors", metadata={"format": "pt"})
+        model = DeepseekV4ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    model.set_experts_implementation("eager")
+    return model
