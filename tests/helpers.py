@@ -7,9 +7,16 @@ import pytest
 
 
 def require_reference():
-    """Import torch + transformers or skip (the reference extra is installed by .ci/run, so CI never skips)."""
+    """Import torch + transformers 5.24.0 or skip (``.ci/run`` installs the reference extra, so CI never skips).
+
+    Other transformers versions differ in V4 numerics (5.17 casts RMSNorm differently), so they are no reference.
+    """
+    from dinfer_jax.reference.transformers_v4 import REFERENCE_TRANSFORMERS
+
     torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
+    if transformers.__version__ != REFERENCE_TRANSFORMERS:
+        pytest.skip(f"transformers {transformers.__version__} is not the reference {REFERENCE_TRANSFORMERS}")
     return torch
 
 
