@@ -84,38 +84,81 @@ def indexer_select(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, *, cfg: Mo
     return top_idx, selected, scores
 
 
+def query_and_window_kv(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig,
+                        rope: RopeTable) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q low-rank path and the shared K=V latent. h: ``[B,S,D]``. Returns ``(cq [B,S,q_lora], q [B,S,H,d] with
+    RoPE, kv [B,S,d] with RoPE)``. V4 normalises each q head (unweighted RMS); V4.1 does not."""
+    B, S, _ = h.shape
+    eps = cfg.norm_eps
+    cq = rms_norm(linear(h, p["wq_a"]), p["q_norm"], eps)
+    q = linear(cq, p["wq_b"]).reshape(B, S, cfg.num_heads, cfg.head_dim)
+    if cfg.use_qnorm:
+        q = rms_norm(q, None, eps)
+    q = apply_rope_tail(q, rope.cos[:, None, :], rope.sin[:, None, :])
+    kv = rms_norm(linear(h, p["wkv"]), p["kv_norm"], eps)
+    kv = apply_rope_tail(kv, rope.cos, rope.sin)
+    return cq, q, kv
+
+
+def window_mask(S: int, window: int) -> jax.Array:
+    """``[S(q), S(k)]`` bool: key positions max(0, t−W+1)…t for query t."""
+    pos = jnp.arange(S)
+    return (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+
+
+def attend(q: jax.Array, kv: jax.Array, win_mask: jax.Array, ckv: jax.Array | None, cmask: jax.Array | None,
+           sink: jax.Array) -> jax.Array:
+    """Sink softmax attention over window rows plus compressed rows, K = V.
+
+    q ``[B,S,H,d]``; kv ``[B,S,d]`` with ``win_mask`` ``[S,S]`` (or ``[B,S,S]``); ckv ``[B,T,d]`` with cmask
+    ``[B,S,T]``; sink ``[H]`` fp32 logits that only enlarge the denominator. Returns o ``[B,S,H,d]`` (q's dtype);
+    a query with no visible key gets 0.
+    """
+    B, S, H, d = q.shape
+    dt = q.dtype
+    scale = d ** -0.5
+    wm = win_mask if win_mask.ndim == 3 else win_mask[None]
+    logits = matmul("bshd,btd->bhst", q, kv) * scale
+    logits = jnp.where(wm[:, None], logits, -jnp.inf)
+    values = [kv]
+    if ckv is not None and ckv.shape[1] > 0:
+        c_logits = matmul("bshd,btd->bhst", q, ckv.astype(dt)) * scale
+        logits = jnp.concatenate([logits, jnp.where(cmask[:, None], c_logits, -jnp.inf)], axis=-1)
+        values.append(ckv.astype(dt))
+    sink_col = jnp.broadcast_to(sink.astype(F32)[None, :, None, None], (B, H, S, 1))
+    probs = jax.nn.softmax(jnp.concatenate([logits, sink_col], axis=-1), axis=-1)[..., :-1]
+    v = jnp.concatenate(values, axis=1)
+    return matmul("bhst,btd->bshd", probs.astype(dt), v).astype(dt)
+
+
+def output_projection(p: Mapping[str, Any], o: jax.Array, *, cfg: ModelConfig, rope: RopeTable) -> jax.Array:
+    """Inverse RoPE at the query position, then the grouped low-rank output. o ``[B,S,H,d]`` → ``[B,S,D]``."""
+    B, S, H, d = o.shape
+    G, R = cfg.o_groups, cfg.o_lora_rank
+    dt = o.dtype
+    o = apply_rope_tail(o, rope.cos[:, None, :], rope.sin[:, None, :], inverse=True)
+    wo_a = p["wo_a"].astype(dt).reshape(G, R, H * d // G)
+    z = matmul("bsgi,gri->bsgr", o.reshape(B, S, G, H * d // G), wo_a).astype(dt)
+    return linear(z.reshape(B, S, G * R), p["wo_b"])
+
+
 def attention_full(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig, kind: str, ratio: int, rope: RopeTable,
                    inv_freq: Any, sharder: Sharder | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """One attention sublayer over a whole sequence from position 0.
+    """One V4 attention sublayer over a whole sequence from position 0.
 
     h: ``[B,S,D]`` (already RMS-normalised), activation dtype. Returns ``(out [B,S,D], aux)`` where ``aux`` holds
     ``indexer_topk`` ``[B,S,k]`` and ``indexer_scores`` ``[B,S,T]`` on CSA layers.
     """
     B, S, _ = h.shape
-    H, d, G = cfg.num_heads, cfg.head_dim, cfg.o_groups
-    dt = h.dtype
-    eps = cfg.norm_eps
-    cos_q, sin_q = rope.cos[:, None, :], rope.sin[:, None, :]
-
-    cq = rms_norm(linear(h, p["wq_a"]), p["q_norm"], eps)  # [B,S,q_lora]
-    q = linear(cq, p["wq_b"]).reshape(B, S, H, d)
-    q = rms_norm(q, None, eps)
-    q = apply_rope_tail(q, cos_q, sin_q)
+    cq, q, kv = query_and_window_kv(p, h, cfg=cfg, rope=rope)
     q = constrain(sharder, q, ("act_batch", "act_seq", "act_heads", None))
-    kv = rms_norm(linear(h, p["wkv"]), p["kv_norm"], eps)
-    kv = apply_rope_tail(kv, rope.cos, rope.sin)  # [B,S,d]
-
-    scale = d ** -0.5
-    pos = jnp.arange(S)
-    win_mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - cfg.sliding_window)  # [S(q), S(k)]
-    logits = matmul("bshd,btd->bhst", q, kv) * scale
-    logits = jnp.where(win_mask[None, None], logits, -jnp.inf)
-    values = [kv]
     aux: dict[str, jax.Array] = {}
+    ckv = cmask = None
     if kind != ATTN_SLIDING:
-        ckv = compress_full(p["compressor"], h, ratio=ratio, dim=d, overlap=kind == ATTN_CSA, inv_freq=inv_freq,
-                            norm_eps=eps).astype(dt)  # [B,T,d]
+        ckv = compress_full(p["compressor"], h, ratio=ratio, dim=cfg.head_dim, overlap=kind == ATTN_CSA,
+                            inv_freq=inv_freq, norm_eps=cfg.norm_eps).astype(h.dtype)  # [B,T,d]
         T = ckv.shape[1]
+        pos = jnp.arange(S)
         cmask = jnp.broadcast_to((jnp.arange(T)[None, :] < ((pos + 1) // ratio)[:, None])[None], (B, S, T))
         if kind == ATTN_CSA and T > 0:
             top_idx, selected, scores = indexer_select(p["indexer"], h, cq, cfg=cfg, ratio=ratio, rope=rope,
@@ -123,18 +166,5 @@ def attention_full(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig, kind
             cmask = cmask & selected
             aux["indexer_topk"] = top_idx
             aux["indexer_scores"] = scores
-        c_logits = matmul("bshd,btd->bhst", q, ckv) * scale
-        c_logits = jnp.where(cmask[:, None], c_logits, -jnp.inf)
-        logits = jnp.concatenate([logits, c_logits], axis=-1)
-        values.append(ckv)
-    sink = jnp.broadcast_to(p["attn_sink"].astype(F32)[None, :, None, None], (B, H, S, 1))
-    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
-    v = jnp.concatenate(values, axis=1)
-    o = matmul("bhst,btd->bshd", probs.astype(dt), v).astype(dt)
-    o = apply_rope_tail(o, cos_q, sin_q, inverse=True)
-
-    R = cfg.o_lora_rank
-    wo_a = p["wo_a"].astype(dt).reshape(G, R, H * d // G)
-    z = matmul("bsgi,gri->bsgr", o.reshape(B, S, G, H * d // G), wo_a).astype(dt)
-    out = linear(z.reshape(B, S, G * R), p["wo_b"])
-    return out, aux
+    o = attend(q, kv, window_mask(S, cfg.sliding_window), ckv, cmask, p["attn_sink"])
+    return output_projection(p, o, cfg=cfg, rope=rope), aux

@@ -21,7 +21,10 @@ from typing import Any, Mapping
 ATTN_SLIDING = "sliding"
 ATTN_CSA = "csa"
 ATTN_HCA = "hca"
-ATTENTION_KINDS = (ATTN_SLIDING, ATTN_CSA, ATTN_HCA)
+ATTN_SHARED = "shared"  # V4.1: ratio 1 or 2 compressed KV, possibly owned by an earlier (source) layer
+ATTENTION_KINDS = (ATTN_SLIDING, ATTN_CSA, ATTN_HCA, ATTN_SHARED)
+MODEL_V4 = "deepseek_v4"
+MODEL_V41 = "deepseek_v41"
 
 _HF_LAYER_TYPE_TO_KIND = {
     "sliding_attention": ATTN_SLIDING,
@@ -95,10 +98,73 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_id: tuple[int, ...] = (1,)
     quantization: QuantConfig | None = None
-    model_type: str = "deepseek_v4"
+    model_type: str = MODEL_V4
+    # ---- DeepSeek-V4.1 (model-v41.md); V4 keeps the defaults ----
+    hc_shifted: bool = False  # shifted single-pass mHC, no HC head
+    use_qnorm: bool = True  # per-head unweighted RMSNorm of q (V4 only)
+    kv_fake_quant: bool = False  # Q8 SWA KV, Q4e compressed KV, Q4u indexer Q/K (V4.1 reference numerics)
+    kv_source_layer_ids: tuple[int, ...] = ()
+    index_source_layer_ids: tuple[int, ...] = ()
+    index_k_source_layer_ids: tuple[int, ...] = ()
+    candidate_source_layer_id: int = -1  # < 0: no candidate blocks
+    candidate_topk_blocks: int = 0
+    candidate_block_size: int = 0
+    gate_temp: float = 1.0
+    engram_layer_ids: tuple[int, ...] = ()
+    engram_vocab_size: int = 0
+    engram_num_embeddings: tuple[int, ...] = ()
+    engram_max_ngram_size: int = 0
+    engram_n_heads: int = 0
+    engram_head_dim: int = 0
+    engram_pad_id: int = 2
+    engram_compressed_vocab_size: int = 0
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 0
+    dspark_n_routed_experts: int = 0
+    dspark_num_experts_per_tok: int = 0
+    image_token_id: int | None = None
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         validate(self)
+
+    @property
+    def is_v41(self) -> bool:
+        return self.model_type == MODEL_V41
+
+    @staticmethod
+    def _nearest(source_ids: tuple[int, ...], layer: int) -> int:
+        below = [s for s in source_ids if s <= layer]
+        return max(below) if below else -1
+
+    def kv_source(self, layer: int) -> int:
+        """V4.1: the layer whose compressed KV ``layer`` reads (−1 for sliding-only layers)."""
+        if self.compress_ratios[layer] == 0:
+            return -1
+        return self._nearest(self.kv_source_layer_ids, layer)
+
+    def index_source(self, layer: int) -> int:
+        """V4.1: the layer whose top-k selection ``layer`` uses (itself for an index source)."""
+        if self.compress_ratios[layer] == 0:
+            return -1
+        return self._nearest(self.index_source_layer_ids, layer)
+
+    def index_k_source(self, layer: int) -> int:
+        """V4.1: the layer that owns the index keys ``layer``'s indexer scores against."""
+        return self._nearest(self.index_k_source_layer_ids or self.kv_source_layer_ids, layer)
+
+    def uses_candidates(self, layer: int) -> bool:
+        """V4.1: index source restricted to the candidate blocks of an earlier candidate source."""
+        c = self.candidate_source_layer_id
+        return (c >= 0 and layer > c and layer in self.index_source_layer_ids
+                and self.kv_source(layer) == self.kv_source(c))
+
+    @property
+    def n_prefill_layer(self) -> int:
+        """V4.1 YOCO boundary: the first ratio-1 layer (all layers when there is none)."""
+        return next((i for i, r in enumerate(self.compress_ratios) if r == 1), self.num_layers)
 
     @property
     def qk_nope_dim(self) -> int:
@@ -159,6 +225,12 @@ class ModelConfig:
             out["num_hash_layers"] = n_hash
         else:
             out["hash_layers"] = list(self.hash_layers)
+        if self.is_v41:
+            out.pop("layer_kinds", None)
+            for f in _V41_FIELDS:
+                v = getattr(self, f)
+                out[f] = list(v) if isinstance(v, tuple) else v
+            out["engram_pad_token_id"] = out.pop("engram_pad_id")
         if self.yarn is not None:
             out["rope_scaling"] = {"type": "yarn", **dataclasses.asdict(self.yarn)}
         if self.quantization is not None:
@@ -177,6 +249,15 @@ class ModelConfig:
 
 # ----------------------------------------------------------------------------------------------------------------
 # validation
+
+
+_V41_FIELDS = ("hc_shifted", "use_qnorm", "kv_fake_quant", "kv_source_layer_ids", "index_source_layer_ids",
+               "index_k_source_layer_ids", "candidate_source_layer_id", "candidate_topk_blocks",
+               "candidate_block_size", "gate_temp", "engram_layer_ids", "engram_vocab_size", "engram_num_embeddings",
+               "engram_max_ngram_size", "engram_n_heads", "engram_head_dim", "engram_pad_id",
+               "engram_compressed_vocab_size", "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
+               "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok", "image_token_id",
+               "pad_token_id")
 
 
 def _check(cond: bool, field: str, msg: str) -> None:
@@ -209,7 +290,11 @@ def validate(c: ModelConfig) -> None:
            f"has {len(c.hash_layers)} entries for num_hidden_layers={c.num_layers}")
     for i, (kind, ratio) in enumerate(zip(c.attn_kinds, c.compress_ratios)):
         _check(kind in ATTENTION_KINDS, "layer_types", f"layer {i}: unknown attention kind {kind!r}")
-        if kind == ATTN_SLIDING:
+        if c.is_v41:
+            _check(ratio in (0, 1, 2), "compress_ratios", f"layer {i}: V4.1 supports ratios 0, 1, 2, got {ratio}")
+            _check(kind == (ATTN_SLIDING if ratio == 0 else ATTN_SHARED), "compress_ratios",
+                   f"layer {i}: kind {kind!r} does not match ratio {ratio}")
+        elif kind == ATTN_SLIDING:
             _check(ratio == 0, "compress_ratios", f"layer {i}: sliding layer must have ratio 0, got {ratio}")
         else:
             _check(isinstance(ratio, int) and ratio >= 2, "compress_ratios",
@@ -228,12 +313,67 @@ def validate(c: ModelConfig) -> None:
         _check(c.yarn.factor >= 1, "rope_scaling.factor", f"must be >= 1, got {c.yarn.factor}")
         _check(c.yarn.original_max_position_embeddings > 0, "rope_scaling.original_max_position_embeddings",
                "must be positive")
+    if c.is_v41:
+        _validate_v41(c)
     if c.quantization is not None:
         bs = c.quantization.weight_block_size
         _check(len(bs) == 2 and all(isinstance(b, int) and b > 0 for b in bs),
                "quantization_config.weight_block_size", f"must be two positive integers, got {bs!r}")
         _check(c.quantization.expert_dtype in (None, "fp4", "fp8", "bf16"), "quantization_config.expert_dtype",
                f"unsupported {c.quantization.expert_dtype!r}")
+
+
+def _validate_v41(c: ModelConfig) -> None:
+    """Constraints DeepInfer asserts for V4.1's cross-layer sharing, Engram and DSpark (model-v41.md §1)."""
+    L = c.num_layers
+    for f in ("kv_source_layer_ids", "index_source_layer_ids", "index_k_source_layer_ids", "engram_layer_ids",
+              "dspark_target_layer_ids"):
+        ids = getattr(c, f)
+        _check(all(isinstance(i, int) and 0 <= i < L for i in ids), f, f"layer ids must lie in [0, {L}), got {ids}")
+        _check(list(ids) == sorted(set(ids)), f, f"must be strictly increasing, got {ids}")
+    for i in c.kv_source_layer_ids:
+        _check(c.compress_ratios[i] > 0, "kv_source_layer_ids", f"layer {i} has ratio 0 and cannot own compressed KV")
+    for i, r in enumerate(c.compress_ratios):
+        if r == 0:
+            continue
+        src = c.kv_source(i)
+        _check(src >= 0, "kv_source_layer_ids", f"compressed layer {i} has no KV source at or before it")
+        _check(c.compress_ratios[src] == r, "compress_ratios",
+               f"layer {i} (ratio {r}) shares KV of layer {src} with ratio {c.compress_ratios[src]}")
+        _check(c.index_source(i) >= 0, "index_source_layer_ids", f"compressed layer {i} has no index source")
+        _check(c.kv_source(c.index_source(i)) == src, "index_source_layer_ids",
+               f"layer {i}: its index source {c.index_source(i)} reads a different KV segment (index ⊆ KV violated)")
+    for i in c.index_source_layer_ids:
+        _check(c.compress_ratios[i] > 0, "index_source_layer_ids", f"layer {i} has ratio 0")
+        ks = c.index_k_source(i)
+        _check(ks >= 0 and ks in (c.index_k_source_layer_ids or c.kv_source_layer_ids) and c.kv_source(ks) == c.kv_source(i),
+               "index_k_source_layer_ids", f"index source {i} has no index-K source in its KV segment")
+    for i in c.index_k_source_layer_ids:
+        _check(i in c.kv_source_layer_ids, "index_k_source_layer_ids",
+               f"layer {i}: index keys are projected from the compressed latent, so it must be a KV source")
+    npl = c.n_prefill_layer
+    if npl < L:
+        _check(c.kv_source(npl) == npl, "kv_source_layer_ids",
+               f"KV sharing crosses the YOCO boundary at layer {npl} (the first ratio-1 layer must be a KV source)")
+    if c.candidate_source_layer_id >= 0:
+        _check(c.candidate_source_layer_id in c.index_source_layer_ids, "candidate_source_layer_id",
+               f"{c.candidate_source_layer_id} is not an index source")
+        _check(c.candidate_topk_blocks > 0 and c.candidate_block_size > 0, "candidate_topk_blocks",
+               "candidate blocks need positive candidate_topk_blocks and candidate_block_size")
+    if c.engram_layer_ids:
+        for f in ("engram_vocab_size", "engram_max_ngram_size", "engram_n_heads", "engram_head_dim",
+                  "engram_compressed_vocab_size"):
+            _check(getattr(c, f) > 0, f, "must be positive when engram_layer_ids is set")
+        _check(c.engram_max_ngram_size >= 2, "engram_max_ngram_size", "must be >= 2")
+        _check(len(c.engram_num_embeddings) == len(c.engram_layer_ids), "engram_num_embeddings",
+               f"needs one table size per Engram layer ({len(c.engram_layer_ids)})")
+    if c.n_mtp_layers:
+        _check(c.dspark_block_size > 0, "dspark_block_size", "must be positive with DSpark layers")
+        _check(c.dspark_n_routed_experts >= c.dspark_num_experts_per_tok > 0, "dspark_num_experts_per_tok",
+               "must be in [1, dspark_n_routed_experts]")
+        _check(len(c.dspark_target_layer_ids) > 0, "dspark_target_layer_ids", "must name the target layers")
+    _check(c.n_shared_experts == 1 or c.n_shared_experts == 0, "n_shared_experts", "must be 0 or 1")
+    _check(c.gate_temp > 0, "gate_temp", f"must be positive, got {c.gate_temp}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -373,8 +513,18 @@ def config_from_dict(raw: Mapping[str, Any]) -> ModelConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config must be a JSON object, got {type(raw).__name__}")
     d = dict(raw)
-    model_type = d.get("model_type", "deepseek_v4")
-    if model_type not in ("deepseek_v4",):
+    model_type = d.get("model_type", MODEL_V4)
+    if model_type == MODEL_V41 and isinstance(d.get("text_config"), Mapping):
+        # Composite V4.1 config: the text model's keys live in text_config; quantisation and special ids on top.
+        top = d
+        d = dict(top["text_config"])
+        for key in ("quantization_config", "image_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
+            if key in top and top[key] is not None:
+                d[key] = top[key]
+        model_type = MODEL_V41
+    elif model_type in (MODEL_V41, "deepseek_v41_text"):
+        model_type = MODEL_V41
+    elif model_type != MODEL_V4:
         raise ConfigError(f"invalid config field `model_type`: {model_type!r} is not supported by this loader")
     if _int(d, "num_key_value_heads", default=1) != 1:
         raise ConfigError("invalid config field `num_key_value_heads`: V4 has exactly one shared KV head")
@@ -396,6 +546,11 @@ def config_from_dict(raw: Mapping[str, Any]) -> ModelConfig:
         rope_dim = int(head_dim * float(d["partial_rotary_factor"]))
     else:
         rope_dim = 64
+    if model_type == MODEL_V41:
+        if not isinstance(d.get("compress_ratios"), (list, tuple)):
+            raise ConfigError("missing config field `compress_ratios` (V4.1 needs the per-layer ratios)")
+        d = {k: v for k, v in d.items() if k not in ("layer_types", "layer_kinds")}
+        d["layer_kinds"] = [ATTN_SLIDING if r == 0 else ATTN_SHARED for r in d["compress_ratios"][:n_layers]]
     kinds, ratios, mtp_ratios = _parse_layers(d, n_layers, n_mtp)
     rope_theta, compress_theta, yarn = _parse_rope(d)
     eos = d.get("eos_token_id", 1)
@@ -437,6 +592,47 @@ def config_from_dict(raw: Mapping[str, Any]) -> ModelConfig:
         eos_token_id=eos_t,
         quantization=_parse_quant(d),
         model_type=model_type,
+        **(_parse_v41_fields(d) if model_type == MODEL_V41 else {}),
+    )
+
+
+def _int_tuple(d: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    v = d.get(name) or ()
+    if not isinstance(v, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        raise ConfigError(f"invalid config field `{name}`: expected a list of integers, got {v!r}")
+    return tuple(v)
+
+
+def _parse_v41_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """V4.1 keys, with DeepInfer's defaults for keys the checkpoint omits (hc_shifted, no q norm, KV fake-quant)."""
+    cand = d.get("candidate_source_layer_id")
+    return dict(
+        hc_shifted=bool(d.get("hc_shifted", True)),
+        use_qnorm=bool(d.get("use_qnorm", False)),
+        kv_fake_quant=bool(d.get("kv_fake_quant", True)),
+        kv_source_layer_ids=_int_tuple(d, "kv_source_layer_ids"),
+        index_source_layer_ids=_int_tuple(d, "index_source_layer_ids"),
+        index_k_source_layer_ids=_int_tuple(d, "index_k_source_layer_ids"),
+        candidate_source_layer_id=-1 if cand is None or cand < 0 else _int(d, "candidate_source_layer_id"),
+        candidate_topk_blocks=_int(d, "candidate_topk_blocks", default=0),
+        candidate_block_size=_int(d, "candidate_block_size", default=0),
+        gate_temp=_float(d, "gate_temp", default=1.0),
+        engram_layer_ids=_int_tuple(d, "engram_layer_ids"),
+        engram_vocab_size=_int(d, "engram_vocab_size", default=0),
+        engram_num_embeddings=_int_tuple(d, "engram_num_embeddings"),
+        engram_max_ngram_size=_int(d, "engram_max_ngram_size", default=0),
+        engram_n_heads=_int(d, "engram_n_heads", default=0),
+        engram_head_dim=_int(d, "engram_head_dim", default=0),
+        engram_pad_id=_int(d, "engram_pad_token_id", "engram_pad_id", default=2),
+        engram_compressed_vocab_size=_int(d, "engram_compressed_vocab_size", default=0),
+        dspark_block_size=_int(d, "dspark_block_size", default=0),
+        dspark_noise_token_id=_int(d, "dspark_noise_token_id", default=0),
+        dspark_target_layer_ids=_int_tuple(d, "dspark_target_layer_ids"),
+        dspark_markov_rank=_int(d, "dspark_markov_rank", default=0),
+        dspark_n_routed_experts=_int(d, "dspark_n_routed_experts", default=0),
+        dspark_num_experts_per_tok=_int(d, "dspark_num_experts_per_tok", default=0),
+        image_token_id=d.get("image_token_id"),
+        pad_token_id=d.get("pad_token_id"),
     )
 
 

@@ -30,12 +30,10 @@ def sinkhorn(comb_logits: jax.Array, iters: int, eps: float) -> jax.Array:
     return c
 
 
-def hc_pre(streams: jax.Array, site: Mapping[str, jax.Array], *, hc_mult: int, sinkhorn_iters: int, hc_eps: float,
-           norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Collapse the streams for one sublayer.
-
-    streams: ``[B,S,n,D]``. Returns ``(u [B,S,D] in the streams' dtype, post [B,S,n] fp32, comb [B,S,n,n] fp32)``.
-    """
+def hc_mixes(streams: jax.Array, site: Mapping[str, jax.Array], *, hc_mult: int, sinkhorn_iters: int,
+             hc_eps: float, norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Mixing weights of one mHC site from streams ``[B,S,n,D]``: ``(pre [B,S,n], post [B,S,n], comb [B,S,n,n])``,
+    all fp32; comb is doubly stochastic and indexed ``[j (input stream), k (output stream)]``."""
     n = hc_mult
     mix = _normed_mix(streams, site["fn"], norm_eps)  # [B,S,(2+n)n]
     base, scale = site["base"].astype(F32), site["scale"].astype(F32)
@@ -43,8 +41,24 @@ def hc_pre(streams: jax.Array, site: Mapping[str, jax.Array], *, hc_mult: int, s
     post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb_logits = mix[..., 2 * n:] * scale[2] + base[2 * n:]
     comb = sinkhorn(comb_logits.reshape(*comb_logits.shape[:-1], n, n), sinkhorn_iters, hc_eps)
+    return pre, post, comb
+
+
+def hc_collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
+    """``Σ_j pre_j · X_j``: ``[B,S,n,D]`` × ``[B,S,n]`` → ``[B,S,D]`` (fp32 sum, streams' dtype out)."""
     u = jnp.einsum("...j,...jd->...d", pre, streams.astype(F32), precision=jax.lax.Precision.HIGHEST)
-    return u.astype(streams.dtype), post, comb
+    return u.astype(streams.dtype)
+
+
+def hc_pre(streams: jax.Array, site: Mapping[str, jax.Array], *, hc_mult: int, sinkhorn_iters: int, hc_eps: float,
+           norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Collapse the streams for one sublayer (V4, unshifted).
+
+    streams: ``[B,S,n,D]``. Returns ``(u [B,S,D] in the streams' dtype, post [B,S,n] fp32, comb [B,S,n,n] fp32)``.
+    """
+    pre, post, comb = hc_mixes(streams, site, hc_mult=hc_mult, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
+                               norm_eps=norm_eps)
+    return hc_collapse(streams, pre), post, comb
 
 
 def hc_post(streams: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:

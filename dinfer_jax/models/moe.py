@@ -24,17 +24,24 @@ MOE_IMPLS = ("ragged", "dense")
 
 
 def route(gate: Mapping[str, jax.Array], x: jax.Array, token_ids: jax.Array | None, *, cfg: ModelConfig,
-          hash_routed: bool) -> tuple[jax.Array, jax.Array]:
-    """Router in fp32. x: ``[N,D]``; token_ids: ``[N]`` (hash layers). Returns ``(indices [N,k] int32,
-    weights [N,k] fp32)``; weights are renormalised over the k picks and multiplied by ``routed_scaling_factor``."""
+          hash_routed: bool, top_k: int | None = None,
+          image_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Router in fp32. x: ``[N,D]``; token_ids: ``[N]`` (hash layers); image_mask ``[N]`` bool selects V4.1's
+    ``bias_vl``. Returns ``(indices [N,k] int32, weights [N,k] fp32)``; weights are renormalised over the k picks
+    and multiplied by ``routed_scaling_factor``. Selection ties go to the lowest expert index."""
     logits = linear(x.astype(F32), gate["weight"])
+    if cfg.gate_temp != 1.0:
+        logits = logits / cfg.gate_temp
     scores = jnp.sqrt(jax.nn.softplus(logits))
     if hash_routed:
         if token_ids is None:
             raise ValueError("hash-routed MoE layer needs the token ids")
         idx = gate["tid2eid"][token_ids].astype(jnp.int32)
     else:
-        _, idx = jax.lax.top_k(scores + gate["bias"].astype(F32), cfg.n_activated_experts)
+        bias = gate["bias"].astype(F32)
+        if image_mask is not None and "bias_vl" in gate:
+            bias = jnp.where(image_mask[:, None], gate["bias_vl"].astype(F32)[None, :], bias[None, :])
+        _, idx = jax.lax.top_k(scores + bias, top_k or cfg.n_activated_experts)
         idx = idx.astype(jnp.int32)
     w = jnp.take_along_axis(scores, idx, axis=-1)
     w = w / jnp.sum(w, axis=-1, keepdims=True) * cfg.route_scale
@@ -51,7 +58,7 @@ def _experts_dense(ex: Mapping[str, jax.Array], x: jax.Array, idx: jax.Array, w:
                    sharder: Sharder | None) -> jax.Array:
     N = x.shape[0]
     dt = x.dtype
-    combine = jnp.zeros((N, cfg.n_routed_experts), F32).at[jnp.arange(N)[:, None], idx].add(w)
+    combine = jnp.zeros((N, ex["w1"].shape[0]), F32).at[jnp.arange(N)[:, None], idx].add(w)
     combine = constrain(sharder, combine, (None, "act_experts"))
     g = matmul("nd,eid->nei", x, ex["w1"].astype(dt))
     u = matmul("nd,eid->nei", x, ex["w3"].astype(dt))
@@ -63,7 +70,7 @@ def _experts_dense(ex: Mapping[str, jax.Array], x: jax.Array, idx: jax.Array, w:
 def _experts_ragged(ex: Mapping[str, jax.Array], x: jax.Array, idx: jax.Array, w: jax.Array, *,
                     cfg: ModelConfig) -> jax.Array:
     N, k = idx.shape
-    E = cfg.n_routed_experts
+    E = ex["w1"].shape[0]
     dt = x.dtype
     prec = matmul_precision(dt)
     flat_e = idx.reshape(-1)
@@ -88,13 +95,16 @@ def shared_expert(p: Mapping[str, jax.Array], x: jax.Array, cfg: ModelConfig) ->
 
 
 def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg: ModelConfig, hash_routed: bool,
-        impl: str = "ragged", sharder: Sharder | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """MoE sublayer. x: ``[B,S,D]`` (normalised), token_ids ``[B,S]``. Returns ``(y [B,S,D] in x's dtype, aux)``,
-    aux = ``{"router_indices": [B,S,k] int32, "router_weights": [B,S,k] fp32}``."""
+        impl: str = "ragged", sharder: Sharder | None = None, top_k: int | None = None,
+        image_mask: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """MoE sublayer. x: ``[B,S,D]`` (normalised), token_ids ``[B,S]``, image_mask ``[B,S]`` bool (V4.1).
+    Returns ``(y [B,S,D] in x's dtype, aux)``, aux = ``{"router_indices": [B,S,k] int32,
+    "router_weights": [B,S,k] fp32}``."""
     B, S, D = x.shape
     xf = x.reshape(B * S, D)
     tid = None if token_ids is None else token_ids.reshape(B * S)
-    idx, w = route(p["gate"], xf, tid, cfg=cfg, hash_routed=hash_routed)
+    img = None if image_mask is None else image_mask.reshape(B * S)
+    idx, w = route(p["gate"], xf, tid, cfg=cfg, hash_routed=hash_routed, top_k=top_k, image_mask=img)
     if impl == "dense":
         y = _experts_dense(p["experts"], xf, idx, w, cfg=cfg, sharder=sharder)
     elif impl == "ragged":

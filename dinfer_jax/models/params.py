@@ -94,14 +94,16 @@ def _attention(c: ModelConfig, name: str, kind: str, ratio: int) -> dict[str, An
     return p
 
 
-def _ffn(c: ModelConfig, name: str, hash_routed: bool) -> dict[str, Any]:
-    E, I, D = c.n_routed_experts, c.moe_inter_dim, c.hidden_size
+def _ffn(c: ModelConfig, name: str, hash_routed: bool, n_experts: int | None = None) -> dict[str, Any]:
+    E, I, D = n_experts or c.n_routed_experts, c.moe_inter_dim, c.hidden_size
     gate: dict[str, ParamSpec] = {"weight": _lin(E, D, ("experts_gate", "embed"), f"{name}.gate", fp32=True)}
     if hash_routed:
         gate["tid2eid"] = ParamSpec((c.vocab_size, c.n_activated_experts), ("vocab", None), f"{name}.gate.tid2eid",
                                     init="tid2eid", integer=True)
     else:
         gate["bias"] = ParamSpec((E,), (None,), f"{name}.gate.bias", init="bias", keep_fp32=True)
+    if c.is_v41:
+        gate["bias_vl"] = ParamSpec((E,), (None,), f"{name}.gate.bias_vl", init="bias", keep_fp32=True)
     p: dict[str, Any] = {
         "gate": gate,
         "experts": {
@@ -139,8 +141,87 @@ def _hc_head(c: ModelConfig, prefix: str) -> dict[str, ParamSpec]:
     }
 
 
+def _v41_attention(c: ModelConfig, name: str, layer: int) -> dict[str, Any]:
+    """V4.1 attention: V4's projections; compressor (no overlap, no APE; ``wgate`` only at ratio 2) and index-key
+    projection on KV sources; query side of the indexer on index sources."""
+    p = _attention(c, name, ATTN_SLIDING, 0)
+    ratio = c.compress_ratios[layer] if layer >= 0 else 0
+    d, di, Hi = c.head_dim, c.index_head_dim, c.index_n_heads
+    if layer in c.kv_source_layer_ids:
+        comp = {"wkv": _lin(d, c.hidden_size, (None, "embed"), f"{name}.compressor.wkv", fp32=True),
+                "norm": _norm(d, f"{name}.compressor.norm")}
+        if ratio == 2:
+            comp["wgate"] = _lin(d, c.hidden_size, (None, "embed"), f"{name}.compressor.wgate", fp32=True)
+        p["compressor"] = comp
+    indexer: dict[str, ParamSpec] = {}
+    if layer in (c.index_k_source_layer_ids or c.kv_source_layer_ids):
+        indexer["wk"] = _lin(di, d, (None, "kv"), f"{name}.indexer.wk")
+        indexer["k_norm"] = _norm(di, f"{name}.indexer.k_norm")
+    if layer in c.index_source_layer_ids:
+        indexer["wq_b"] = _lin(Hi * di, c.q_lora_rank, ("idx_heads_dim", "q_lora"), f"{name}.indexer.wq_b")
+        indexer["weights_proj"] = _lin(Hi, c.hidden_size, (None, "embed"), f"{name}.indexer.weights_proj", fp32=True)
+    if indexer:
+        p["indexer"] = indexer
+    return p
+
+
+def _v41_block(c: ModelConfig, prefix: str, layer: int, n_experts: int | None = None) -> dict[str, Any]:
+    """``layer`` < 0 marks a DSpark draft block (sliding-only, its own expert count)."""
+    D = c.hidden_size
+    blk = {
+        "attn_norm": _norm(D, f"{prefix}attn_norm"),
+        "ffn_norm": _norm(D, f"{prefix}ffn_norm"),
+        "hc_attn": _hc_site(c, prefix, "attn"),
+        "hc_ffn": _hc_site(c, prefix, "ffn"),
+        "attn": _v41_attention(c, f"{prefix}attn", layer),
+        "ffn": _ffn(c, f"{prefix}ffn", False, n_experts),
+    }
+    if layer in c.engram_layer_ids:
+        n = c.hc_mult
+        e_in = (c.engram_max_ngram_size - 1) * c.engram_n_heads * c.engram_head_dim
+        blk["engram"] = {
+            "wkv": _lin((n + 1) * D, e_in, (None, None), f"{prefix}engram.wkv"),
+            "q_weight": ParamSpec((n, D), (None, "embed"), f"{prefix}engram.q_weight", init="ones", keep_fp32=True),
+            "k_weight": ParamSpec((n, D), (None, "embed"), f"{prefix}engram.k_weight", init="ones", keep_fp32=True),
+        }
+    return blk
+
+
+def _v41_specs(c: ModelConfig, include_mtp: bool) -> dict[str, Any]:
+    D, V = c.hidden_size, c.vocab_size
+    specs: dict[str, Any] = {
+        "embed": ParamSpec((V, D), ("vocab", "embed"), "embed.weight"),
+        "head": ParamSpec((V, D), ("vocab", "embed"), "head.weight"),
+        "norm": _norm(D, "norm"),
+        "layers": [_v41_block(c, f"layers.{i}.", i) for i in range(c.num_layers)],
+        "mtp": [],
+    }
+    if include_mtp and c.n_mtp_layers:
+        for j in range(c.n_mtp_layers):
+            pre = f"mtp.{j}."
+            blk = _v41_block(c, pre, -1, n_experts=c.dspark_n_routed_experts)
+            if j == 0:
+                n_t = len(c.dspark_target_layer_ids)
+                blk["main_proj"] = _lin(D, n_t * D, ("embed", None), f"{pre}main_proj")
+                blk["main_norm"] = _norm(D, f"{pre}main_norm")
+            if j == c.n_mtp_layers - 1:
+                r = c.dspark_markov_rank
+                blk["norm"] = _norm(D, f"{pre}norm")
+                blk["markov_embed"] = ParamSpec((V, r), ("vocab", None), f"{pre}markov_head.embed.weight")
+                blk["markov_head"] = ParamSpec((V, r), ("vocab", None), f"{pre}markov_head.head.weight")
+                blk["confidence_proj"] = ParamSpec((1, D + r), (None, None), f"{pre}confidence_head.proj.weight",
+                                                   keep_fp32=True)
+            specs["mtp"].append(blk)
+    return specs
+
+
 def param_specs(c: ModelConfig, include_mtp: bool = True) -> dict[str, Any]:
-    """The pytree of :class:`ParamSpec` for config ``c`` (MTP blocks included when ``include_mtp``)."""
+    """The pytree of :class:`ParamSpec` for config ``c`` (MTP blocks included when ``include_mtp``).
+
+    V4.1 Engram tables are not parameters: they stay memory-mapped on the host (see ``engram_table_rows``).
+    """
+    if c.is_v41:
+        return _v41_specs(c, include_mtp)
     D = c.hidden_size
     specs: dict[str, Any] = {
         "embed": ParamSpec((c.vocab_size, D), ("vocab", "embed"), "embed.weight"),
@@ -167,6 +248,11 @@ def param_specs(c: ModelConfig, include_mtp: bool = True) -> dict[str, Any]:
             })
             specs["mtp"].append(blk)
     return specs
+
+
+def engram_table_rows(c: ModelConfig) -> int:
+    """Scalars held by the host-side Engram tables (rows × head_dim summed over Engram layers)."""
+    return sum(c.engram_num_embeddings) * c.engram_head_dim
 
 
 def is_spec(x: Any) -> bool:
