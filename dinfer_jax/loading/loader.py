@@ -8,6 +8,7 @@ raise :class:`CheckpointError` with the tensor's name.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,16 @@ def _host_value(spec: ParamSpec, idx: _TensorIndex, dtype: Any, block: tuple[int
     return _read_float(idx, spec.ckpt, spec.shape, block).astype(target)
 
 
+_HOST_TABLE = re.compile(r"^layers\.\d+\.engram\.embed\.(weight|scale)$")
+_OUT_OF_SCOPE = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
+
+
+def _handled_elsewhere(name: str, cfg: ModelConfig) -> bool:
+    """V4.1 tensors that are not device parameters: Engram tables (host-side, memory-mapped) and the vision
+    tower / image delimiter vectors (image rows arrive as embeddings; the vision tower is out of scope)."""
+    return cfg.is_v41 and (bool(_HOST_TABLE.match(name)) or name.startswith(_OUT_OF_SCOPE))
+
+
 def checkpoint_has_mtp(directory: str | Path) -> bool:
     """Whether the checkpoint stores MTP blocks (transformers' ``save_pretrained`` drops them)."""
     files = CheckpointFiles(directory)
@@ -130,7 +141,7 @@ def load_params(directory: str | Path, cfg: ModelConfig, dtype: Any = "float32",
 
     try:
         params = map_specs(load_one, specs)
-        unexpected = sorted(set(idx.by_name) - idx.used)
+        unexpected = sorted(n for n in set(idx.by_name) - idx.used if not _handled_elsewhere(n, cfg))
         if unexpected:
             more = f" (and {len(unexpected) - 8} more)" if len(unexpected) > 8 else ""
             raise CheckpointError(f"unexpected tensors in {directory} not used by the model: {unexpected[:8]}{more}")

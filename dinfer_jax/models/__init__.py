@@ -19,17 +19,30 @@ DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass
+class EngramRuntime:
+    """V4.1 host-side Engram state: one memory-mapped table per Engram layer and the raw → compressed id map."""
+
+    tables: list[Any]
+    compressed_map: np.ndarray
+
+
+@dataclasses.dataclass
 class Model:
-    """A config plus its parameter pytree. ``dtype`` is the activation/weight dtype ("float32" or "bfloat16")."""
+    """A config plus its parameter pytree. ``dtype`` is the activation/weight dtype ("float32" or "bfloat16").
+
+    ``engram`` (V4.1) holds the host-side Engram tables; they never enter device memory.
+    """
 
     config: ModelConfig
     params: Any
     dtype: str = "float32"
     sharder: Sharder | None = None
     moe_impl: str = "ragged"
+    engram: EngramRuntime | None = None
 
-    def options(self, collect: bool = False) -> ForwardOptions:
-        return ForwardOptions(collect=collect, moe_impl=self.moe_impl, sharder=self.sharder)
+    def options(self, collect: bool = False, yoco: str = "off", yoco_keep: int = 140) -> ForwardOptions:
+        return ForwardOptions(collect=collect, moe_impl=self.moe_impl, sharder=self.sharder, yoco=yoco,
+                              yoco_keep=yoco_keep)
 
     @property
     def num_params(self) -> int:
@@ -58,7 +71,30 @@ def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None
         raise ConfigError(f"{path} is not a checkpoint directory (a preset has no weights; use random_model)")
     params = load_params(path, cfg, dtype=dtype, sharder=sharder)
     impl = moe_impl or ("dense" if sharder is not None else "ragged")
-    return Model(cfg, params, dtype, sharder, impl)
+    return Model(cfg, params, dtype, sharder, impl, _load_engram(cfg, Path(path)))
+
+
+def _load_engram(cfg: ModelConfig, path: Path) -> EngramRuntime | None:
+    if not cfg.engram_layer_ids:
+        return None
+    from dinfer_jax.models.engram import load_compressed_token_map, load_engram_tables
+
+    tok = path / "tokenizer.json"
+    if not tok.is_file():
+        raise ConfigError(f"{path}: Engram layers need the checkpoint's tokenizer.json (compressed vocabulary)")
+    return EngramRuntime(load_engram_tables(cfg, path), load_compressed_token_map(cfg, tok))
+
+
+def _random_engram(cfg: ModelConfig, seed: int) -> EngramRuntime | None:
+    """Random in-memory Engram tables; compressed ids = raw id mod the compressed vocabulary (no tokenizer)."""
+    if not cfg.engram_layer_ids:
+        return None
+    from dinfer_jax.models.engram import EngramTable
+
+    rng = np.random.default_rng(seed + 99)
+    tables = [EngramTable(rng.standard_normal((rows, cfg.engram_head_dim)).astype(np.float32), name=f"layer {l}")
+              for l, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings)]
+    return EngramRuntime(tables, np.arange(cfg.vocab_size, dtype=np.int64) % cfg.engram_compressed_vocab_size)
 
 
 def random_model(config: ModelConfig | str, seed: int = 0, dtype: str = "float32", include_mtp: bool = True,
@@ -72,10 +108,11 @@ def random_model(config: ModelConfig | str, seed: int = 0, dtype: str = "float32
 
         shardings = map_specs(lambda s: sharder.named(s.axes, s.shape), param_specs(cfg, include_mtp))
         params = jax.device_put(params, shardings)
-    return Model(cfg, params, dtype, sharder, "dense" if sharder is not None else "ragged")
+    return Model(cfg, params, dtype, sharder, "dense" if sharder is not None else "ragged",
+                 _random_engram(cfg, seed))
 
 
-def _validate_ids(model: Model, token_ids: Any) -> jax.Array:
+def _validate_ids(model: Model, token_ids: Any, image_mask: np.ndarray | None = None) -> np.ndarray:
     ids = np.asarray(token_ids)
     if ids.ndim != 2:
         raise ValueError(f"token_ids must be [B, S], got shape {ids.shape}")
@@ -84,19 +121,43 @@ def _validate_ids(model: Model, token_ids: Any) -> jax.Array:
     if ids.shape[1] == 0:
         raise ValueError("token_ids has an empty sequence")
     bad = (ids < 0) | (ids >= model.config.vocab_size)
+    if image_mask is not None:
+        bad &= ~image_mask
     if bad.any():
         b, s = np.argwhere(bad)[0]
         raise ValueError(f"token id {int(ids[b, s])} at [{b}, {s}] is outside the vocabulary [0, {model.config.vocab_size})")
     if ids.shape[1] > model.config.max_position_embeddings:
         raise ValueError(f"sequence length {ids.shape[1]} exceeds max_position_embeddings "
                          f"{model.config.max_position_embeddings}")
-    return jnp.asarray(ids, jnp.int32)
+    return ids.astype(np.int32)
 
 
-def run(model: Model, token_ids: Any, collect: bool = False) -> ForwardOutput:
-    """Jitted full-sequence forward of ``token_ids [B,S]`` from position 0 (device arrays)."""
-    ids = _validate_ids(model, token_ids)
-    return forward_jit(model.params, ids, cfg=model.config, dtype=model.dtype, options=model.options(collect))
+def run(model: Model, token_ids: Any, collect: bool = False, *, image_embeds: Any = None, image_mask: Any = None,
+        yoco: str = "off", yoco_keep: int = 140) -> ForwardOutput:
+    """Jitted full-sequence forward of ``token_ids [B,S]`` from position 0 (device arrays).
+
+    V4.1: ``image_embeds [B,S,D]`` + ``image_mask [B,S]`` supply image rows (their ids may lie outside the text
+    vocabulary); ``yoco`` selects the prefill truncation mode (``"compact"`` returns logits of the last
+    ``yoco_keep`` rows only). Engram rows are gathered on the host here.
+    """
+    mask = None if image_mask is None else np.asarray(image_mask, bool)
+    ids = _validate_ids(model, token_ids, mask)
+    cfg = model.config
+    if not cfg.is_v41 and (image_embeds is not None or yoco != "off"):
+        raise ValueError("image rows and YOCO truncation are V4.1 features")
+    if yoco == "compact" and yoco_keep < cfg.sliding_window:
+        raise ValueError(f"yoco_keep={yoco_keep} must cover the sliding window ({cfg.sliding_window}) "
+                         "plus the backtracking tokens")
+    emb = None
+    if model.engram is not None:
+        from dinfer_jax.models.engram import engram_embeddings
+
+        emb = jnp.asarray(engram_embeddings(cfg, model.engram.tables, ids, model.engram.compressed_map, mask),
+                          dtype=model.dtype)
+    return forward_jit(model.params, jnp.asarray(ids), cfg=cfg, dtype=model.dtype,
+                       options=model.options(collect, yoco, yoco_keep), engram_emb=emb,
+                       image_embeds=None if image_embeds is None else jnp.asarray(image_embeds),
+                       image_mask=None if mask is None else jnp.asarray(mask))
 
 
 def forward_logits(model: Model, token_ids: Any) -> np.ndarray:
@@ -104,10 +165,12 @@ def forward_logits(model: Model, token_ids: Any) -> np.ndarray:
     return np.asarray(run(model, token_ids).logits, dtype=np.float32)
 
 
-def inspect(model: Model, token_ids: Any) -> dict[str, Any]:
+def inspect(model: Model, token_ids: Any, **kwargs: Any) -> dict[str, Any]:
     """Logits plus intermediates as numpy: ``hidden_states [L+1,B,S,n,D]``, ``final_hidden``, per-layer
-    ``indexer_topk`` / ``indexer_scores`` (CSA layers) and ``router_indices`` / ``router_weights``."""
-    out = run(model, token_ids, collect=True)
+    ``indexer_topk`` / ``indexer_scores`` (CSA / index-source layers) and ``router_indices`` /
+    ``router_weights``; V4.1 adds ``premix`` ``[L+1,B,S,n]``, ``candidate_blocks`` and ``dspark_features``.
+    Keyword arguments go to :func:`run`."""
+    out = run(model, token_ids, collect=True, **kwargs)
     result = jax.tree_util.tree_map(np.asarray, out.intermediates)
     result["logits"] = np.asarray(out.logits)
     return result
@@ -117,7 +180,9 @@ def mtp_logits(model: Model, token_ids: Any, depth: int = 0) -> np.ndarray:
     """MTP block logits ``[B, S-1, V]``: position t predicts token t+2 from the backbone state at t and token t+1."""
     if not model.params.get("mtp"):
         raise ValueError("this model has no MTP parameters (transformers-saved checkpoints drop them)")
-    ids = _validate_ids(model, token_ids)
+    if model.config.is_v41:
+        raise ValueError("V4.1's draft layers are the DSpark drafter (dinfer_jax.models.dspark), not V4 MTP")
+    ids = jnp.asarray(_validate_ids(model, token_ids))
     out = forward_jit(model.params, ids, cfg=model.config, dtype=model.dtype, options=model.options(True))
     streams = out.intermediates["hidden_states"][-1][:, :-1]
     logits, _ = mtp_forward_jit(model.params, streams, ids[:, 1:], cfg=model.config, depth=depth, dtype=model.dtype,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.models.config import ATTN_CSA, ATTN_SLIDING, ModelConfig
-from dinfer_jax.models.ops import F32, apply_rope_tail, linear, matmul, rms_norm, rope_cos_sin
+from dinfer_jax.models.ops import F32, apply_rope_tail, linear, matmul, rms_norm, rope_cos_sin, rope_inv_freq
 from sharding.rules import Sharder, constrain
 
 
@@ -24,6 +24,17 @@ class RopeTable:
 
     cos: jax.Array
     sin: jax.Array
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[Any, RopeTable]]:
+    """``{"main": (inv_freq, table), "compress": (inv_freq, table)}`` for ``positions [S]``: main = plain
+    ``rope_theta`` (sliding-only layers, MTP), compress = ``compress_rope_theta`` with YaRN (compressed layers)."""
+    out = {}
+    for name, theta, yarn in (("main", cfg.rope_theta, None), ("compress", cfg.compress_rope_theta, cfg.yarn)):
+        inv = rope_inv_freq(cfg.rope_head_dim, theta, yarn)
+        cos, sin = rope_cos_sin(positions, inv)
+        out[name] = (inv, RopeTable(cos, sin))
+    return out
 
 
 def compress_full(p: Mapping[str, jax.Array], h: jax.Array, *, ratio: int, dim: int, overlap: bool,

@@ -13,11 +13,12 @@ from typing import Any, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.models.attention import RopeTable, attention_full
+from dinfer_jax.models.attention import RopeTable, attention_full, rope_tables
 from dinfer_jax.models.config import ATTN_SLIDING, ModelConfig
 from dinfer_jax.models.mhc import hc_head, hc_post, hc_pre
 from dinfer_jax.models.moe import moe
-from dinfer_jax.models.ops import F32, linear, rms_norm, rope_cos_sin, rope_inv_freq
+from dinfer_jax.models.ops import F32, linear, rms_norm
+from dinfer_jax.models.v41 import forward_v41
 from sharding.rules import Sharder, constrain
 
 
@@ -33,6 +34,8 @@ class ForwardOptions:
     collect: bool = False
     moe_impl: str = "ragged"
     sharder: Sharder | None = None
+    yoco: str = "off"  # V4.1 prefill truncation: "off" (exact), "mask", "compact"
+    yoco_keep: int = 140  # rows kept from the first ratio-1 layer on; must cover window + backtracking
 
 
 class ForwardOutput(NamedTuple):
@@ -45,16 +48,6 @@ class ForwardOutput(NamedTuple):
 
     logits: jax.Array
     intermediates: dict[str, Any]
-
-
-def rope_tables(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[Any, RopeTable]]:
-    """``{"main": (inv_freq, table), "compress": (inv_freq, table)}`` for ``positions [S]``."""
-    out = {}
-    for name, theta, yarn in (("main", cfg.rope_theta, None), ("compress", cfg.compress_rope_theta, cfg.yarn)):
-        inv = rope_inv_freq(cfg.rope_head_dim, theta, yarn)
-        cos, sin = rope_cos_sin(positions, inv)
-        out[name] = (inv, RopeTable(cos, sin))
-    return out
 
 
 def block_forward(p: Mapping[str, Any], streams: jax.Array, token_ids: jax.Array, *, cfg: ModelConfig, kind: str,
@@ -88,8 +81,18 @@ def logits_head(params: Mapping[str, Any], head_params: Mapping[str, Any], norm_
 
 
 def forward(params: Mapping[str, Any], token_ids: jax.Array, *, cfg: ModelConfig, dtype: str = "float32",
-            options: ForwardOptions = ForwardOptions()) -> ForwardOutput:
-    """Full-sequence forward from position 0. token_ids: ``[B,S]`` int. Activations in ``dtype``."""
+            options: ForwardOptions = ForwardOptions(), engram_emb: jax.Array | None = None,
+            image_embeds: jax.Array | None = None, image_mask: jax.Array | None = None) -> ForwardOutput:
+    """Full-sequence forward from position 0. token_ids: ``[B,S]`` int. Activations in ``dtype``.
+
+    V4.1 only: ``engram_emb`` ``[n_engram_layers,B,S,E_in]`` (host-gathered Engram rows), ``image_embeds``
+    ``[B,S,D]`` + ``image_mask`` ``[B,S]``. V4.1 always returns its ``positions`` (and ``dspark_features`` when
+    the config names DSpark targets) in the intermediates.
+    """
+    if cfg.is_v41:
+        logits, inter = forward_v41(params, token_ids, cfg=cfg, dtype=dtype, options=options, engram_emb=engram_emb,
+                                    image_embeds=image_embeds, image_mask=image_mask)
+        return ForwardOutput(logits, inter)
     dt = jnp.dtype(dtype)
     B, S = token_ids.shape
     ropes = rope_tables(cfg, jnp.arange(S))
@@ -138,9 +141,11 @@ def mtp_forward(params: Mapping[str, Any], streams: jax.Array, next_ids: jax.Arr
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "options"))
 def forward_jit(params: Mapping[str, Any], token_ids: jax.Array, *, cfg: ModelConfig, dtype: str = "float32",
-                options: ForwardOptions = ForwardOptions()) -> ForwardOutput:
+                options: ForwardOptions = ForwardOptions(), engram_emb: jax.Array | None = None,
+                image_embeds: jax.Array | None = None, image_mask: jax.Array | None = None) -> ForwardOutput:
     """Jitted :func:`forward` (params are an argument, never closed over)."""
-    return forward(params, token_ids, cfg=cfg, dtype=dtype, options=options)
+    return forward(params, token_ids, cfg=cfg, dtype=dtype, options=options, engram_emb=engram_emb,
+                   image_embeds=image_embeds, image_mask=image_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "depth", "dtype", "options"))
