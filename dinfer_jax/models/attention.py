@@ -64,34 +64,43 @@ def compress_full(p: Mapping[str, jax.Array], h: jax.Array, *, ratio: int, dim: 
     return apply_rope_tail(pooled, cos, sin)
 
 
+def index_scores(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, k_rows: jax.Array, pos: jax.Array, *,
+                 cfg: ModelConfig, ratio: int, rope: RopeTable) -> jax.Array:
+    """Lightning-indexer scores ``[B,S,T]`` fp32: ``Σ_h relu(q_h · k_j) · w_h`` with −inf where ``j ≥ (p+1)//m``.
+
+    h ``[B,S,D]``, cq ``[B,S,q_lora]``, k_rows ``[B,T,di]`` (index keys, RoPE'd), pos ``[S]`` or ``[B,S]`` absolute
+    positions of the query rows, rope the query positions' table. V4.1 (``kv_fake_quant``) rounds the index query
+    to FP4 (Q4u); V4's Hadamard + FP4 is reference-only and orthonormal, so it is omitted (as transformers does).
+    """
+    from dinfer_jax.models.fake_quant import q4u_fake
+
+    B, S, _ = h.shape
+    Hi, di = cfg.index_n_heads, cfg.index_head_dim
+    q = linear(cq, p["wq_b"]).reshape(B, S, Hi, di)
+    q = apply_rope_tail(q, rope.cos[..., None, :], rope.sin[..., None, :]).astype(F32)
+    if cfg.kv_fake_quant and di % 32 == 0:
+        q = q4u_fake(q, 32)
+    w = linear(h.astype(F32), p["weights_proj"]) * (di ** -0.5) * (Hi ** -0.5)  # [B,S,Hi]
+    dots = jnp.einsum("bshd,btd->bsht", q, k_rows.astype(F32), precision=jax.lax.Precision.HIGHEST)
+    scores = jnp.einsum("bsht,bsh->bst", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)
+    visible = jnp.arange(k_rows.shape[1]) < ((pos + 1) // ratio)[..., None]  # [S,T] or [B,S,T]
+    return jnp.where(visible, scores, -jnp.inf)
+
+
 def indexer_select(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, *, cfg: ModelConfig, ratio: int,
                    rope: RopeTable, inv_freq: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Lightning indexer: top-k compressed rows per query.
+    """V4 lightning indexer over a sequence from position 0: top-k compressed rows per query.
 
     h: ``[B,S,D]``, cq: ``[B,S,q_lora]``. Returns ``(indices [B,S,k] int32 with −1 for an invalid pick,
     selected [B,S,T] bool, scores [B,S,T] fp32 with −inf on rows the query cannot see)``, k = min(index_topk, T).
     Ties are broken towards the lowest row index (``jax.lax.top_k``).
     """
-    B, S, _ = h.shape
-    Hi, di = cfg.index_n_heads, cfg.index_head_dim
-    k_rows = compress_full(p["compressor"], h, ratio=ratio, dim=di, overlap=True, inv_freq=inv_freq,
+    from dinfer_jax.models.csa2 import topk_select
+
+    k_rows = compress_full(p["compressor"], h, ratio=ratio, dim=cfg.index_head_dim, overlap=True, inv_freq=inv_freq,
                            norm_eps=cfg.norm_eps)  # [B,T,di] fp32
-    T = k_rows.shape[1]
-    q = linear(cq, p["wq_b"]).reshape(B, S, Hi, di)
-    q = apply_rope_tail(q, rope.cos[:, None, :], rope.sin[:, None, :])
-    w = linear(h.astype(F32), p["weights_proj"]) * (di ** -0.5) * (Hi ** -0.5)  # [B,S,Hi]
-    dots = jnp.einsum("bshd,btd->bsht", q.astype(F32), k_rows, precision=jax.lax.Precision.HIGHEST)
-    scores = jnp.einsum("bsht,bsh->bst", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)
-    visible = jnp.arange(T)[None, :] < ((jnp.arange(S) + 1) // ratio)[:, None]  # [S,T]
-    scores = jnp.where(visible[None], scores, -jnp.inf)
-    k = min(cfg.index_topk, T)
-    top_scores, top_idx = jax.lax.top_k(scores, k)
-    valid = top_scores > -jnp.inf
-    top_idx = jnp.where(valid, top_idx, -1).astype(jnp.int32)
-    selected = jnp.zeros((B, S, T + 1), bool)
-    bi = jnp.arange(B)[:, None, None]
-    si = jnp.arange(S)[None, :, None]
-    selected = selected.at[bi, si, jnp.where(valid, top_idx, T)].set(True)[..., :T]
+    scores = index_scores(p, h, cq, k_rows, jnp.arange(h.shape[1]), cfg=cfg, ratio=ratio, rope=rope)
+    top_idx, selected = topk_select(scores, cfg.index_topk)
     return top_idx, selected, scores
 
 
@@ -105,7 +114,7 @@ def query_and_window_kv(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig,
     q = linear(cq, p["wq_b"]).reshape(B, S, cfg.num_heads, cfg.head_dim)
     if cfg.use_qnorm:
         q = rms_norm(q, None, eps)
-    q = apply_rope_tail(q, rope.cos[:, None, :], rope.sin[:, None, :])
+    q = apply_rope_tail(q, rope.cos[..., None, :], rope.sin[..., None, :])
     kv = rms_norm(linear(h, p["wkv"]), p["kv_norm"], eps)
     kv = apply_rope_tail(kv, rope.cos, rope.sin)
     return cq, q, kv
@@ -147,7 +156,7 @@ def output_projection(p: Mapping[str, Any], o: jax.Array, *, cfg: ModelConfig, r
     B, S, H, d = o.shape
     G, R = cfg.o_groups, cfg.o_lora_rank
     dt = o.dtype
-    o = apply_rope_tail(o, rope.cos[:, None, :], rope.sin[:, None, :], inverse=True)
+    o = apply_rope_tail(o, rope.cos[..., None, :], rope.sin[..., None, :], inverse=True)
     wo_a = p["wo_a"].astype(dt).reshape(G, R, H * d // G)
     z = matmul("bsgi,gri->bsgr", o.reshape(B, S, G, H * d // G), wo_a).astype(dt)
     return linear(z.reshape(B, S, G * R), p["wo_b"])

@@ -13,8 +13,8 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.models.attention import (RopeTable, attend, output_projection, query_and_window_kv, rope_tables,
-                                         window_mask)
+from dinfer_jax.models.attention import (RopeTable, attend, index_scores, output_projection, query_and_window_kv,
+                                         rope_tables, window_mask)
 from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.csa2 import candidate_blocks, pool_groups, topk_select
 from dinfer_jax.models.engram import engram_gate
@@ -60,22 +60,6 @@ def compress_source(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig, rat
     return kvc, kidx
 
 
-def index_scores(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, kidx: jax.Array, pos: jax.Array, *,
-                 cfg: ModelConfig, ratio: int, rope: RopeTable) -> jax.Array:
-    """Indexer scores ``[B,S,T]`` fp32 for rows at absolute positions ``pos`` ``[S]``:
-    Σ_h relu(Qidx_h · Kidx_j) · w_h, −inf for entries a row cannot see (j ≥ (p+1)//r)."""
-    B, S, _ = h.shape
-    Hi, di = cfg.index_n_heads, cfg.index_head_dim
-    q = linear(cq, p["wq_b"]).reshape(B, S, Hi, di)
-    q = apply_rope_tail(q, rope.cos[:, None, :], rope.sin[:, None, :]).astype(F32)
-    q = _maybe(cfg.kv_fake_quant, q4u_fake, q, 32)
-    w = linear(h.astype(F32), p["weights_proj"]) * (di ** -0.5) * (Hi ** -0.5)
-    dots = jnp.einsum("bshd,btd->bsht", q, kidx, precision=jax.lax.Precision.HIGHEST)
-    scores = jnp.einsum("bsht,bsh->bst", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)
-    visible = jnp.arange(kidx.shape[1])[None, :] < ((pos + 1) // ratio)[:, None]
-    return jnp.where(visible[None], scores, -jnp.inf)
-
-
 def attention_v41(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig, layer: int, rope: RopeTable,
                   inv_freq: Any, shared: dict[str, Any], pos: jax.Array, win_mask: jax.Array,
                   source_input: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -102,8 +86,8 @@ def attention_v41(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig, layer
                 shared["index_k"][layer] = kidx
         ckv = shared["kv"][cfg.kv_source(layer)]
         T = ckv.shape[1]
-        visible = jnp.arange(T)[None, :] < ((pos + 1) // ratio)[:, None]  # [S,T]
-        cmask = jnp.broadcast_to(visible[None], (B, S, T))
+        visible = jnp.arange(T) < ((pos + 1) // ratio)[..., None]  # [S,T] or [B,S,T]
+        cmask = jnp.broadcast_to(visible, (B, S, T))
         if layer in cfg.index_source_layer_ids and T > 0:
             scores = index_scores(p["indexer"], h, cq, shared["index_k"][cfg.index_k_source(layer)], pos, cfg=cfg,
                                   ratio=ratio, rope=rope)
