@@ -1,0 +1,311 @@
+"""Offline batch inference: ``LLM(model=...).generate(prompts, sampling_params)``, named as in DeepInfer.
+
+The host loop keeps one step in flight (``async_scheduling=True``, DeepInfer's zero-overhead scheduling,
+``engine.md`` §4): it dispatches step N+1 — whose decode inputs come from step N's device outputs — before it
+reads step N's tokens, so the device never waits for host bookkeeping. ``async_scheduling=False`` processes every
+step before scheduling the next; both produce the same tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import jax
+import numpy as np
+
+from dinfer_jax.engine.block_manager import BlockManager, StateSlots
+from dinfer_jax.engine.kv_cache import CacheConfig, size_pools
+from dinfer_jax.engine.runner import Buckets, ModelRunner, StepOutput
+from dinfer_jax.engine.scheduler import Scheduler, SchedulerConfig, ScheduledStep
+from dinfer_jax.models import Model, load_config, load_model, random_model
+from dinfer_jax.sampling import SamplingParams
+
+DEFAULT_KV_BYTES = 256 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """Result of one prompt, in prompt order."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    error: str | None
+    logprobs: list[dict[str, Any]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class EngineMetrics:
+    """Counters of an :class:`LLM` (see :meth:`LLM.metrics`)."""
+
+    requests: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    compilations: int = 0
+    warmup_seconds: float = 0.0
+    generate_seconds: float = 0.0
+    device_waited_for_host_seconds: float = 0.0
+    host_waited_for_device_seconds: float = 0.0
+    preemptions: int = 0
+
+
+def _enable_compilation_cache() -> None:
+    """JAX's persistent compilation cache (``$DINFER_JAX_COMPILATION_CACHE`` or ``~/.cache/dinfer_jax/xla``)."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    path = os.environ.get("DINFER_JAX_COMPILATION_CACHE", str(Path.home() / ".cache" / "dinfer_jax" / "xla"))
+    if path.lower() in ("", "0", "off", "none"):
+        return
+    Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _resolve_model(model: str | Path | Model, dtype: str, seed: int) -> tuple[Model, Path | None]:
+    if isinstance(model, Model):
+        return model, None
+    from dinfer_jax.checkpoints import resolve_checkpoint
+
+    path = resolve_checkpoint(str(model))
+    if path is not None:
+        return load_model(path, dtype=dtype), path
+    cfg = load_config(model)  # a preset: random weights (benchmarks, smoke tests)
+    return random_model(cfg, seed=seed, dtype=dtype, include_mtp=False), None
+
+
+class LLM:
+    """An offline engine over one model.
+
+    Args:
+        model: checkpoint directory, ``"default"`` (the bundled model), a preset name (random weights) or a
+            :class:`~dinfer_jax.models.Model`.
+        dtype: ``"bfloat16"`` or ``"float32"``.
+        max_num_seqs: running sequences (decode batch); max_model_len: prompt + generated tokens per sequence
+            (default: min(config, 4096)); max_num_batched_tokens: tokens per prefill step.
+        kv_cache_memory_bytes: device memory for the paged cache and state slots (pools are sized from it).
+        block_size: tokens per KV page (default: the smallest multiple of every compression ratio ≥ 16).
+        async_scheduling: keep one step in flight (default, zero overhead); False = synchronous.
+        enable_chunked_prefill / preemption_mode: scheduler policies (``"stop"`` or ``"recompute"``).
+        warmup: compile every shape bucket at start, so serving triggers no compilation.
+    """
+
+    def __init__(self, model: str | Path | Model, dtype: str = "float32", max_num_seqs: int = 8,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 256,
+                 kv_cache_memory_bytes: int = DEFAULT_KV_BYTES, block_size: int | None = None,
+                 async_scheduling: bool = True, enable_chunked_prefill: bool = True, preemption_mode: str = "stop",
+                 max_logprobs: int = 5, warmup: bool = True, seed: int = 0, buckets: Buckets | None = None,
+                 num_kv_blocks: int | None = None):
+        _enable_compilation_cache()
+        self.model, self.path = _resolve_model(model, dtype, seed)
+        cfg = self.model.config
+        self.config = cfg
+        self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 4096))
+        ratios = [r for r in cfg.compress_ratios if r] or [1]
+        lcm = int(np.lcm.reduce(ratios))
+        self.block_size = int(block_size or lcm * max(1, -(-16 // lcm)))
+        if num_kv_blocks is not None:
+            cache_cfg = CacheConfig(num_slots=max_num_seqs + 1, num_blocks=num_kv_blocks + 1, block_size=self.block_size)
+        else:
+            cache_cfg = size_pools(cfg, memory_bytes=kv_cache_memory_bytes, block_size=self.block_size,
+                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, dtype=self.model.dtype)
+        cache_cfg.validate(cfg)
+        self.sched_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                            max_model_len=self.max_model_len, block_size=self.block_size,
+                                            enable_chunked_prefill=enable_chunked_prefill,
+                                            preemption_mode=preemption_mode)
+        self.cache_config = cache_cfg
+        self.async_scheduling = async_scheduling
+        self.buckets = buckets or Buckets.default(max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, max_logprobs=max_logprobs)
+        self.max_logprobs = max_logprobs
+        self.tokenizer = self._load_tokenizer()
+        self._metrics = EngineMetrics()
+        self._seed_rng = np.random.default_rng(seed)
+        self._next_id = 0
+        if warmup:
+            self._metrics.warmup_seconds = self.runner.warmup()
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (strings use the checkpoint's ``tokenizer.json``; lists are token ids).
+
+        Returns one :class:`RequestOutput` per prompt, in order. A bad prompt ends with ``finish_reason="error"``
+        and a message; the others are unaffected.
+        """
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]  # a single prompt
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        t0 = time.perf_counter()
+        sched = Scheduler(self.sched_config, BlockManager(self.cache_config.num_blocks, self.block_size),
+                          StateSlots(self.cache_config.num_slots), vocab_size=self.config.vocab_size)
+        records: list[dict[str, Any]] = []
+        for prompt, sp in zip(prompts, params):
+            records.append(self._add(sched, prompt, sp))
+        self._run(sched, records, use_tqdm)
+        self._metrics.generate_seconds += time.perf_counter() - t0
+        self._metrics.compilations = self.runner.num_compilations
+        return [self._output(r) for r in records]
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters: tokens, steps, compilations, and the time the device waited for the host (``async`` keeps it
+        near zero) and the host waited for the device."""
+        m = dataclasses.asdict(self._metrics)
+        m["compilations"] = self.runner.num_compilations
+        busy = m["generate_seconds"]
+        m["device_wait_fraction"] = m["device_waited_for_host_seconds"] / busy if busy else 0.0
+        m["output_tokens_per_second"] = m["decode_tokens"] / busy if busy else 0.0
+        return m
+
+    # ------------------------------------------------------------------ internals
+    def _load_tokenizer(self):
+        if self.path is None or not (self.path / "tokenizer.json").is_file():
+            return None
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(self.path / "tokenizer.json"))
+
+    def _add(self, sched: Scheduler, prompt: Any, sp: SamplingParams) -> dict[str, Any]:
+        rid = self._next_id
+        self._next_id += 1
+        text = prompt if isinstance(prompt, str) else None
+        error = None
+        if text is not None:
+            if self.tokenizer is None:
+                ids, error = [], "this model has no tokenizer.json: pass token ids instead of text"
+            else:
+                ids = self.tokenizer.encode(text).ids
+        else:
+            ids = [int(t) for t in prompt] if all(isinstance(t, (int, np.integer)) for t in prompt) else None
+            if ids is None:
+                ids, error = [], "prompt must be a string or a list of integer token ids"
+        seed = sp.seq_seed if sp.seq_seed is not None else int(self._seed_rng.integers(0, 2**63, dtype=np.int64))
+        rec = {"id": rid, "text": text, "ids": ids, "params": sp, "seed": seed, "error": error, "seq": None,
+               "logprobs": [] if sp.logprobs is not None else None}
+        self._metrics.requests += 1
+        if error is None:
+            rec["seq"] = sched.add_request(rid, ids, sp, eos_token_ids=self.config.eos_token_id)
+        return rec
+
+    @staticmethod
+    def _row_sampling(step: ScheduledStep, by_id: dict[int, dict[str, Any]]) -> tuple[list[Any], list[int]]:
+        recs = [by_id[r.request_id] for r in step.rows]
+        return [r["params"] for r in recs], [r["seed"] for r in recs]
+
+    def _run(self, sched: Scheduler, records: list[dict[str, Any]], use_tqdm: bool) -> None:
+        by_id = {r["id"]: r for r in records}
+        inflight: collections.deque[StepOutput] = collections.deque()
+        progress = _Progress(len(records), use_tqdm)
+        idle_since: float | None = None
+        for r in records:
+            if r["seq"] is not None and r["seq"].finished:
+                progress.done()
+        m = self._metrics
+        while sched.has_unfinished() or inflight:
+            step = sched.schedule()
+            if step is not None:
+                if idle_since is not None:  # the device had finished everything queued; it waited until now
+                    m.device_waited_for_host_seconds += time.perf_counter() - idle_since
+                out = self.runner.dispatch(step, *self._row_sampling(step, by_id))
+                inflight.append(out)
+                idle_since = None
+                if step.kind == "prefill":
+                    m.prefill_steps += 1
+                    m.prefill_tokens += step.num_tokens
+                else:
+                    m.decode_steps += 1
+            keep = 1 if (self.async_scheduling and step is not None) else 0
+            while len(inflight) > keep:
+                done = inflight.popleft()
+                t0 = time.perf_counter()
+                tokens = np.asarray(done.tokens)
+                logprobs = jax.device_get(done.logprobs) if done.logprobs is not None else None
+                t1 = time.perf_counter()
+                m.host_waited_for_device_seconds += t1 - t0
+                if not inflight:
+                    idle_since = t1  # nothing queued on the device from now until the next dispatch
+                sampled = [int(tokens[i]) if row.sample else None for i, row in enumerate(done.step.rows)]
+                if done.step.kind == "decode":
+                    m.decode_tokens += sum(1 for s in sampled if s is not None)
+                finished = sched.process_step(done.step, sampled)
+                self._record_logprobs(done, logprobs, by_id)
+                for seq in finished:
+                    progress.done(len(seq.output_token_ids))
+                    if seq.finish_reason == "preempted":
+                        m.preemptions += 1
+            # Device idle detection (a lower bound: the moment we first see the queued step done, not when it ended).
+            if idle_since is None and inflight and inflight[-1].tokens.is_ready():
+                idle_since = time.perf_counter()
+        progress.close()
+
+    def _record_logprobs(self, done: StepOutput, logprobs: Any, by_id: dict[int, dict[str, Any]]) -> None:
+        """Logprobs of the tokens the scheduler accepted (``row.accepted_token``), in output order."""
+        if logprobs is None:
+            return
+        for i, row in enumerate(done.step.rows):
+            rec = by_id[row.request_id]
+            tok = row.accepted_token
+            if tok is None or rec["logprobs"] is None:
+                continue
+            n = rec["params"].logprobs
+            entry = {"token": tok, "logprob": float(logprobs.token_logprobs[i])}
+            if n:
+                entry["top"] = [(int(t), float(v)) for t, v in
+                                zip(logprobs.top_token_ids[i][:n], logprobs.top_logprobs[i][:n])]
+            rec["logprobs"].append(entry)
+
+    def _output(self, rec: dict[str, Any]) -> RequestOutput:
+        seq = rec["seq"]
+        if seq is None:
+            return RequestOutput(rec["id"], rec["text"], rec["ids"], [], "", "error", rec["error"], rec["logprobs"])
+        toks = list(seq.output_token_ids)
+        text = self.tokenizer.decode(toks) if self.tokenizer is not None and toks else ""
+        lp = rec["logprobs"][: len(toks)] if rec["logprobs"] is not None else None
+        return RequestOutput(rec["id"], rec["text"], list(seq.prompt_token_ids), toks, text, seq.finish_reason,
+                             seq.error, lp)
+
+
+class _Progress:
+    """rich progress bar: requests done and output tokens/s."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.enabled = enabled
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), transient=False)
+            self.task = self.bar.add_task("gen", total=total, rate="")
+            self.bar.start()
+
+    def done(self, n_tokens: int = 0) -> None:
+        self.tokens += n_tokens
+        if self.enabled:
+            rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.update(self.task, advance=1, rate=f"{rate:.1f} tok/s")
+
+    def close(self) -> None:
+        if self.enabled:
+            self.bar.stop()

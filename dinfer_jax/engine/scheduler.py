@@ -1,0 +1,829 @@
+"""Host-side request scheduler: FCFS prefill admission, chunked prefill, decode, preemption, and one-step-late
+("ZOS") output processing.
+
+Ports the semantics (not the code) of DeepInfer's ``csrc/engine/scheduler.hpp`` / ``sequence.hpp`` / ``zos.cpp``
+and ``deepinfer/engine/llm_engine.py`` (engine spec §2, §3, §4, §12, §14). Pure Python; no jax.
+
+Step loop contract
+==================
+The host loop alternates ``schedule()`` and ``process_step()``::
+
+    inflight = collections.deque()
+    while sched.has_unfinished() or inflight:
+        step = sched.schedule()                     # may be None (nothing runnable until a step is processed)
+        if step is not None:
+            inflight.append((step, device.dispatch(step)))   # async dispatch: device futures
+        # asynchronous ("ZOS") mode keeps one step in flight; synchronous mode uses `while inflight:`
+        while inflight and (step is None or len(inflight) > 1):
+            old, out = inflight.popleft()
+            for seq in sched.process_step(old, host_tokens(out)):   # blocks on step `old` only
+                emit(seq.snapshot())
+    for seq in sched.take_finished():               # finishes inside a final schedule() call
+        emit(seq.snapshot())
+
+* Steps must be processed once each, in the order they were scheduled (``process_step`` raises otherwise).
+* ``schedule()`` returns None only if nothing is unfinished, or some step is in flight (it raises RuntimeError
+  otherwise, which would be a scheduler bug).
+* Each finished sequence is reported exactly once: an invalid request as the (already FINISHED) return value of
+  ``add_request()``, an aborted one as the return value of ``abort()``, every other finish (in ``process_step``, or
+  in ``schedule()``: preemption, a request that can never be admitted) through an outbox that ``process_step``
+  returns and drains and ``take_finished()`` drains explicitly.
+* ``row.accepted_token`` (set by ``process_step``) tells which rows' sampled tokens were appended to an output, for
+  keeping per-token side outputs (logprobs) aligned with ``output_token_ids``.
+* Synchronous and asynchronous orders give the same per-request tokens and finish reasons when the device's token at a
+  position does not depend on batching and no preemption happens. Under preemption they usually agree too (in
+  randomized runs with recompute they differed only when a victim ended "preempted"), but KV pressure can make the lag
+  change which request is preempted and when: the async scheduler must reserve a block for a row of a sequence whose
+  EOS is still in flight (DeepInfer has the same property).
+
+Lengths under the lag (spec §4 "optimistic reservation")
+=========================================================
+``Sequence.num_computed_tokens`` counts positions whose KV is in the cache *or will be written by an in-flight step*;
+``Sequence.num_inflight`` counts sampled tokens not yet processed; ``num_tokens_total = prompt_len +
+len(output_token_ids) + num_inflight``. For a decoding sequence ``num_computed_tokens == num_tokens_total - 1``: its
+next decode row feeds the token at position ``num_computed_tokens`` and samples position ``num_computed_tokens + 1``
+(``row.end_pos``). The input token is host-known (``row.token_ids == [tok]``) or in flight (``row.token_ids is
+None``); then ``row.input_src = (step_id, row_index)`` names the row whose sampled token it is (with one step of lag
+always a row of step ``step_id - 1``), and the device takes it from that step's device outputs (DeepInfer
+``prepare_zos_inputs`` remap). This includes the first decode after a prefill, so the device must keep the previous
+step's per-row sampled tokens for prefill steps too.
+
+Stop conditions that depend only on lengths (``max_tokens``, ``max_model_len``) are known at schedule time, so a
+sequence whose in-flight tokens already reach such a limit is not scheduled again; only an EOS / stop token sampled by
+an in-flight step can put a sequence into one more step after its finish (DeepInfer: "one extra forward after EOS").
+That row's result is discarded (``Scheduler.num_discarded_rows``).
+
+Resource release
+================
+* Finished (stop / length / abort / error): blocks and state slot are freed when the last in-flight step that holds a
+  row of the sequence has been processed (``Sequence.num_inflight_steps == 0``); with nothing in flight (synchronous
+  mode), at once. (DeepInfer likewise defers the release of finished sequences to the next step's
+  ``pre_sampler_sync`` / ``DeferredRelease``; spec §4, §14.) A decode row that needs a block which such lagging
+  releases (or sequences whose in-flight tokens reach a length limit) will certainly return sits the step out
+  instead of preempting anyone, so the lag itself does not cause preemptions.
+* Preempted: freed immediately inside ``schedule()`` (DeepInfer ``_preempt`` -> ``free_seq_nolock``), so the step
+  that needed the room can use it. This is safe because every step runs after all earlier-dispatched steps on the
+  device (the cache is threaded through the jitted steps), so an in-flight row's writes into the victim's blocks /
+  slot land before the new owner's (spec §4 invariant 3). Device contract this relies on: a row never reads a KV
+  position of its block table that its own sequence has not written (positions ``>= row.end_pos`` are masked), and a
+  row with ``start_pos == 0`` (``row.is_first_chunk``) initialises its state slot instead of reading it.
+* Tokens of a preempted sequence's in-flight rows: a sampled token that is exactly the victim's next token is kept
+  while the victim is not re-admitted (it was computed from a complete, correct context); anything else is
+  discarded. A "stop"-mode victim with rows in flight finishes "preempted" once they are processed (or "stop" /
+  "length" if one of those tokens ends it), so it keeps the same tokens as in synchronous mode. A "recompute" victim's
+  kept tokens become part of its recompute prefill, so every admission yields at least one token (progress).
+
+Policies (see ``SchedulerConfig`` for knobs)
+============================================
+* Step type: a step is all-prefill or all-decode, never mixed (DeepInfer ``prepare_sample.cpp``). Prefill is
+  *attempted* when the number of decode steps since the last prefill step is a multiple of
+  ``prefill_attempt_interval`` (DeepInfer ``_schedule``: every ``DEEPINFER_PREFILL_ATTEMPT_INTERVAL`` = 70 decode
+  steps, and again right after a prefill step; our default 1 = attempt before every step) and fewer than
+  ``max_consecutive_prefill_steps`` prefill steps ran in a row (None = no cap, as DeepInfer). An attempt that schedules
+  nothing falls back to decode; when nothing is decodable, prefill is always attempted. Prefill cannot starve (it is
+  attempted at least every ``prefill_attempt_interval`` steps and admission is FCFS); decode cannot starve (with the
+  cap, at most ``max_consecutive_prefill_steps`` prefill steps in a row; without it, a prefill streak is bounded by
+  admissions (``max_num_seqs``) plus the chunks of one prompt, since running sequences only leave through decode).
+* Prefill (DeepInfer ``_schedule_prefill``): the partially prefilled (chunked) sequence, if any, continues first; then
+  FCFS over ``waiting`` with head-of-line blocking: stop at the first request that does not fit now (LATER), error
+  out a request that can never fit (NEVER). Admission needs ``len(running) + partial < max_num_seqs``, the token
+  budget, and a joint allocation of ``blocks_for(prefill_len)`` blocks for the whole prompt plus one state slot
+  (DeepInfer ``_can_allocate_with_state`` / ``allocate_seq``). Optionally (``prefill_kv_watermark`` < 1, DeepInfer
+  0.9) new admissions pause while KV usage is above the watermark and a decode step is possible.
+  Chunked prefill: a prompt longer than the remaining budget is cut to the remaining budget (any length, no
+  alignment); the chunked sequence ends the batch, so at most one partial sequence exists; only the final chunk
+  samples (DeepInfer ``last_output_token = -1`` for non-final chunks). Without chunked prefill, a prompt longer than
+  ``max_num_batched_tokens`` is an error (DeepInfer ``prompt_limit``).
+* Decode (DeepInfer ``_schedule_decode``): every RUNNING, fully prefilled sequence not already at a length limit gets
+  one row. Block tables grow to exactly ``blocks_for(num_computed_tokens + 1)``. Candidates are ordered by output
+  length (including in-flight tokens), ties by arrival; rows are granted from the shortest-output end and, when a
+  block is missing, victims are preempted from the longest-output end (DeepInfer: the code and its finish reason
+  "the task using the most kvcache" agree); the sequence itself is preempted if nothing else is left (except the
+  sit-out case above). Rows are emitted in arrival order.
+* Preemption mode ``"stop"`` (DeepInfer default ``stop_preempted_request=True``): the victim finishes with
+  finish_reason ``"preempted"``. ``"recompute"``: the victim goes back to the front of ``waiting`` (several victims
+  of one step: in arrival order) and later re-prefills prompt + generated tokens, keeping its outputs. A victim that
+  could not take even one decode step after re-prefilling when alone in the pool finishes ``"preempted"`` instead.
+* Stop checks after each appended token, in order: token in ``stop_token_ids`` -> "stop"; token in
+  ``eos_token_ids`` unless ``ignore_eos`` -> "stop" (``ignore_eos`` disables EOS only, as vLLM); ``max_tokens``
+  reached -> "length"; ``prompt_len + len(output_token_ids) == max_model_len`` -> "length". The stop/EOS token is
+  kept as the last entry of ``output_token_ids`` (as DeepInfer and vLLM's token ids).
+* Request validation (``add_request``): the request finishes at once with finish_reason "error" and a message, never
+  entering a queue, when: prompt empty / not a sequence of ints; an id outside ``[0, vocab_size)``;
+  ``prompt_len > max_model_len - 1`` (a prompt must leave room for >= 1 generated token, so the sequence never
+  exceeds ``max_model_len`` tokens); without chunked prefill, ``prompt_len > max_num_batched_tokens``;
+  ``blocks_for(prompt_len) > usable blocks`` (can never be admitted); bad ``max_tokens`` (must be None = unlimited,
+  or an int >= 1); a request id equal to a live request's.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections import deque
+from collections.abc import Iterable, Sequence as SequenceABC
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .block_manager import BlockManager, StateSlots
+
+__all__ = [
+    "FINISH_REASONS",
+    "RequestOutput",
+    "ScheduledRow",
+    "ScheduledStep",
+    "Scheduler",
+    "SchedulerConfig",
+    "Sequence",
+    "SequenceStatus",
+]
+
+FINISH_REASONS = ("stop", "length", "preempted", "error", "abort")
+PREEMPTION_MODES = ("stop", "recompute")
+
+
+def _is_int(x: object) -> bool:
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class SchedulerConfig:
+    """Scheduler limits and policies.
+
+    max_num_seqs: at most this many sequences hold resources as running or partially prefilled (= max decode rows).
+    max_num_batched_tokens: query tokens per step (prefill chunk budget); must be >= max_num_seqs.
+    max_model_len: a sequence (prompt + generated) never exceeds this many tokens.
+    block_size: tokens per KV block; must equal the BlockManager's.
+    enable_chunked_prefill: split prompts longer than the remaining budget.
+    preemption_mode: "stop" (DeepInfer default) or "recompute".
+    prefill_attempt_interval: attempt prefill when (decode steps since the last prefill step) % interval == 0
+        (DeepInfer DEEPINFER_PREFILL_ATTEMPT_INTERVAL = 70; default 1 = before every step).
+    max_consecutive_prefill_steps: force a decode step (if any sequence can decode) after this many prefill steps in
+        a row; None = no cap (DeepInfer).
+    prefill_kv_watermark: admit new prompts only while used/usable KV blocks <= this, unless nothing can decode
+        (DeepInfer GPU_CACHE_PREFILL_WATERMARK = 0.9; default 1.0 = off).
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "stop"
+    prefill_attempt_interval: int = 1
+    max_consecutive_prefill_steps: int | None = None
+    prefill_kv_watermark: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                     "prefill_attempt_interval"):
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise TypeError(f"SchedulerConfig.{name} must be an int, got {v!r}")
+            setattr(self, name, operator.index(v))
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {v}")
+        if self.max_model_len < 2:
+            raise ValueError(f"SchedulerConfig.max_model_len must be >= 2 (a 1-token prompt plus 1 generated token), "
+                             f"got {self.max_model_len}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): a decode step has one token per running sequence")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise TypeError(
+                f"SchedulerConfig.enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"SchedulerConfig.preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
+        m = self.max_consecutive_prefill_steps
+        if m is not None:
+            if not _is_int(m) or operator.index(m) < 1:
+                raise ValueError(
+                    f"SchedulerConfig.max_consecutive_prefill_steps must be None or an int >= 1, got {m!r}")
+            self.max_consecutive_prefill_steps = operator.index(m)
+        w = self.prefill_kv_watermark
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0.0 < float(w) <= 1.0):
+            raise ValueError(f"SchedulerConfig.prefill_kv_watermark must be in (0, 1], got {w!r}")
+
+    @property
+    def max_prefill_len(self) -> int:
+        """Longest prompt accepted: room for one generated token, and the whole budget if prompts cannot be split."""
+        limit = self.max_model_len - 1
+        return limit if self.enable_chunked_prefill else min(limit, self.max_num_batched_tokens)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sequence record
+# ---------------------------------------------------------------------------------------------------------------------
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # in the waiting queue, holds no blocks / slot (new, or preempted for recompute)
+    RUNNING = "running"  # admitted: holds blocks + a slot; prefill may still be in progress (`is_prefilling`)
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """Immutable snapshot of a request's state (spec §14; a copy, valid forever, unlike DeepInfer's pooled records)."""
+
+    request_id: Any
+    prompt_len: int
+    output_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+    num_preemptions: int
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request. Mutated only by the Scheduler; read freely.
+
+    num_computed_tokens: positions whose KV is in the cache or will be written by an in-flight step.
+    num_inflight: sampled tokens scheduled but not yet processed (current admission only).
+    num_inflight_steps: unprocessed scheduled steps holding a row of this sequence (any admission); resources of a
+        finished sequence are released when this reaches 0.
+    prefill_len: tokens prefilled by the current admission (prompt + outputs known at admission; 0 while waiting).
+    num_preemptions: times preempted; also the "epoch" stamped on rows to recognise stale ones.
+    state_slot: -1 when none is held.
+    """
+
+    request_id: Any
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    eos_token_ids: tuple[int, ...]
+    arrival_index: int
+    max_tokens: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    num_computed_tokens: int = 0
+    num_inflight: int = 0
+    num_inflight_steps: int = 0
+    prefill_len: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    state_slot: int = -1
+    num_preemptions: int = 0
+    # (step_id, row_index) of the row that samples the newest in-flight token
+    last_sample_src: tuple[int, int] | None = None
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Host-known tokens: prompt + processed outputs."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_total(self) -> int:
+        """Known tokens plus sampled tokens still in flight."""
+        return self.num_tokens + self.num_inflight
+
+    @property
+    def num_output_tokens_total(self) -> int:
+        return len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Admitted but the prefill is not fully scheduled yet (a chunked prompt)."""
+        return self.status is SequenceStatus.RUNNING and self.num_computed_tokens < self.prefill_len
+
+    def token_at(self, pos: int) -> int:
+        p = self.prompt_len
+        return self.prompt_token_ids[pos] if pos < p else self.output_token_ids[pos - p]
+
+    def known_tokens(self, start: int, stop: int) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+
+    def snapshot(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt_len, tuple(self.output_token_ids), self.finished,
+                             self.finish_reason, self.error, self.num_preemptions)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Scheduled step
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class ScheduledRow:
+    """One sequence's slice of a step.
+
+    start_pos: absolute position of the row's first query token; num_tokens: query tokens (1 for decode).
+    token_ids: prefill -> the chunk's tokens; decode -> [known input token], or None when the input token is the
+        in-flight sampled token of row ``input_src = (step_id, row_index)`` of an earlier step.
+    sample: the row's last token produces a sampled token (final prefill chunk, or decode); its position is
+        ``end_pos``.
+    block_ids: snapshot of the block table covering positions < end_pos (exactly blocks_for(end_pos) entries).
+    state_slot: the sequence's state slot (never 0). epoch: the sequence's num_preemptions at schedule time.
+    accepted_token: set by process_step to the sampled token when it was appended to the sequence's output; None for
+        non-sampling and discarded rows (use it to keep per-token side outputs such as logprobs aligned).
+    """
+
+    seq: Sequence
+    start_pos: int
+    num_tokens: int
+    token_ids: list[int] | None
+    sample: bool
+    block_ids: list[int]
+    state_slot: int
+    input_src: tuple[int, int] | None = None
+    epoch: int = 0
+    accepted_token: int | None = None
+
+    @property
+    def request_id(self) -> Any:
+        return self.seq.request_id
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.num_tokens
+
+    @property
+    def is_first_chunk(self) -> bool:
+        """start_pos == 0: the state slot must be (re)initialised, not read."""
+        return self.start_pos == 0
+
+
+@dataclass(eq=False)
+class ScheduledStep:
+    step_id: int
+    kind: Literal["prefill", "decode"]
+    rows: list[ScheduledRow]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def num_sampling_rows(self) -> int:
+        return sum(1 for r in self.rows if r.sample)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Scheduler
+# ---------------------------------------------------------------------------------------------------------------------
+class Scheduler:
+    """FCFS prefill/decode scheduler with chunked prefill, preemption and one-step-late output processing."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, state_slots: StateSlots,
+                 vocab_size: int) -> None:
+        if not isinstance(config, SchedulerConfig):
+            raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        if block_manager.block_size != config.block_size:
+            raise ValueError(f"block size mismatch: config {config.block_size}, "
+                             f"block manager {block_manager.block_size}")
+        if not _is_int(vocab_size) or operator.index(vocab_size) < 1:
+            raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+        self.config = config
+        self.block_manager = block_manager
+        self.state_slots = state_slots
+        self.vocab_size = operator.index(vocab_size)
+
+        self.waiting: deque[Sequence] = deque()  # not admitted, FCFS (recompute victims at the front)
+        self.prefilling: list[Sequence] = []  # admitted, prefill partially scheduled (at most one)
+        self.running: list[Sequence] = []  # admitted, prefill fully scheduled; in admission order
+        self._inflight: deque[ScheduledStep] = deque()
+        self._finished_outbox: list[Sequence] = []
+        self._live: dict[Any, Sequence] = {}
+        self._stopping: dict[Sequence, str] = {}  # stop-mode victims waiting for their in-flight rows
+        self._draining: set[Sequence] = set()  # finished, resources held until their in-flight steps are processed
+        self._next_step_id = 0
+        self._next_arrival = 0
+        self._decode_steps_since_prefill = 0
+        self._consecutive_prefill_steps = 0
+        # statistics
+        self.num_preemptions = 0
+        self.num_discarded_rows = 0
+
+    # ================================================================= requests
+    def add_request(self, request_id: Any, prompt_token_ids: Iterable[int], sampling_params: Any = None,
+                    eos_token_ids: int | Iterable[int] | None = ()) -> Sequence:
+        """Queue a request (FCFS). An invalid request is returned already FINISHED with finish_reason "error"."""
+        arrival = self._next_arrival
+        self._next_arrival += 1
+        errors: list[str] = []
+
+        prompt: list[int] = []
+        try:
+            raw = list(prompt_token_ids)
+        except TypeError:
+            raw = None
+            errors.append(f"prompt_token_ids is not a sequence (got {type(prompt_token_ids).__name__})")
+        if raw is not None:
+            bad = [(i, t) for i, t in enumerate(raw) if not _is_int(t)]
+            if bad:
+                errors.append(f"prompt_token_ids[{bad[0][0]}] = {bad[0][1]!r} is not an int")
+            else:
+                prompt = [operator.index(t) for t in raw]
+
+        try:
+            eos = (() if eos_token_ids is None else
+                   (operator.index(eos_token_ids),) if _is_int(eos_token_ids) else
+                   tuple(operator.index(t) for t in eos_token_ids))
+        except TypeError:
+            eos = ()
+            errors.append(f"eos_token_ids must be an int or a sequence of ints, got {eos_token_ids!r}")
+
+        max_tokens = getattr(sampling_params, "max_tokens", None)
+        if max_tokens is not None:
+            if not _is_int(max_tokens) or operator.index(max_tokens) < 1:
+                errors.append(f"sampling_params.max_tokens must be None or an int >= 1, got {max_tokens!r}")
+                max_tokens = None
+            else:
+                max_tokens = operator.index(max_tokens)
+        stop_ids_raw = getattr(sampling_params, "stop_token_ids", None) or ()
+        try:
+            stop_ids = frozenset(operator.index(t) for t in stop_ids_raw)
+        except TypeError:
+            stop_ids = frozenset()
+            errors.append(f"sampling_params.stop_token_ids must be a sequence of ints, got {stop_ids_raw!r}")
+        ignore_eos = bool(getattr(sampling_params, "ignore_eos", False))
+
+        seq = Sequence(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling_params,
+                       eos_token_ids=eos, arrival_index=arrival, max_tokens=max_tokens, stop_token_ids=stop_ids,
+                       ignore_eos=ignore_eos)
+
+        if not errors:
+            errors.extend(self._validate_prompt(prompt))
+        if not errors and request_id in self._live:
+            errors.append(f"request_id {request_id!r} is already in use by an unfinished request")
+        if errors:
+            self._finish(seq, "error", f"request {request_id!r}: " + "; ".join(errors), report=False)
+            return seq
+        self._live[request_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def _validate_prompt(self, prompt: list[int]) -> list[str]:
+        cfg = self.config
+        n = len(prompt)
+        if n == 0:
+            return ["empty prompt"]
+        errors = []
+        bad = next(((i, t) for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            errors.append(f"prompt token id {bad[1]} at index {bad[0]} is outside the vocabulary "
+                          f"[0, {self.vocab_size})")
+        if n > cfg.max_model_len - 1:
+            errors.append(f"prompt has {n} tokens but max_model_len is {cfg.max_model_len}; a prompt may have at most "
+                          f"max_model_len - 1 = {cfg.max_model_len - 1} tokens (room for one generated token)")
+        elif not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
+            errors.append(f"prompt has {n} tokens, more than max_num_batched_tokens = {cfg.max_num_batched_tokens}, "
+                          f"and chunked prefill is disabled")
+        need = self.block_manager.blocks_for(n)
+        if need > self.block_manager.capacity:
+            errors.append(f"prompt needs {need} KV blocks of {self.config.block_size} tokens but the pool has only "
+                          f"{self.block_manager.capacity} usable blocks; it can never be scheduled")
+        return errors
+
+    def abort(self, request_id: Any) -> Sequence | None:
+        """Finish a live request with finish_reason "abort". Its in-flight rows are discarded when processed."""
+        seq = self._live.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, "abort", None, report=False)
+        return seq
+
+    # ================================================================== queries
+    def has_unfinished(self) -> bool:
+        """Some request is not finished (waiting, prefilling or running)."""
+        return bool(self.waiting or self.prefilling or self.running or self._stopping)
+
+    @property
+    def num_inflight_steps(self) -> int:
+        """Steps returned by schedule() and not yet passed to process_step()."""
+        return len(self._inflight)
+
+    def has_pending_work(self) -> bool:
+        return self.has_unfinished() or bool(self._inflight)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + len(self.running) + len(self._stopping)
+
+    def kv_usage(self) -> float:
+        bm = self.block_manager
+        return bm.num_used / bm.capacity
+
+    def take_finished(self) -> list[Sequence]:
+        """Sequences finished inside schedule() / process_step() since the last drain, in finishing order.
+
+        Together with the return values of add_request() (invalid requests) and abort(), every finished sequence is
+        reported exactly once.
+        """
+        out, self._finished_outbox = self._finished_outbox, []
+        return out
+
+    def get_sequence(self, request_id: Any) -> Sequence | None:
+        return self._live.get(request_id)
+
+    # ================================================================= schedule
+    def schedule(self) -> ScheduledStep | None:
+        """Plan the next step (all prefill or all decode), or None if nothing can run now."""
+        cfg = self.config
+        decodable = [s for s in self.running if self._can_decode(s)]
+        step: ScheduledStep | None = None
+        tried_prefill = False
+        if self.prefilling or self.waiting:
+            turn = self._decode_steps_since_prefill % cfg.prefill_attempt_interval == 0 and (
+                cfg.max_consecutive_prefill_steps is None
+                or self._consecutive_prefill_steps < cfg.max_consecutive_prefill_steps)
+            if turn or not decodable:
+                tried_prefill = True
+                step = self._schedule_prefill(decode_possible=bool(decodable))
+        if step is None and decodable:
+            step = self._schedule_decode(decodable)
+        if step is None and (self.prefilling or self.waiting) and (not tried_prefill or self.waiting):
+            # decode impossible, or emptied by preemption (recompute victims may be admissible now)
+            step = self._schedule_prefill(decode_possible=False)
+        if step is None:
+            if self.has_unfinished() and not self._inflight:
+                raise RuntimeError("scheduler stalled: unfinished requests but nothing schedulable and nothing in "
+                                   "flight (internal error)")
+            return None
+        if step.kind == "prefill":
+            self._consecutive_prefill_steps += 1
+            self._decode_steps_since_prefill = 0
+        else:
+            self._consecutive_prefill_steps = 0
+            self._decode_steps_since_prefill += 1
+        for row in step.rows:
+            row.seq.num_inflight_steps += 1
+        self._inflight.append(step)
+        return step
+
+    def _can_decode(self, seq: Sequence) -> bool:
+        if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens < seq.prefill_len:
+            return False
+        # a length limit already reached by in-flight tokens: it will finish when they are processed
+        if seq.max_tokens is not None and seq.num_output_tokens_total >= seq.max_tokens:
+            return False
+        return seq.num_tokens_total < self.config.max_model_len
+
+    def _new_step(self, kind: str, rows: list[ScheduledRow]) -> ScheduledStep:
+        step = ScheduledStep(self._next_step_id, kind, rows)  # type: ignore[arg-type]
+        self._next_step_id += 1
+        for i, row in enumerate(rows):
+            if row.sample:
+                row.seq.last_sample_src = (step.step_id, i)
+        return step
+
+    # ---------------------------------------------------------------- prefill
+    def _schedule_prefill(self, decode_possible: bool) -> ScheduledStep | None:
+        cfg, bm, slots = self.config, self.block_manager, self.state_slots
+        budget = cfg.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+
+        # 1. the partially prefilled sequence continues first (it already holds its blocks and slot)
+        assert len(self.prefilling) <= 1
+        if self.prefilling:
+            seq = self.prefilling[0]
+            n = min(seq.prefill_len - seq.num_computed_tokens, budget)
+            rows.append(self._prefill_row(seq, n))
+            budget -= n
+            if seq.is_prefilling:
+                return self._new_step("prefill", rows)  # still chunked: it ends the batch
+            self.prefilling.remove(seq)
+            self.running.append(seq)
+
+        # 2. FCFS admission
+        admit = not (decode_possible and self.kv_usage() > cfg.prefill_kv_watermark)
+        while admit and self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if len(self.running) + len(self.prefilling) >= cfg.max_num_seqs:
+                break
+            plen = seq.num_tokens  # prompt (+ outputs kept by a recompute preemption)
+            need = bm.blocks_for(plen)
+            recompute = seq.num_preemptions > 0
+            if need > bm.capacity or plen > cfg.max_prefill_len:  # NEVER
+                self.waiting.popleft()
+                if recompute:
+                    self._finish(seq, "preempted", f"request {seq.request_id!r}: preempted; its {plen} tokens no "
+                                 f"longer fit a recompute prefill")
+                else:
+                    self._finish(seq, "error", f"request {seq.request_id!r}: prompt of {plen} tokens can never be "
+                                 f"scheduled ({need} blocks needed, {bm.capacity} usable)")
+                continue
+            if not cfg.enable_chunked_prefill and plen > budget:
+                break  # whole prompt next step
+            if bm.num_free < need or slots.num_free < 1:
+                break  # LATER: head-of-line blocking keeps FCFS
+            self.waiting.popleft()
+            seq.block_ids = bm.allocate(need)
+            seq.state_slot = slots.allocate()
+            seq.status = SequenceStatus.RUNNING
+            seq.prefill_len = plen
+            seq.num_computed_tokens = 0
+            seq.num_inflight = 0
+            n = min(plen, budget)
+            rows.append(self._prefill_row(seq, n))
+            budget -= n
+            if seq.is_prefilling:
+                self.prefilling.append(seq)
+                break  # a chunked sequence ends the batch
+            self.running.append(seq)
+
+        return self._new_step("prefill", rows) if rows else None
+
+    def _prefill_row(self, seq: Sequence, n: int) -> ScheduledRow:
+        start = seq.num_computed_tokens
+        end = start + n
+        assert 0 < n and end <= seq.prefill_len
+        sample = end == seq.prefill_len
+        row = ScheduledRow(seq=seq, start_pos=start, num_tokens=n, token_ids=seq.known_tokens(start, end),
+                           sample=sample, block_ids=seq.block_ids[:self.block_manager.blocks_for(end)],
+                           state_slot=seq.state_slot, input_src=None, epoch=seq.num_preemptions)
+        seq.num_computed_tokens = end
+        if sample:
+            seq.num_inflight += 1
+        return row
+
+    # ----------------------------------------------------------------- decode
+    def _schedule_decode(self, candidates: list[Sequence]) -> ScheduledStep | None:
+        bm = self.block_manager
+        order = sorted(candidates, key=lambda s: (s.num_output_tokens_total, s.arrival_index))
+        # Blocks that processing the in-flight steps will certainly free: held by finished sequences still referenced
+        # by an in-flight step, and by running sequences whose in-flight tokens reach a length limit. Always 0 in
+        # synchronous mode. A sequence that could grow into them sits this step out instead of preempting anyone.
+        soon_free = sum(len(s.block_ids) for s in self._draining)
+        soon_free += sum(len(s.block_ids) for s in self.running if not s.is_prefilling and not self._can_decode(s))
+        lo, hi = 0, len(order)
+        granted: list[Sequence] = []
+        victims: list[Sequence] = []
+        while lo < hi:
+            seq = order[lo]
+            lo += 1
+            need = bm.blocks_for(seq.num_computed_tokens + 1) - len(seq.block_ids)
+            assert need in (0, 1), need
+            if need:
+                if bm.num_free < need and soon_free >= need:
+                    soon_free -= need  # wait one step for the lagging release
+                    continue
+                while bm.num_free < need and hi > lo:
+                    hi -= 1
+                    victims.append(order[hi])
+                    self._preempt(order[hi])
+                if bm.num_free < need:
+                    victims.append(seq)
+                    self._preempt(seq)
+                    continue
+                seq.block_ids.extend(bm.allocate(need))
+            granted.append(seq)
+        requeue = sorted((v for v in victims if v.status is SequenceStatus.WAITING), key=lambda s: s.arrival_index)
+        self.waiting.extendleft(reversed(requeue))
+        if not granted:
+            return None
+        granted.sort(key=lambda s: s.arrival_index)
+        rows = []
+        for seq in granted:
+            pos = seq.num_computed_tokens
+            if pos < seq.num_tokens:
+                tokens, src = [seq.token_at(pos)], None
+            else:
+                assert pos == seq.num_tokens_total - 1 and seq.last_sample_src is not None
+                tokens, src = None, seq.last_sample_src
+            rows.append(ScheduledRow(seq=seq, start_pos=pos, num_tokens=1, token_ids=tokens, sample=True,
+                                     block_ids=list(seq.block_ids), state_slot=seq.state_slot, input_src=src,
+                                     epoch=seq.num_preemptions))
+            seq.num_computed_tokens = pos + 1
+            seq.num_inflight += 1
+        return self._new_step("decode", rows)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt a RUNNING sequence: release its blocks/slot now, then stop it or requeue it for recompute.
+
+        Tokens its in-flight rows sample are still accepted while it is not re-admitted (see process_step); a stopped
+        victim with rows in flight is parked in ``_stopping`` and finishes "preempted" once they are processed (or
+        earlier, "stop"/"length", if one of those tokens ends it), so it keeps every token computed for it.
+        """
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self._release(seq)
+        bm, cfg = self.block_manager, self.config
+        total = seq.num_tokens_total
+        can_progress = bm.blocks_for(total + 1) <= bm.capacity and total <= cfg.max_prefill_len
+        seq.num_preemptions += 1  # also the epoch: rows scheduled before now become stale
+        seq.num_computed_tokens = 0
+        seq.num_inflight = 0
+        seq.prefill_len = 0
+        seq.last_sample_src = None
+        if cfg.preemption_mode == "stop" or not can_progress:
+            why = "" if cfg.preemption_mode == "stop" else " (recompute could not make progress in this KV pool)"
+            msg = f"request {seq.request_id!r}: preempted for lack of KV blocks{why}"
+            if seq.num_inflight_steps == 0:
+                self._finish(seq, "preempted", msg)
+            else:
+                self._stopping[seq] = msg
+            return
+        seq.status = SequenceStatus.WAITING
+        # the caller puts it back at the front of `waiting`
+
+    # ================================================================== process
+    def process_step(self, step: ScheduledStep, sampled_token_ids: SequenceABC[int | None]) -> list[Sequence]:
+        """Consume the sampled tokens of the oldest in-flight step.
+
+        ``sampled_token_ids`` has one entry per row (a list or a numpy array): an int for every sampling row (the value
+        is ignored for rows that are discarded), anything (None) for non-sampling rows. Malformed input raises
+        ValueError before anything changes. Returns the sequences finished inside schedule() / process_step() since
+        the last drain (see take_finished).
+        """
+        if not self._inflight or self._inflight[0] is not step:
+            raise ValueError(f"process_step got step {getattr(step, 'step_id', step)!r}, expected the oldest in-flight "
+                             f"step {self._inflight[0].step_id if self._inflight else None}; steps must be processed "
+                             f"once each, in schedule order")
+        if len(sampled_token_ids) != len(step.rows):
+            raise ValueError(f"step {step.step_id} has {len(step.rows)} rows but {len(sampled_token_ids)} sampled "
+                             f"token ids were given")
+        for i, row in enumerate(step.rows):
+            if row.sample and not _is_int(sampled_token_ids[i]):
+                raise ValueError(f"step {step.step_id} row {i} (request {row.request_id!r}) samples a token but got "
+                                 f"{sampled_token_ids[i]!r}")
+        self._inflight.popleft()
+        for i, row in enumerate(step.rows):
+            seq = row.seq
+            seq.num_inflight_steps -= 1
+            if seq.finished:
+                self.num_discarded_rows += 1
+            elif row.epoch != seq.num_preemptions:
+                # scheduled before a preemption: keep a sampled token only if it is exactly the next token of a victim
+                # that has not been re-admitted (it was computed from a complete, correct context)
+                not_readmitted = seq.status is SequenceStatus.WAITING or seq in self._stopping
+                if row.sample and not_readmitted and row.end_pos == seq.num_tokens:
+                    self._accept(seq, row, sampled_token_ids[i])
+                else:
+                    self.num_discarded_rows += 1
+            elif row.sample:
+                assert row.end_pos == seq.num_tokens, (row.end_pos, seq.num_tokens)
+                seq.num_inflight -= 1
+                self._accept(seq, row, sampled_token_ids[i])
+            if seq.num_inflight_steps == 0:
+                if seq in self._stopping:
+                    self._finish(seq, "preempted", self._stopping[seq])
+                elif seq.finished:
+                    self._release(seq)
+        return self.take_finished()
+
+    def _accept(self, seq: Sequence, row: ScheduledRow, token: int) -> None:
+        token = operator.index(token)
+        if not 0 <= token < self.vocab_size:
+            self._finish(seq, "error", f"request {seq.request_id!r}: sampled token id {token} outside the vocabulary "
+                         f"[0, {self.vocab_size})")
+            return
+        seq.output_token_ids.append(token)
+        row.accepted_token = token
+        if token in seq.stop_token_ids or (not seq.ignore_eos and token in seq.eos_token_ids):
+            self._finish(seq, "stop", None)
+        elif seq.max_tokens is not None and len(seq.output_token_ids) >= seq.max_tokens:
+            self._finish(seq, "length", None)
+        elif seq.num_tokens >= self.config.max_model_len:
+            self._finish(seq, "length", None)
+
+    # =============================================================== lifecycle
+    def _finish(self, seq: Sequence, reason: str, error: str | None, report: bool = True) -> None:
+        assert reason in FINISH_REASONS and not seq.finished
+        if seq.status is SequenceStatus.WAITING:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+        elif seq in self.prefilling:
+            self.prefilling.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+        self._stopping.pop(seq, None)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        if self._live.get(seq.request_id) is seq:
+            del self._live[seq.request_id]
+        if report:  # add_request() / abort() report through their return value instead
+            self._finished_outbox.append(seq)
+        if seq.num_inflight_steps == 0:
+            self._release(seq)
+        elif seq.block_ids or seq.state_slot != -1:
+            self._draining.add(seq)  # released by process_step once its last in-flight step is processed
+
+    def _release(self, seq: Sequence) -> None:
+        self._draining.discard(seq)
+        if seq.block_ids:
+            self.block_manager.free(seq.block_ids)
+            seq.block_ids = []
+        if seq.state_slot != -1:
+            self.state_slots.free(seq.state_slot)
+            seq.state_slot = -1
