@@ -40,7 +40,7 @@ def _reference_continuations(model, prompts: list[list[int]], outputs: list[list
 
 
 def _small_buckets(max_num_seqs: int, max_tokens: int) -> Buckets:
-    return Buckets(decode_batch=(max_num_seqs,), prefill_batch=(1, max_num_seqs), prefill_len=(max_tokens,))
+    return Buckets(decode_batch=(max_num_seqs,), prefill_batch=(max_num_seqs,), prefill_len=(max_tokens,))
 
 
 MODELS = {
@@ -63,21 +63,22 @@ def test_greedy_generation_equals_full_forward_argmax(model):
     lengths = [5, 23, 41, 70]
     prompts = _prompts(cfg.vocab_size, lengths)
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
-    base = dict(max_num_seqs=4, max_model_len=128, warmup=True)
-    variants = {
-        "async+chunked": LLM(model, max_num_batched_tokens=32, async_scheduling=True,
-                             buckets=_small_buckets(4, 32), **base),
-        "sync+unchunked": LLM(model, max_num_batched_tokens=128, async_scheduling=False,
-                              buckets=_small_buckets(4, 128), **base),
-    }
+    # One engine (one set of compiled buckets); scheduling switches are host-side only.
+    llm = LLM(model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32,
+              buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(32, 128)))
+    compiled = llm.metrics()["compilations"]
+    assert compiled == len(llm.buckets.shapes())
+    variants = {"async+chunked": dict(async_scheduling=True, max_num_batched_tokens=32),
+                "sync+unchunked": dict(async_scheduling=False, max_num_batched_tokens=128)}
     results = {}
-    for name, llm in variants.items():
+    for name, switches in variants.items():
+        llm.configure(**switches)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         assert all(o.finish_reason == "length" and len(o.token_ids) == GEN for o in outs), name
         results[name] = [o.token_ids for o in outs]
-        assert llm.metrics()["compilations"] == len(llm.buckets.shapes()), "compiled outside warm-up"
-    one_by_one = [variants["async+chunked"].generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]
-    results["async one-at-a-time"] = one_by_one
+    llm.configure(async_scheduling=True, max_num_batched_tokens=32)
+    results["async one-at-a-time"] = [llm.generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]
+    assert llm.metrics()["compilations"] == compiled, "compiled outside warm-up"
     ref = _reference_continuations(model, prompts, results["async+chunked"])
     for name, toks in results.items():
         for i, (got, want) in enumerate(zip(toks, ref)):

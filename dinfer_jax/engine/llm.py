@@ -167,6 +167,21 @@ class LLM:
         self._metrics.compilations = self.runner.num_compilations
         return [self._output(r) for r in records]
 
+    def configure(self, *, async_scheduling: bool | None = None, max_num_batched_tokens: int | None = None,
+                  enable_chunked_prefill: bool | None = None, preemption_mode: str | None = None) -> None:
+        """Change host-side scheduling switches between ``generate`` calls (no recompilation). Chunks must still
+        fit the compiled prefill buckets."""
+        if async_scheduling is not None:
+            self.async_scheduling = bool(async_scheduling)
+        changes = {k: v for k, v in (("max_num_batched_tokens", max_num_batched_tokens),
+                                     ("enable_chunked_prefill", enable_chunked_prefill),
+                                     ("preemption_mode", preemption_mode)) if v is not None}
+        if "max_num_batched_tokens" in changes and changes["max_num_batched_tokens"] > max(self.buckets.prefill_len):
+            raise ValueError(f"max_num_batched_tokens {changes['max_num_batched_tokens']} exceeds the largest compiled "
+                             f"prefill bucket {max(self.buckets.prefill_len)}")
+        if changes:
+            self.sched_config = dataclasses.replace(self.sched_config, **changes)
+
     def metrics(self) -> dict[str, Any]:
         """Counters: tokens, steps, compilations, and the time the device waited for the host (``async`` keeps it
         near zero) and the host waited for the device."""

@@ -1,0 +1,177 @@
+"""Logits -> tokens (+ logprobs) on device, with DeepInfer's filtering order and deterministic sampling.
+
+DeepInfer reference (``tilelang_ops/fused_sample.py``: ``fused_sample_ref``, ``apply_top_p_top_k_ref``):
+
+1. ``logits * (1 / temperature)`` (the reciprocal is an fp32 division, then an fp32 multiply).
+2. top-p: ``probs = softmax(logits)``; sort descending with a *stable* sort (ties: lower column first); remove a
+   token when the cumulative mass *before* it exceeds ``top_p`` (``cumsum(sorted) - sorted > top_p``).
+3. top-k on the top-p-masked logits: stable descending sort, keep ranks ``< top_k`` (``-1`` disables). Ranks come
+   from the logits, not the probabilities, so two logits that round to the same probability keep logit order.
+4. ``logprobs = log_softmax`` over the survivors; sampling probabilities are ``exp(logprobs)``.
+5. ``random_sampling(probs, seed, position)`` (stream case 0).
+
+Choices made here (not DeepInfer behaviour, or where DeepInfer's reference is ambiguous):
+
+* ``top_p >= 1`` disables top-p outright (the kernel's documented semantics). The torch reference would also drop
+  tail tokens whose fp32 exclusive cumsum happens to exceed 1.0 by rounding.
+* ``-0.0`` logits sort as ``+0.0`` (torch's comparison sort treats them as equal; XLA's sort orders -0 < +0).
+* min-p (absent from DeepInfer): applied last, after top-k: with ``p = softmax`` of the top-p/top-k survivors,
+  keep ``p >= min_p * max(p)``. The most likely token always survives, and since the criterion is a ratio to the
+  maximum, the result equals min-p applied to the full tempered distribution intersected with the top-p/top-k set.
+* Greedy rows (``temperature < 1e-5``): DeepInfer samples them with temperature 1e-5 (effectively, not exactly,
+  argmax: near-ties within ~1e-3 logits are random). ``greedy_fast_path=True`` (default) returns the argmax of the
+  raw logits instead (lowest index on ties); ``False`` reproduces DeepInfer's path. Their logprobs are DeepInfer's
+  either way (temperature 1e-5, no filters).
+* logprobs (DeepInfer ``Sampler._prepare_top_info`` / ``_update_golden_tokens``): taken from the *processed*
+  distribution of step 4 (tempered, filtered, renormalised; filtered tokens are ``-inf``). The top-n uses
+  ``lax.top_k`` (ties: lower index first; rows with fewer than n survivors list ``-inf`` entries).
+  ``logprobs_mode="raw"`` gives ``log_softmax(logits)`` of the unprocessed logits instead.
+
+Everything is shape-static (N rows, V columns, n top logprobs), so one compiled step per bucket serves any
+batch; padding rows (``valid=False``) get all-zero logits internally and zero outputs, never NaN.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._u64 import U64
+from .params import SamplingTensors
+from .random import add_seed_offset, random_sampling
+
+LOGPROBS_MODES = ("processed", "raw")
+
+
+class SampleLogprobs(NamedTuple):
+    """Logprob outputs of :func:`sample`.
+
+    token_logprobs: [N] f32, logprob of the returned token.
+    top_logprobs: [N, n] f32, the n largest logprobs, descending.
+    top_token_ids: [N, n] int32, their token ids.
+    """
+
+    token_logprobs: jax.Array
+    top_logprobs: jax.Array
+    top_token_ids: jax.Array
+
+
+def _canonical_zero(x: jax.Array) -> jax.Array:
+    """Replace -0.0 by +0.0 (so sorts treat them as equal, as torch does)."""
+    return jnp.where(x == 0, jnp.zeros_like(x), x)
+
+
+def _stable_descending_order(x: jax.Array) -> jax.Array:
+    """Per-row column order by descending value, ties by ascending column (torch stable descending sort)."""
+    key = -_canonical_zero(x)  # every zero becomes -0.0: all zeros tie
+    iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    _, order = lax.sort((key, iota), dimension=x.ndim - 1, is_stable=True, num_keys=1)
+    return order
+
+
+def _unpermute(order: jax.Array, values: jax.Array) -> jax.Array:
+    """out[i, order[i, r]] = values[i, r] (inverse of take_along_axis)."""
+    rows = lax.broadcasted_iota(jnp.int32, order.shape, 0)
+    return jnp.zeros_like(values).at[rows, order].set(values, unique_indices=True)
+
+
+def top_p_top_k_mask(logits: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+    """Tokens kept by DeepInfer's stable top-p then top-k (``apply_top_p_top_k_ref``).
+
+    Args:
+        logits: [N, V] f32, temperature already applied (``-inf`` allowed, at least one finite per row).
+        top_p: [N] f32 in (0, 1]; ``>= 1`` disables.
+        top_k: [N] int32; ``-1`` (any negative) disables.
+    Returns:
+        [N, V] bool keep-mask.
+    """
+    n, v = logits.shape
+    probs = jax.nn.softmax(logits, axis=-1)
+    order = _stable_descending_order(probs)
+    sorted_p = jnp.take_along_axis(probs, order, axis=-1)
+    exclusive = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+    remove_sorted = (exclusive > top_p[:, None]) & (top_p[:, None] < 1.0)
+    keep = ~_unpermute(order, remove_sorted)
+
+    masked = jnp.where(keep, logits, -jnp.inf)
+    order_k = _stable_descending_order(masked)
+    ranks = _unpermute(order_k, jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (n, v)))
+    remove_k = (top_k[:, None] >= 0) & (ranks >= jnp.minimum(top_k, v)[:, None])
+    return keep & ~remove_k
+
+
+def min_p_mask(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Keep-mask of min-p: ``softmax(logits) >= min_p * max`` per row; ``min_p <= 0`` keeps everything.
+    logits: [N, V] f32 (already filtered, -inf = removed); min_p: [N] f32. Returns [N, V] bool."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    pmax = jnp.max(probs, axis=-1, keepdims=True)
+    return (probs >= min_p[:, None] * pmax) | (min_p[:, None] <= 0.0)
+
+
+def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Steps 1-4 of the module docstring: [N, V] logits -> [N, V] f32 processed logprobs (filtered = -inf)."""
+    x = jnp.where(st.valid[:, None], logits.astype(jnp.float32), 0.0)
+    inv_t = jnp.float32(1.0) / st.temperature
+    x = x * inv_t[:, None]
+    if st.use_filters:
+        keep = top_p_top_k_mask(x, st.top_p, st.top_k)
+        x = jnp.where(keep, x, -jnp.inf)
+        x = jnp.where(min_p_mask(x, st.min_p), x, -jnp.inf)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+@partial(jax.jit, static_argnames=("greedy_fast_path", "seed_offset", "logprobs_mode", "method"))
+def sample(
+    logits: jax.Array,
+    params_tensors: SamplingTensors,
+    *,
+    greedy_fast_path: bool = True,
+    seed_offset: int = 0,
+    logprobs_mode: str = "processed",
+    method: str = "auto",
+) -> tuple[jax.Array, SampleLogprobs]:
+    """Sample one token per row (see the module docstring for the exact semantics).
+
+    Args:
+        logits: [N, V] float (f32 or bf16; computed in f32).
+        params_tensors: :class:`SamplingTensors` with N rows (from ``SamplingTensors.from_params``).
+        greedy_fast_path: static; greedy rows take the argmax (True) or DeepInfer's temperature-1e-5 sample.
+        seed_offset: static; added to every seed mod 2**64 (``MTP_SEED_OFFSET`` for draft sampling).
+        logprobs_mode: static; ``"processed"`` (DeepInfer) or ``"raw"`` (log_softmax of the input logits).
+        method: static; ``random_sampling`` method (``"auto"`` or ``"exact"``; same tokens).
+    Returns:
+        tokens: [N] int32 (0 for padding rows).
+        :class:`SampleLogprobs` (zeros for padding rows).
+    """
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+    st = params_tensors
+    logprobs = process_logits(logits, st)
+    seeds = add_seed_offset(U64(st.seed_hi, st.seed_lo), seed_offset)
+    tokens = random_sampling(jnp.exp(logprobs), seeds, st.position, method=method)
+    if greedy_fast_path:
+        raw = jnp.where(st.valid[:, None], logits.astype(jnp.float32), 0.0)
+        argmax = jnp.argmax(_canonical_zero(raw), axis=-1).astype(jnp.int32)
+        tokens = jnp.where(st.greedy, argmax, tokens)
+    tokens = jnp.where(st.valid, tokens, 0)
+
+    if logprobs_mode == "raw":
+        logprobs = jax.nn.log_softmax(jnp.where(st.valid[:, None], logits.astype(jnp.float32), 0.0), axis=-1)
+    token_lp = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    k = st.num_top_logprobs
+    if k > 0:
+        top_lp, top_ids = lax.top_k(logprobs, k)
+    else:
+        top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    valid = st.valid
+    out = SampleLogprobs(
+        token_logprobs=jnp.where(valid, token_lp, 0.0),
+        top_logprobs=jnp.where(valid[:, None], top_lp, 0.0),
+        top_token_ids=jnp.where(valid[:, None], top_ids.astype(jnp.int32), 0),
+    )
+    return tokens, out

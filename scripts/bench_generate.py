@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""Throughput of ``LLM.generate`` on tiny models, beside transformers' ``generate`` (the PyTorch baseline).
+
+For each model: output tokens/s of dinfer_jax with asynchronous scheduling on and off, the fraction of the
+generate wall time during which the device waited for the host (``metrics()["device_wait_fraction"]``), and — for V4,
+the only family transformers implements — transformers 5.24 ``generate`` on the same weights and prompts (greedy,
+fp32, KV cache on). All prompts have one length so the PyTorch baseline needs no padding. Compilation happens in
+warm-up and is excluded; each configuration is timed over ``--repeats`` runs and the median is reported.
+
+    python scripts/bench_generate.py --batch 8 --prompt-len 48 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny-v4,tiny-v41", help="comma-separated presets (random weights)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-torch", action="store_true", help="skip the transformers baseline")
+    return ap.parse_args(argv)
+
+
+def bench_dinfer(model, prompts, max_tokens: int, async_scheduling: bool, repeats: int) -> dict[str, float]:
+    from dinfer_jax import LLM, SamplingParams
+    from dinfer_jax.engine.runner import Buckets
+
+    B = len(prompts)
+    llm = LLM(model, max_num_seqs=B, max_model_len=len(prompts[0]) + max_tokens + 1,
+              max_num_batched_tokens=B * len(prompts[0]), async_scheduling=async_scheduling,
+              buckets=Buckets(decode_batch=(B,), prefill_batch=(B,), prefill_len=(len(prompts[0]),)))
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts, sp, use_tqdm=False)  # warm the host paths too
+    rates, waits = [], []
+    for _ in range(repeats):
+        before = llm.metrics()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        after = llm.metrics()
+        rates.append(sum(len(o.token_ids) for o in outs) / dt)
+        waited = after["device_waited_for_host_seconds"] - before["device_waited_for_host_seconds"]
+        waits.append(waited / dt)
+    return {"tok_s": statistics.median(rates), "device_wait": statistics.median(waits),
+            "compilations": llm.metrics()["compilations"]}
+
+
+def bench_torch(model, prompts, max_tokens: int, repeats: int) -> dict[str, float]:
+    import torch
+
+    from dinfer_jax.reference.transformers_v4 import hf_model_from_params
+
+    hf = hf_model_from_params(model.config, model.params)
+    ids = torch.as_tensor(np.array(prompts), dtype=torch.long)
+    kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, use_cache=True,
+              pad_token_id=0)
+    with torch.no_grad():
+        hf.generate(ids, **kw)
+        rates = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = hf.generate(ids, **kw)
+            dt = time.perf_counter() - t0
+            rates.append((out.shape[1] - ids.shape[1]) * ids.shape[0] / dt)
+    return {"tok_s": statistics.median(rates)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    from rich.console import Console
+    from rich.table import Table
+
+    from dinfer_jax.models import load_config, random_model
+
+    table = Table(title=f"LLM.generate on CPU: batch {args.batch}, prompt {args.prompt_len}, "
+                        f"{args.max_tokens} new tokens, greedy fp32 (median of {args.repeats})")
+    for col in ("model", "engine", "output tok/s", "vs transformers", "device waited for host"):
+        table.add_column(col, justify="left" if col in ("model", "engine") else "right")
+    rng = np.random.default_rng(0)
+    for name in args.models.split(","):
+        cfg = load_config(name)
+        model = random_model(cfg, seed=0, std=0.1, include_mtp=False)
+        prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, args.prompt_len)] for _ in range(args.batch)]
+        base = None
+        if not args.no_torch and not cfg.is_v41:
+            base = bench_torch(model, prompts, args.max_tokens, args.repeats)["tok_s"]
+            table.add_row(name, "transformers 5.24 generate", f"{base:.1f}", "1.00×", "—")
+        for mode in (True, False):
+            r = bench_dinfer(model, prompts, args.max_tokens, mode, args.repeats)
+            ratio = f"{r['tok_s'] / base:.2f}×" if base else "n/a (no transformers V4.1)"
+            table.add_row(name, f"dinfer_jax async={'on' if mode else 'off'}", f"{r['tok_s']:.1f}", ratio,
+                          f"{r['device_wait']:.1%}")
+    Console(width=140).print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""Batch generation: prompts file (text, one prompt per line, or JSONL) → JSONL of continuations.
+
+    python scripts/generate.py --model default --prompts examples/prompts.txt --output out.jsonl
+    python scripts/generate.py --model /path/to/ckpt --prompts prompts.jsonl --temperature 0.7 --top-p 0.9
+
+JSONL input lines are objects with ``"prompt"`` (text) or ``"prompt_token_ids"`` (list of ints), optionally
+``"max_tokens"``, ``"temperature"``, ``"seed"``. Each output line holds the prompt, the generated token ids and text,
+the finish reason and any error. ``--print`` also shows the continuations on the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", help="checkpoint directory, 'default', or a preset (random weights)")
+    ap.add_argument("--prompts", required=True, help="text file (one prompt per line) or .jsonl")
+    ap.add_argument("--output", help="JSONL output path (default: stdout)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=None, help="seq_seed for every request (deterministic sampling)")
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--sync", action="store_true", help="disable asynchronous scheduling")
+    ap.add_argument("--print", action="store_true", help="print prompt → continuation to stderr")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def read_prompts(path: Path) -> list[dict[str, Any]]:
+    """Prompt records from a text file (one per non-empty line) or JSONL (objects with prompt / prompt_token_ids)."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    if path.suffix == ".jsonl":
+        out = []
+        for i, ln in enumerate(lines):
+            rec = json.loads(ln)
+            if not isinstance(rec, dict) or not ("prompt" in rec or "prompt_token_ids" in rec):
+                raise ValueError(f"{path}:{i + 1}: expected an object with 'prompt' or 'prompt_token_ids'")
+            out.append(rec)
+        return out
+    return [{"prompt": ln} for ln in lines]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    from dinfer_jax import LLM, SamplingParams
+
+    records = read_prompts(Path(args.prompts))
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              async_scheduling=not args.sync)
+    params = [SamplingParams(temperature=float(r.get("temperature", args.temperature)), top_p=args.top_p,
+                             top_k=args.top_k, min_p=args.min_p, max_tokens=int(r.get("max_tokens", args.max_tokens)),
+                             seq_seed=r.get("seed", args.seed)) for r in records]
+    prompts = [r["prompt"] if "prompt" in r else r["prompt_token_ids"] for r in records]
+    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    sink = open(args.output, "w") if args.output else sys.stdout
+    try:
+        for rec, out in zip(records, outputs):
+            sink.write(json.dumps({"prompt": rec.get("prompt"), "prompt_token_ids": out.prompt_token_ids,
+                                   "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
+                                   "error": out.error}) + "\n")
+            if args.print:
+                shown = out.text if out.error is None else f"[error] {out.error}"
+                print(f"\n>>> {rec.get('prompt', out.prompt_token_ids)}\n{shown}", file=sys.stderr)
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    m = llm.metrics()
+    print(f"\n{len(outputs)} requests, {m['decode_tokens']} decode tokens, {m['output_tokens_per_second']:.1f} tok/s, "
+          f"device waited for host {m['device_wait_fraction']:.1%} of the time", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
