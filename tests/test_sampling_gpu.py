@@ -59,7 +59,7 @@ def test_random_sampling_gpu_equals_cpu() -> None:
         np.testing.assert_array_equal(got, expect)
         t_auto = _time(lambda q: random_sampling(q, seeds, pos), p)
         print(f"\nrandom_sampling auto  [{n}x{v}] on {gpu.device_kind}: {t_auto * 1e3:.2f} ms")
-        for block in (1, 16, 64):
+        for block in (1, 8):
             got = np.asarray(random_sampling(p, seeds, pos, method="exact", block=block))
             np.testing.assert_array_equal(got, expect)
             t = _time(lambda q, b=block: random_sampling(q, seeds, pos, method="exact", block=b), p, reps=1)
