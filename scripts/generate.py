@@ -30,8 +30,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None, help="seq_seed for every request (deterministic sampling)")
-    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=128, help="prefill tokens per step")
     ap.add_argument("--sync", action="store_true", help="disable asynchronous scheduling")
     ap.add_argument("--print", action="store_true", help="print prompt → continuation to stderr")
     ap.add_argument("--no-progress", action="store_true")
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     records = read_prompts(Path(args.prompts))
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              async_scheduling=not args.sync)
+              max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=not args.sync)
     params = [SamplingParams(temperature=float(r.get("temperature", args.temperature)), top_p=args.top_p,
                              top_k=args.top_k, min_p=args.min_p, max_tokens=int(r.get("max_tokens", args.max_tokens)),
                              seq_seed=r.get("seed", args.seed)) for r in records]

@@ -123,13 +123,17 @@ class LLM:
             cache_cfg = size_pools(cfg, memory_bytes=kv_cache_memory_bytes, block_size=self.block_size,
                                    max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, dtype=self.model.dtype)
         cache_cfg.validate(cfg)
+        self.buckets = buckets or Buckets.default(max_num_seqs, max_num_batched_tokens)
+        if max(self.buckets.decode_batch) < max_num_seqs or max(self.buckets.prefill_len) < max_num_batched_tokens:
+            raise ValueError(f"buckets {self.buckets} must cover max_num_seqs={max_num_seqs} decode rows and "
+                             f"max_num_batched_tokens={max_num_batched_tokens} prefill tokens")
         self.sched_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                             max_model_len=self.max_model_len, block_size=self.block_size,
                                             enable_chunked_prefill=enable_chunked_prefill,
-                                            preemption_mode=preemption_mode)
+                                            preemption_mode=preemption_mode,
+                                            max_prefill_seqs=max(self.buckets.prefill_batch))
         self.cache_config = cache_cfg
         self.async_scheduling = async_scheduling
-        self.buckets = buckets or Buckets.default(max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, max_logprobs=max_logprobs)
         self.max_logprobs = max_logprobs
         self.tokenizer = self._load_tokenizer()

@@ -43,12 +43,14 @@ class Buckets:
     prefill_len: tuple[int, ...]
 
     @classmethod
-    def default(cls, max_num_seqs: int, max_num_batched_tokens: int, min_prefill_len: int = 16,
-                max_prefill_batch: int = 4) -> "Buckets":
-        q_top = max(max_num_batched_tokens, min_prefill_len)
+    def default(cls, max_num_seqs: int, max_num_batched_tokens: int, max_prefill_batch: int = 4,
+                short_prefill: int = 64) -> "Buckets":
+        """Lean defaults (each shape is one compilation): decode batches in powers of two up to ``max_num_seqs``;
+        prefill batches {1, min(max_num_seqs, max_prefill_batch)}; prefill lengths {short, budget}."""
+        pb = min(max_num_seqs, max_prefill_batch)
         return cls(decode_batch=_pow2_buckets(max_num_seqs),
-                   prefill_batch=_pow2_buckets(min(max_num_seqs, max_prefill_batch)),
-                   prefill_len=_pow2_buckets(q_top, min_prefill_len))
+                   prefill_batch=tuple(sorted({1, pb})),
+                   prefill_len=tuple(sorted({min(short_prefill, max_num_batched_tokens), max_num_batched_tokens})))
 
     def shapes(self) -> list[tuple[int, int]]:
         return [(b, 1) for b in self.decode_batch] + [(b, q) for b in self.prefill_batch for q in self.prefill_len]

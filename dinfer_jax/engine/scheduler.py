@@ -171,6 +171,8 @@ class SchedulerConfig:
         a row; None = no cap (DeepInfer).
     prefill_kv_watermark: admit new prompts only while used/usable KV blocks <= this, unless nothing can decode
         (DeepInfer GPU_CACHE_PREFILL_WATERMARK = 0.9; default 1.0 = off).
+    max_prefill_seqs: rows per prefill step (default max_num_seqs); the engine sets it to its largest compiled
+        prefill batch.
     """
 
     max_num_seqs: int
@@ -182,10 +184,13 @@ class SchedulerConfig:
     prefill_attempt_interval: int = 1
     max_consecutive_prefill_steps: int | None = None
     prefill_kv_watermark: float = 1.0
+    max_prefill_seqs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_prefill_seqs is None:
+            self.max_prefill_seqs = self.max_num_seqs
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "prefill_attempt_interval"):
+                     "prefill_attempt_interval", "max_prefill_seqs"):
             v = getattr(self, name)
             if not _is_int(v):
                 raise TypeError(f"SchedulerConfig.{name} must be an int, got {v!r}")
@@ -610,6 +615,8 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + len(self.prefilling) >= cfg.max_num_seqs:
                 break
+            if len(rows) >= cfg.max_prefill_seqs:
+                break  # rows per prefill step (the largest compiled prefill batch)
             plen = seq.num_tokens  # prompt (+ outputs kept by a recompute preemption)
             need = bm.blocks_for(plen)
             recompute = seq.num_preemptions > 0

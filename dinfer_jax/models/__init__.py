@@ -58,13 +58,16 @@ def _check_dtype(dtype: str) -> str:
 
 def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None = None,
                moe_impl: str | None = None) -> Model:
-    """Load a Hugging Face checkpoint directory (DeepSeek release or transformers ``save_pretrained`` layout).
+    """Load a Hugging Face checkpoint directory (DeepSeek release or transformers ``save_pretrained`` layout), or a
+    registered name such as ``"default"`` (the bundled model, see :mod:`dinfer_jax.checkpoints`).
 
     FP8/FP4 weights are dequantised exactly at load. With a ``sharder`` the parameters are placed by its rules
     (experts over ``ep``) and the forward uses the mesh-friendly dense MoE.
     """
+    from dinfer_jax.checkpoints import resolve_checkpoint
     from dinfer_jax.loading import load_params
 
+    path = resolve_checkpoint(str(path)) or path
     dtype = _check_dtype(dtype)
     cfg = load_config(path)
     if not Path(path).is_dir():

@@ -642,8 +642,13 @@ def preset_names() -> list[str]:
 
 
 def load_config(path_or_preset: str | Path) -> ModelConfig:
-    """Read a config from a checkpoint directory, a ``config.json`` path, or a preset name in ``configs/``."""
+    """Read a config from a checkpoint directory, a ``config.json`` path, a registered checkpoint name such as
+    ``"default"`` (:mod:`dinfer_jax.checkpoints`), or a preset name in ``configs/``."""
+    from dinfer_jax.checkpoints import resolve_checkpoint
+
     p = Path(path_or_preset)
+    if not p.exists() and not (PRESET_DIR / f"{path_or_preset}.json").is_file():
+        p = resolve_checkpoint(str(path_or_preset)) or p
     if p.is_dir():
         p = p / "config.json"
         if not p.is_file():
