@@ -22,8 +22,9 @@ from dinfer_jax.models.attention import (RopeTable, attend, index_scores, output
                                          rope_inv_freq)
 from dinfer_jax.models.config import ATTN_CSA, ATTN_SLIDING, ModelConfig
 from dinfer_jax.models.csa2 import candidate_blocks, topk_select
+from dinfer_jax.models.engram import engram_gate
 from dinfer_jax.models.fake_quant import q4e_fake, q4u_fake, q8_fake
-from dinfer_jax.models.mhc import hc_collapse, hc_mixes, hc_post, hc_pre
+from dinfer_jax.models.mhc import hc_collapse, hc_head, hc_mixes, hc_post, hc_pre
 from dinfer_jax.models.moe import moe
 from dinfer_jax.models.ops import F32, apply_rope_tail, linear, rms_norm, rope_cos_sin
 from dinfer_jax.models.v41 import embed_tokens
@@ -330,8 +331,6 @@ def model_step(params: Mapping[str, Any], cache: dict[str, Any], inp: Mapping[st
             streams = hc_post(streams, m, post, comb)
             continue
         if "engram" in lp:
-            from dinfer_jax.models.engram import engram_gate
-
             streams = engram_gate(streams, engram[cfg.engram_layer_ids.index(layer)], lp["engram"],
                                   norm_eps=cfg.norm_eps)
         pre_a, post_a, comb_a = hc_mixes(streams, lp["hc_attn"], **hc_kw)
@@ -349,8 +348,6 @@ def model_step(params: Mapping[str, Any], cache: dict[str, Any], inp: Mapping[st
         lp_pre = jnp.take_along_axis(premix, inp["last"][:, None, None], axis=1)[:, 0]
         h = rms_norm(hc_collapse(last, lp_pre), params["norm"], cfg.norm_eps, out_dtype=F32)
     else:
-        from dinfer_jax.models.mhc import hc_head
-
         h = rms_norm(hc_head(last, params["hc_head"], hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps), params["norm"],
                      cfg.norm_eps, out_dtype=F32)
     logits = linear(h, params["head"].astype(F32))

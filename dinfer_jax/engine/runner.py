@@ -110,10 +110,12 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     def _call(self, inp: dict[str, Any], samp: Any, shape: tuple[int, int]):
-        if shape not in self.compiled_shapes:
-            self.compiled_shapes.add(shape)
-            self.num_compilations += 1
-        return self._step(self.model.params, self.cache, inp, self._prev_tokens, samp, self._cmap)
+        self.compiled_shapes.add(shape)
+        out = self._step(self.model.params, self.cache, inp, self._prev_tokens, samp, self._cmap)
+        # jit's own cache size when available (counts any retrace, not just new shapes); else distinct shapes.
+        cache_size = getattr(self._step, "_cache_size", None)
+        self.num_compilations = cache_size() if callable(cache_size) else len(self.compiled_shapes)
+        return out
 
     def _empty_inputs(self, b: int, q: int) -> dict[str, Any]:
         def z() -> np.ndarray:
