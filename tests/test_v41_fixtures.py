@@ -62,7 +62,7 @@ def test_tiny_trunk_and_premix_match_reference(tiny_model):
 
 @pytest.mark.parametrize("i", [0, 1, 2])
 def test_quantized_release_checkpoint_matches_reference(i):
-    from dinfer_jax.models import forward_logits, load_model
+    from dinfer_jax.models import forward_logits
 
     model = _quant_model()
     ref = np.load(QUANT / "reference.npz")

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np

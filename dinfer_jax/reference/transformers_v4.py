@@ -93,8 +93,6 @@ def hf_logits(model, token_ids: np.ndarray) -> np.ndarray:
 def hf_logits_and_layers(model, token_ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], dict[int, np.ndarray]]:
     """Logits, the streams after each decoder layer ``[B,S,n,D]`` and the indexer picks per CSA layer ``[B,S,k]``
     (−1 = invalid), recorded with forward hooks (stateless path)."""
-    import torch
-
     layers_out: list[np.ndarray] = []
     picks: dict[int, np.ndarray] = {}
     handles = []

@@ -30,7 +30,6 @@ of order ``V**2 * 2**-53`` at worst (~2e-6 for V = 129280, far less for concentr
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from ._u64 import U32, U64, shl32, shr32, u32
 
