@@ -149,3 +149,21 @@ def test_no_compilation_after_warmup_over_50_varied_requests():
     # seeded sampling is reproducible across runs and batch compositions
     again = llm.generate(prompts[::-1], params[::-1], use_tqdm=False)[::-1]
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+def test_logprobs_are_returned_per_generated_token():
+    """Greedy with logprobs=3: one entry per output token; the chosen token is the top-1 of the processed
+    distribution, its logprob is the largest, the top-3 are sorted, and probabilities are proper (≤ 0 logprobs)."""
+    model = random_model(load_config("tiny-v4"), seed=8, std=0.1, include_mtp=False)
+    llm = LLM(model, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, buckets=_small_buckets(4, 32))
+    prompts = _prompts(model.config.vocab_size, [7, 12], seed=4)
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3),
+                                  SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)], use_tqdm=False)
+    lp = outs[0].logprobs
+    assert lp is not None and len(lp) == len(outs[0].token_ids) == 6
+    for entry, tok in zip(lp, outs[0].token_ids):
+        top = entry["top"]
+        assert entry["token"] == tok and top[0][0] == tok and len(top) == 3
+        assert entry["logprob"] == pytest.approx(top[0][1]) and entry["logprob"] <= 0
+        assert top[0][1] >= top[1][1] >= top[2][1]
+    assert outs[1].logprobs is None

@@ -53,6 +53,7 @@ class EngineMetrics:
     requests: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    output_tokens: int = 0  # sampled tokens, including each request's first (sampled by its last prefill chunk)
     prefill_steps: int = 0
     decode_steps: int = 0
     compilations: int = 0
@@ -193,7 +194,7 @@ class LLM:
         m["compilations"] = self.runner.num_compilations
         busy = m["generate_seconds"]
         m["device_wait_fraction"] = m["device_waited_for_host_seconds"] / busy if busy else 0.0
-        m["output_tokens_per_second"] = m["decode_tokens"] / busy if busy else 0.0
+        m["output_tokens_per_second"] = m["output_tokens"] / busy if busy else 0.0
         return m
 
     # ------------------------------------------------------------------ internals
@@ -258,14 +259,17 @@ class LLM:
                 done = inflight.popleft()
                 t0 = time.perf_counter()
                 tokens = np.asarray(done.tokens)
-                logprobs = jax.device_get(done.logprobs) if done.logprobs is not None else None
+                wants_lp = any(by_id[r.request_id]["logprobs"] is not None for r in done.step.rows)
+                logprobs = jax.device_get(done.logprobs) if wants_lp else None
                 t1 = time.perf_counter()
                 m.host_waited_for_device_seconds += t1 - t0
                 if not inflight:
                     idle_since = t1  # nothing queued on the device from now until the next dispatch
                 sampled = [int(tokens[i]) if row.sample else None for i, row in enumerate(done.step.rows)]
+                n_sampled = sum(1 for s in sampled if s is not None)
+                m.output_tokens += n_sampled
                 if done.step.kind == "decode":
-                    m.decode_tokens += sum(1 for s in sampled if s is not None)
+                    m.decode_tokens += n_sampled
                 finished = sched.process_step(done.step, sampled)
                 self._record_logprobs(done, logprobs, by_id)
                 for seq in finished:
