@@ -23,11 +23,11 @@ from dinfer_jax.models.attention import (RopeTable, attend, index_scores, output
 from dinfer_jax.models.config import ATTN_CSA, ATTN_SLIDING, ModelConfig
 from dinfer_jax.models.csa2 import candidate_blocks, topk_select
 from dinfer_jax.models.engram import engram_gate
-from dinfer_jax.models.fake_quant import q4e_fake, q4u_fake, q8_fake
+from dinfer_jax.models.fake_quant import maybe_fake_quant, q8_fake
 from dinfer_jax.models.mhc import hc_collapse, hc_head, hc_mixes, hc_post, hc_pre
 from dinfer_jax.models.moe import moe
 from dinfer_jax.models.ops import F32, apply_rope_tail, linear, rms_norm, rope_cos_sin
-from dinfer_jax.models.v41 import embed_tokens
+from dinfer_jax.models.v41 import embed_tokens, source_rows
 
 NEG_INF = -jnp.inf
 
@@ -212,28 +212,19 @@ def attention_step_v41(p: Mapping[str, Any], h: jax.Array, cache_layers: list[di
     ratio = cfg.compress_ratios[layer] if layer >= 0 else 0
     lc = dict(cache_layers[layer])
     cq, q, kv = query_and_window_kv(p, h, cfg=cfg, rope=rope)
-    if cfg.kv_fake_quant and kv.shape[-1] % 32 == 0:
-        kv = q8_fake(kv, 32)
+    kv = maybe_fake_quant(cfg.kv_fake_quant, q8_fake, kv, 32)
     keys, wmask, lc["swa"] = _window(lc, kv, inp, pos, cfg.sliding_window)
     ckv = cmask = None
     if ratio > 0:
         pages = inp["pages"]
         if layer in cfg.kv_source_layer_ids:
-            comp = p["compressor"]
-            latent, w, valid, upd = compress_step_v41(comp, h, lc, inp, ratio=ratio, norm_eps=cfg.norm_eps)
+            latent, w, valid, upd = compress_step_v41(p["compressor"], h, lc, inp, ratio=ratio,
+                                                      norm_eps=cfg.norm_eps)
             lc.update(upd)
-            lat = rms_norm(latent.astype(h.dtype), comp["norm"], cfg.norm_eps, out_dtype=F32)
-            cos, sin = rope_cos_sin(w * ratio, inv_freq)
-            kvc = apply_rope_tail(lat, cos, sin)
-            if cfg.kv_fake_quant and kvc.shape[-1] % 16 == 0:
-                kvc = q4e_fake(kvc, 16)
+            kvc, k = source_rows(p, latent, w * ratio, cfg=cfg, dtype=h.dtype, inv_freq=inv_freq,
+                                 has_index_k="ik" in lc)
             lc["ckv"] = pages_write(lc["ckv"], pages, w, valid, kvc)
-            if "ik" in lc:
-                ix = p["indexer"]
-                k = rms_norm(linear(lat.astype(h.dtype), ix["wk"]), ix["k_norm"], cfg.norm_eps, out_dtype=F32)
-                k = apply_rope_tail(k, cos, sin)
-                if cfg.kv_fake_quant and k.shape[-1] % 32 == 0:
-                    k = q4u_fake(k, 32)
+            if k is not None:
                 lc["ik"] = pages_write(lc["ik"], pages, w, valid, k)
         cache_layers[layer] = lc
         src = cache_layers[cfg.kv_source(layer)]

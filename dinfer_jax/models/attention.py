@@ -72,14 +72,13 @@ def index_scores(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, k_rows: jax.
     positions of the query rows, rope the query positions' table. V4.1 (``kv_fake_quant``) rounds the index query
     to FP4 (Q4u); V4's Hadamard + FP4 is reference-only and orthonormal, so it is omitted (as transformers does).
     """
-    from dinfer_jax.models.fake_quant import q4u_fake
+    from dinfer_jax.models.fake_quant import maybe_fake_quant, q4u_fake
 
     B, S, _ = h.shape
     Hi, di = cfg.index_n_heads, cfg.index_head_dim
     q = linear(cq, p["wq_b"]).reshape(B, S, Hi, di)
     q = apply_rope_tail(q, rope.cos[..., None, :], rope.sin[..., None, :]).astype(F32)
-    if cfg.kv_fake_quant and di % 32 == 0:
-        q = q4u_fake(q, 32)
+    q = maybe_fake_quant(cfg.kv_fake_quant, q4u_fake, q, 32)
     w = linear(h.astype(F32), p["weights_proj"]) * (di ** -0.5) * (Hi ** -0.5)  # [B,S,Hi]
     dots = jnp.einsum("bshd,btd->bsht", q, k_rows.astype(F32), precision=jax.lax.Precision.HIGHEST)
     scores = jnp.einsum("bsht,bsh->bst", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)

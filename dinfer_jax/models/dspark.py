@@ -36,7 +36,7 @@ import numpy as np
 
 from dinfer_jax.models.attention import RopeTable, attend, output_projection, query_and_window_kv, rope_tables
 from dinfer_jax.models.config import ModelConfig
-from dinfer_jax.models.fake_quant import q8_fake
+from dinfer_jax.models.fake_quant import maybe_fake_quant, q8_fake
 from dinfer_jax.models.mhc import hc_collapse, hc_mixes, hc_post
 from dinfer_jax.models.moe import moe
 from dinfer_jax.models.ops import F32, apply_rope_tail, linear, rms_norm
@@ -62,10 +62,8 @@ class DraftOutput(NamedTuple):
 
 
 def _q8(cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Q8 (e4m3, UE8M0 per 32) as for the target's SWA keys; skipped like ``v41._maybe`` for odd widths."""
-    if not cfg.kv_fake_quant or x.shape[-1] % 32:
-        return x
-    return q8_fake(x, 32)
+    """Q8 (e4m3, UE8M0 per 32) as for the target's SWA keys (skipped for widths that are not block multiples)."""
+    return maybe_fake_quant(cfg.kv_fake_quant, q8_fake, x, 32)
 
 
 def _main_rope(cfg: ModelConfig, positions: jax.Array) -> RopeTable:

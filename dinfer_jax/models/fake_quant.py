@@ -15,6 +15,8 @@ scales send every subnormal input to code 0 and keep every output normal.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -164,3 +166,11 @@ def q4u_fake(x: jax.Array, block: int = 32) -> jax.Array:
 def q4e_fake(x: jax.Array, block: int = 16, *, reciprocal: bool = False) -> jax.Array:
     """Q4e round trip of ``x [..., D]``: dequantised values in ``x.dtype`` (see :func:`q4e_quantize`)."""
     return _dequant(*q4e_quantize(x, block, reciprocal=reciprocal), block, x.dtype)
+
+
+def maybe_fake_quant(enabled: bool, fn: Any, x: jax.Array, block: int) -> jax.Array:
+    """``fn(x, block)`` when ``enabled``; like the reference, a vector whose width is not a multiple of ``block`` is
+    left unquantised."""
+    if not enabled or x.shape[-1] % block:
+        return x
+    return fn(x, block)

@@ -18,7 +18,7 @@ from dinfer_jax.models.attention import (RopeTable, attend, index_scores, output
 from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.csa2 import candidate_blocks, pool_groups, topk_select
 from dinfer_jax.models.engram import engram_gate
-from dinfer_jax.models.fake_quant import q4e_fake, q4u_fake, q8_fake
+from dinfer_jax.models.fake_quant import maybe_fake_quant, q4e_fake, q4u_fake, q8_fake
 from dinfer_jax.models.mhc import hc_collapse, hc_mixes, hc_post
 from dinfer_jax.models.moe import moe
 from dinfer_jax.models.ops import F32, apply_rope_tail, linear, rms_norm, rope_cos_sin
@@ -27,11 +27,21 @@ from sharding.rules import constrain
 YOCO_MODES = ("off", "mask", "compact")
 
 
-def _maybe(fq: bool, fn, x: jax.Array, block: int) -> jax.Array:
-    """Fake-quantise when enabled; like the reference, skip a vector whose width is not a block multiple."""
-    if not fq or x.shape[-1] % block:
-        return x
-    return fn(x, block)
+def source_rows(p: Mapping[str, Any], latent: jax.Array, positions: jax.Array, *, cfg: ModelConfig, dtype: Any,
+                inv_freq: Any, has_index_k: bool) -> tuple[jax.Array, jax.Array | None]:
+    """A KV source's compressed KV and index keys from pooled latents ``[B,T,d]`` fp32 at first-token positions
+    ``positions`` (``[T]`` or ``[B,T]``): ``L = rms(latent; compressor.norm)``, ``KVc = Q4e(rope(L))``,
+    ``Kidx = Q4u(rope(rms(L·wkᵀ; k_norm)))``. Shared by the full forward and the cached step. fp32 out."""
+    comp = p["compressor"]
+    lat = rms_norm(latent.astype(dtype), comp["norm"], cfg.norm_eps, out_dtype=F32)  # pre-RoPE latent L
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    kvc = maybe_fake_quant(cfg.kv_fake_quant, q4e_fake, apply_rope_tail(lat, cos, sin), 16)
+    kidx = None
+    if has_index_k:
+        ix = p["indexer"]
+        k = rms_norm(linear(lat.astype(dtype), ix["wk"]), ix["k_norm"], cfg.norm_eps, out_dtype=F32)
+        kidx = maybe_fake_quant(cfg.kv_fake_quant, q4u_fake, apply_rope_tail(k, cos, sin), 32)
+    return kvc, kidx
 
 
 def compress_source(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig, ratio: int, inv_freq: Any,
@@ -48,16 +58,8 @@ def compress_source(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig, rat
         latent = pool_groups(linear(hf, comp["wgate"]), latent, 2)
     else:
         latent = latent[:, : (h.shape[1] // ratio) * ratio]
-    lat = rms_norm(latent.astype(h.dtype), comp["norm"], cfg.norm_eps, out_dtype=F32)  # pre-RoPE latent L
-    T = lat.shape[1]
-    cos, sin = rope_cos_sin(jnp.arange(T) * ratio, inv_freq)
-    kvc = _maybe(cfg.kv_fake_quant, q4e_fake, apply_rope_tail(lat, cos, sin), 16)
-    kidx = None
-    if has_index_k:
-        ix = p["indexer"]
-        k = rms_norm(linear(lat.astype(h.dtype), ix["wk"]), ix["k_norm"], cfg.norm_eps, out_dtype=F32)
-        kidx = _maybe(cfg.kv_fake_quant, q4u_fake, apply_rope_tail(k, cos, sin), 32)
-    return kvc, kidx
+    return source_rows(p, latent, jnp.arange(latent.shape[1]) * ratio, cfg=cfg, dtype=h.dtype, inv_freq=inv_freq,
+                       has_index_k=has_index_k)
 
 
 def attention_v41(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig, layer: int, rope: RopeTable,
@@ -73,7 +75,7 @@ def attention_v41(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig, layer
     B, S, _ = h.shape
     ratio = cfg.compress_ratios[layer] if layer >= 0 else 0
     cq, q, kv = query_and_window_kv(p, h, cfg=cfg, rope=rope)
-    kv = _maybe(cfg.kv_fake_quant, q8_fake, kv, 32)
+    kv = maybe_fake_quant(cfg.kv_fake_quant, q8_fake, kv, 32)
     aux: dict[str, jax.Array] = {}
     ckv = cmask = None
     if ratio > 0:
