@@ -1,0 +1,85 @@
+"""Token layout for the grouped expert GEMM: rows sorted by expert, each expert's rows padded to whole tiles.
+
+The kernel works on tiles of ``block_m`` rows that each belong to exactly one expert, so every tile is a dense
+GEMM against one expert's weights and every store is a full tile (no ragged edges). Rows are laid out
+expert-major; expert ``g`` owns rows ``[start[g], start[g] + round_up(count[g], block_m))`` of a padded buffer
+whose static length bounds every routing (``num_rows(...)``). Everything here is integer arithmetic on
+``[N·k]``/``[G]``/``[T]`` vectors: no Python loop over experts, so trace size does not grow with ``G``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+def num_rows(num_assignments: int, num_experts: int, block_m: int) -> int:
+    """Static padded row count: enough for any routing of ``num_assignments`` (token, expert) pairs.
+
+    Each non-empty expert wastes fewer than ``block_m`` rows and at most ``min(G, N·k)`` experts are non-empty.
+    """
+    waste = min(num_experts, num_assignments) * (block_m - 1)
+    return -(-(num_assignments + waste) // block_m) * block_m
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupedLayout:
+    """Where each (token, choice) pair lives in the padded, expert-sorted row buffer.
+
+    Attributes:
+      row: ``[N, k]`` int32, padded row of token n's j-th expert choice.
+      tile_group: ``[T]`` int32, expert of tile t (``T = rows / block_m``), −1 for tiles past the last expert.
+      group_sizes: ``[G]`` int32, assignments per expert (unpadded).
+      num_tiles: scalar int32, tiles in use (``Σ_g ceil(count_g / block_m)``).
+    """
+
+    row: jax.Array
+    tile_group: jax.Array
+    group_sizes: jax.Array
+    num_tiles: jax.Array
+
+
+def grouped_layout(expert_ids: jax.Array, num_experts: int, block_m: int) -> GroupedLayout:
+    """Layout for routing ``expert_ids [N, k]`` int32 (values in ``[0, G)``) with tiles of ``block_m`` rows.
+
+    Within an expert, pairs keep their flat order ``n·k + j`` (stable), like a stable sort by expert.
+    """
+    n, k = expert_ids.shape
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    padded = (counts + block_m - 1) // block_m * block_m
+    start = jnp.cumsum(padded) - padded                       # padded start of each expert
+    first = jnp.cumsum(counts) - counts                       # unpadded start (rank base)
+    order = jnp.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    rank = jnp.arange(n * k, dtype=jnp.int32) - first[sorted_e]
+    row = jnp.zeros((n * k,), jnp.int32).at[order].set(start[sorted_e] + rank)
+    rows = num_rows(n * k, num_experts, block_m)
+    tiles = rows // block_m
+    tile_start = jnp.arange(tiles, dtype=jnp.int32) * block_m
+    ends = jnp.cumsum(padded)
+    g = jnp.searchsorted(ends, tile_start, side="right").astype(jnp.int32)
+    tile_group = jnp.where(tile_start < ends[-1], g, -1)
+    return GroupedLayout(row=row.reshape(n, k), tile_group=tile_group, group_sizes=counts,
+                         num_tiles=(ends[-1] // block_m).astype(jnp.int32))
+
+
+def gather_rows_t(x: jax.Array, layout: GroupedLayout, rows: int) -> jax.Array:
+    """Expert-sorted, padded, transposed activations: ``x [N, D]`` → ``[D, rows]`` (padding columns zero).
+
+    A gather (each padded column reads its token, padding reads a zero column), not a scatter into zeros."""
+    n, k = layout.row.shape
+    src = jnp.full((rows,), n, jnp.int32).at[layout.row.reshape(-1)].set(jnp.repeat(jnp.arange(n, dtype=jnp.int32), k))
+    xz = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)], axis=0)
+    return jnp.take(xz.T, src, axis=1)
+
+
+def combine_rows_t(y_t: jax.Array, layout: GroupedLayout, weights: jax.Array) -> jax.Array:
+    """Weighted sum over each token's k expert outputs: ``y_t [D, rows]``, weights ``[N, k]`` → fp32 ``[N, D]``.
+
+    Transposes once (a contiguous pass) and then gathers whole rows."""
+    picked = y_t.T[layout.row].astype(jnp.float32)   # [N, k, D]
+    return jnp.einsum("nkd,nk->nd", picked, weights.astype(jnp.float32))

@@ -1,0 +1,263 @@
+"""Kernel benchmarks on the accelerator: ``python scripts/bench_kernels.py moe [--tokens N ...] [--sweep N ...] [--out DIR]``.
+
+``moe``: the routed-expert kernel (``pallas_kernels.moe``) at V4-Flash expert shapes (256 experts, hidden 4096,
+expert width 2048, top-6, MXFP4 weights):
+
+* ceilings measured in the same run: device-to-device copy bandwidth and a bf16 8192³ matmul;
+* correctness of every variant against the ``jnp`` reference (bf16 compute, fp32 reference on the same
+  dequantised weights; max and mean error relative to the output's scale);
+* decode shapes (1, 16, 64, 256 tokens): GB/s of the expert weight bytes the routing touches (FP4 codes + UE8M0
+  scales of each distinct expert) over the kernel time, as a fraction of the measured copy bandwidth;
+* prefill (8192 tokens): TFLOP/s (2·3·tokens·k·D·I) as a fraction of the measured bf16 peak;
+* baseline: XLA's ``ragged_dot`` on bf16 weights (decode shapes).
+
+Times are per-kernel device times from CUPTI (``jax.experimental.mosaic.gpu.profiler``), medians over iterations.
+Prints a table and writes it (markdown + JSON) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pallas_kernels.moe import reference  # noqa: E402
+from pallas_kernels.moe.kernel_sm90 import TileConfig, experts_sm90  # noqa: E402
+from pallas_kernels.moe.tuning import pick_configs  # noqa: E402
+
+
+def device_times(f, *args, iterations: int = 10) -> tuple[float, dict[str, float]]:
+    """Median total device time per call (ms) and the median per kernel name, from CUPTI."""
+    from jax.experimental.mosaic.gpu import profiler
+    _, per_iter = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
+    totals = [sum(t for _, t in it) for it in per_iter]
+    names: dict[str, list[float]] = {}
+    for it in per_iter:
+        for name, t in it:
+            names.setdefault(name, []).append(t)
+    return statistics.median(totals), {k: statistics.median(v) for k, v in names.items()}
+
+
+def wall_time(f, *args, iterations: int = 20) -> float:
+    jax.block_until_ready(f(*args))
+    t = []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        t.append(time.perf_counter() - t0)
+    return statistics.median(t) * 1e3
+
+
+def ceilings() -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second, the best of an XLA elementwise pass and a
+    device-to-device copy) and the bf16 matmul rate, measured here."""
+    n = 1 << 30
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)   # 2 GiB
+    ms, _ = device_times(jax.jit(lambda a: a + jnp.bfloat16(1)), x)
+    bw_xla = 2 * x.nbytes / (ms * 1e-3)
+    del x
+    bw_copy = 0.0
+    try:  # the image's PyTorch gives the plain cudaMemcpy device-to-device figure
+        import torch
+        a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        for _ in range(3):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        ev[0].record()
+        for _ in range(10):
+            b.copy_(a)
+        ev[1].record()
+        torch.cuda.synchronize()
+        bw_copy = 2 * a.numel() * 10 / (ev[0].elapsed_time(ev[1]) * 1e-3)
+        del a, b
+        torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001 - torch is optional; the XLA figure stands alone then
+        print("torch copy not measured:", e)
+    bw = max(bw_xla, bw_copy)
+    a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
+    mm = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    ms_mm, _ = device_times(mm, a, b)
+    return {"copy_GBps": bw / 1e9, "xla_elementwise_GBps": bw_xla / 1e9, "torch_copy_GBps": bw_copy / 1e9, "bf16_TFLOPs": 2 * 8192 ** 3 / (ms_mm * 1e-3) / 1e12}
+
+
+def random_fp4(key, g: int, out: int, inn: int) -> reference.ExpertWeight:
+    """Random MXFP4 experts with scales around 2^-7 (dequantised std ≈ 0.02)."""
+    k1, k2 = jax.random.split(key)
+    data = jax.random.bits(k1, (g, out, inn // 2), jnp.uint8)
+    sbits = jax.random.randint(k2, (g, out, inn // 32), 118, 122, jnp.int32).astype(jnp.uint8)
+    return reference.ExpertWeight(data, sbits, "fp4")
+
+
+def routing(key, n: int, g: int, k: int):
+    k1, k2 = jax.random.split(key)
+    scores = jax.random.uniform(k1, (n, g))
+    _, ids = jax.lax.top_k(scores, k)
+    w = jax.random.uniform(k2, (n, k), jnp.float32, 0.1, 1.0)
+    return ids.astype(jnp.int32), w
+
+
+def cpu_reference(x, ids, rw, w1, w3, w2, limit):
+    """The reference on the host CPU in fp32 (exact products, no TF32), over just the experts these tokens use."""
+    cpu = jax.devices("cpu")[0]
+    used, compact = np.unique(np.asarray(ids), return_inverse=True)
+    sub = [reference.ExpertWeight(jax.device_put(m.data[used], cpu), jax.device_put(m.scale[used], cpu), m.fmt)
+           for m in (w1, w3, w2)]
+    with jax.default_device(cpu):
+        return reference.experts(jax.device_put(x, cpu), jnp.asarray(compact.reshape(ids.shape), jnp.int32),
+                                 jax.device_put(rw, cpu), *sub, swiglu_limit=limit)
+
+
+def touched_bytes(ids: jax.Array, w1, w3, w2) -> int:
+    used = np.unique(np.asarray(ids)).size
+    per_expert = sum(m.nbytes for m in (w1, w3, w2)) // w1.shape[0]
+    return used * per_expert
+
+
+def rel_err(got, want) -> tuple[float, float]:
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    scale = np.abs(want).max()
+    d = np.abs(got - want)
+    return float(d.max() / scale), float(d.mean() / scale)
+
+
+def bench_moe(args) -> list[dict]:
+    G, D, I, K = 256, 4096, 2048, 6
+    limit = 10.0
+    keys = jax.random.split(jax.random.key(42), 4)
+    w1, w3 = random_fp4(keys[0], G, I, D), random_fp4(keys[1], G, I, D)
+    w2 = random_fp4(keys[2], G, D, I)
+    token_counts = args.tokens
+    rows = []
+    for n in token_counts:
+        kx, kr = jax.random.split(jax.random.fold_in(keys[3], n))
+        x = jax.random.normal(kx, (n, D), jnp.bfloat16)
+        ids, rw = routing(kr, n, G, K)
+        n_check = min(n, 512)
+        ref = jax.jit(functools.partial(reference.experts, swiglu_limit=limit))(
+            x[:n_check], ids[:n_check], rw[:n_check], w1, w3, w2)
+        ref_cpu = cpu_reference(x[:8], ids[:8], rw[:8], w1, w3, w2, limit)
+        nbytes = touched_bytes(ids, w1, w3, w2)
+        flops = 2 * 3 * n * K * D * I
+        if n <= 256 and not args.no_baseline:
+            dense = [jnp.swapaxes(m.dense(jnp.bfloat16), 1, 2) for m in (w1, w3, w2)]
+            xla = jax.jit(functools.partial(_xla_ragged, limit=limit))
+            try:
+                ms, _ = device_times(xla, x, ids, rw, *dense)
+                rows.append(dict(tokens=n, variant="XLA ragged_dot bf16 (baseline)", ms=ms,
+                                 GBps=_dense_touched(ids, D, I) / (ms * 1e-3) / 1e9, TFLOPs=flops / (ms * 1e-3) / 1e12,
+                                 err_max=None, err_mean=None, gemm_ms=None))
+            except Exception as e:  # noqa: BLE001 - a failing baseline is reported, not fatal
+                rows.append(dict(tokens=n, variant="XLA ragged_dot bf16 (baseline)", error=repr(e)[:300]))
+            del dense
+        variants = [(c, "") for c in pick_configs(n * K, sweep=n in args.sweep)]
+        if n in args.ablate:
+            variants += [(pick_configs(n * K, sweep=False)[0], a) for a in ("scale", "decode")]
+        for (up_cfg, down_cfg), ablate in variants:
+            name = f"pallas fp4 ({args.decode}) up{_c(up_cfg)} down{_c(down_cfg)}" + (f" ablate={ablate}" if ablate else "")
+            try:
+                f = jax.jit(functools.partial(experts_sm90, swiglu_limit=limit, up_config=up_cfg,
+                                              down_config=down_cfg, decode=args.decode, ablate=ablate))
+                t0 = time.perf_counter()
+                got = jax.block_until_ready(f(x, ids, rw, w1, w3, w2))
+                compile_s = time.perf_counter() - t0
+                emax, emean = rel_err(got[:n_check], ref)
+                cmax, cmean = rel_err(got[:8], ref_cpu)
+                ms, per_kernel = device_times(f, x, ids, rw, w1, w3, w2)
+                gemm_ms = sum(v for k_, v in per_kernel.items() if k_.startswith("moe_"))
+                rows.append(dict(tokens=n, variant=name, ms=ms, gemm_ms=gemm_ms, compile_s=compile_s,
+                                 GBps=nbytes / (ms * 1e-3) / 1e9, TFLOPs=flops / (ms * 1e-3) / 1e12,
+                                 err_max=emax, err_mean=emean, cpu_err_max=cmax, cpu_err_mean=cmean,
+                                 kernels=per_kernel))
+            except Exception as e:  # noqa: BLE001 - each variant's failure is recorded and the sweep goes on
+                traceback.print_exc(limit=4)
+                rows.append(dict(tokens=n, variant=name, error=f"{type(e).__name__}: {str(e)[:400]}"))
+            print(json.dumps(rows[-1], default=str)[:600], flush=True)
+    return rows
+
+
+def _dense_touched(ids, D, I) -> int:
+    return np.unique(np.asarray(ids)).size * 3 * D * I * 2
+
+
+def _xla_ragged(x, ids, rw, w1t, w3t, w2t, limit):
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tok = order // k
+    xs = x[tok]
+    sizes = jnp.bincount(flat, length=w1t.shape[0]).astype(jnp.int32)
+    g = jax.lax.ragged_dot(xs, w1t, sizes, preferred_element_type=jnp.float32)
+    u = jax.lax.ragged_dot(xs, w3t, sizes, preferred_element_type=jnp.float32)
+    a = reference.swiglu(g, u, limit).astype(x.dtype)
+    y = jax.lax.ragged_dot(a, w2t, sizes, preferred_element_type=jnp.float32) * rw.reshape(-1)[order][:, None]
+    return jnp.zeros((n, x.shape[1]), jnp.float32).at[tok].add(y)
+
+
+def _c(c: TileConfig) -> str:
+    return f"[m{c.block_m} n{c.block_n} k{c.block_k} s{c.stages}]"
+
+
+def table(rows: list[dict], ceil: dict[str, float]) -> str:
+    lines = [f"ceilings measured in this run: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s",
+             "", "time = all device kernels of the call (routing layout, gathers, both GEMMs, combine); "
+             "GEMM = the two Mosaic GPU kernels alone. Errors: max / mean |kernel − reference| over max|reference|, "
+             "against the XLA reference on the GPU (first ≤512 tokens) and the fp32 CPU reference (first 8 tokens).",
+             "", "| tokens | variant | time ms | GEMM ms | GB/s touched (GEMM) | % copy BW | TFLOP/s (GEMM) | % bf16 peak "
+             "| err vs GPU ref max / mean | err vs CPU fp32 max / mean |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['tokens']} | {r['variant']} | FAILED: {r['error'][:120]} | | | | | | |")
+            continue
+        e1 = "" if r.get("err_max") is None else f"{r['err_max']:.1e} / {r['err_mean']:.1e}"
+        e2 = "" if r.get("cpu_err_max") is None else f"{r['cpu_err_max']:.1e} / {r['cpu_err_mean']:.1e}"
+        gm = r.get("gemm_ms") or r["ms"]
+        gbps = r["GBps"] * r["ms"] / gm
+        tf = r["TFLOPs"] * r["ms"] / gm
+        lines.append(f"| {r['tokens']} | {r['variant']} | {r['ms']:.3f} | {gm:.3f} | {gbps:.0f} | "
+                     f"{100 * gbps / ceil['copy_GBps']:.0f}% | {tf:.1f} | "
+                     f"{100 * tf / ceil['bf16_TFLOPs']:.1f}% | {e1} | {e2} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["moe"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192], help="token counts to run")
+    p.add_argument("--sweep", type=int, nargs="*", default=[], help="token counts at which to sweep block sizes")
+    p.add_argument("--no-baseline", action="store_true", help="skip the XLA ragged_dot baseline")
+    p.add_argument("--decode", default="bits", choices=["bits", "float"], help="the kernel's FP4 decode")
+    p.add_argument("--ablate", type=int, nargs="*", default=[],
+                   help="token counts at which to time the kernel without its scale / decode stages")
+    p.add_argument("--out", default=None, help="directory for the table (markdown) and raw rows (JSON)")
+    args = p.parse_args()
+    print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
+    ceil = ceilings()
+    print(ceil, flush=True)
+    rows = bench_moe(args)
+    text = table(rows, ceil)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_moe.md").write_text(text + "\n")
+        (out / "bench_moe.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, default=str, indent=1))
+
+
+if __name__ == "__main__":
+    main()
