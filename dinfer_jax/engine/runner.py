@@ -2,7 +2,8 @@
 
 A scheduled step becomes a padded ``[B, Q]`` batch (B and Q from the bucket lists, the JAX analogue of DeepInfer's
 CUDA-graph sizes, ``engine.md`` §13): padding rows have ``n = 0``, slot 0 and null pages, so they write nowhere.
-The cache is donated to the step. A decode row whose input token is still in flight reads it from the previous
+The cache (a :class:`ModelCache`) is donated to the step. The runner holds the layer weights stacked in scan layout
+(:func:`stack_params`, done once here), a second copy next to the model's checkpoint-layout parameters. A decode row whose input token is still in flight reads it from the previous
 step's device output (``engine.md`` §4), so step N+1 can be dispatched before the host has seen step N's tokens.
 """
 
@@ -22,6 +23,8 @@ from dinfer_jax.engine.kv_cache import CacheConfig, init_cache
 from dinfer_jax.engine.model_step import model_step
 from dinfer_jax.engine.scheduler import ScheduledStep
 from dinfer_jax.models import Model
+from dinfer_jax.models.layer_plan import stack_params
+from dinfer_jax.models.step_state import StepInput
 from dinfer_jax.sampling import SamplingTensors, sample
 
 
@@ -63,6 +66,16 @@ class Buckets:
         raise ValueError(f"{what} {n} exceeds the largest compiled bucket {sizes[-1]}")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """Rows whose first token is still on the device: ``use_prev [B]`` bool, ``prev_row [B]`` int32 (row of the
+    previous step's sampled tokens to read)."""
+
+    use_prev: jax.Array
+    prev_row: jax.Array
+
+
 @dataclasses.dataclass
 class StepOutput:
     """Device futures of one dispatched step (row order = the step's rows, padded to ``max_rows``)."""
@@ -86,6 +99,7 @@ class ModelRunner:
         self.pages_per_seq = math.ceil(max_model_len / cache_config.block_size)
         self.max_logprobs = max_logprobs
         self.cache = init_cache(self.cfg, cache_config, model.dtype)
+        self.params = stack_params(self.cfg, model.params)
         self.compiled_shapes: set[tuple[int, int]] = set()
         self.num_compilations = 0
         cmap = None
@@ -105,24 +119,27 @@ class ModelRunner:
         """Compile every bucket by running an all-padding batch (writes nothing). Returns seconds spent."""
         t0 = time.perf_counter()
         for b, q in self.buckets.shapes():
-            toks, _, self.cache = self._call(self._empty_inputs(b, q), self._sampling([], [], [], b), (b, q))
+            toks, _, self.cache = self._call(*self._empty_inputs(b, q), self._sampling([], [], [], b), (b, q))
             toks.block_until_ready()
         return time.perf_counter() - t0
 
-    def _call(self, inp: dict[str, Any], samp: Any, shape: tuple[int, int]):
+    def _call(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any, shape: tuple[int, int]):
         self.compiled_shapes.add(shape)
-        out = self._step(self.model.params, self.cache, inp, self._prev_tokens, samp, self._cmap)
+        out = self._step(self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
+                         self._cmap)
         # jit's own cache size when available (counts any retrace, not just new shapes); else distinct shapes.
         cache_size = getattr(self._step, "_cache_size", None)
         self.num_compilations = cache_size() if callable(cache_size) else len(self.compiled_shapes)
         return out
 
-    def _empty_inputs(self, b: int, q: int) -> dict[str, Any]:
+    def _empty_inputs(self, b: int, q: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Host buffers of an all-padding ``[b, q]`` step: the :class:`StepInput` fields and the in-flight feed."""
         def z() -> np.ndarray:
             return np.zeros((b,), np.int32)
 
-        return dict(tokens=np.zeros((b, q), np.int32), start=z(), n=z(), slot=z(), last=z(),
-                    use_prev=np.zeros((b,), bool), prev_row=z(), pages=np.zeros((b, self.pages_per_seq), np.int32))
+        inp = dict(tokens=np.zeros((b, q), np.int32), start=z(), n=z(), slot=z(), last=z(),
+                   pages=np.zeros((b, self.pages_per_seq), np.int32))
+        return inp, dict(use_prev=np.zeros((b,), bool), prev_row=z())
 
     # ------------------------------------------------------------------ dispatch
     def _sampling(self, params: list[Any], seeds: list[int], positions: list[int], b: int) -> SamplingTensors:
@@ -141,7 +158,7 @@ class ModelRunner:
         else:
             b = Buckets.pick(self.buckets.prefill_batch, len(rows), "prefill batch")
             q = Buckets.pick(self.buckets.prefill_len, max(r.num_tokens for r in rows), "prefill chunk")
-        inp = self._empty_inputs(b, q)
+        inp, feed = self._empty_inputs(b, q)
         for i, r in enumerate(rows):
             inp["start"][i], inp["n"][i], inp["slot"][i] = r.start_pos, r.num_tokens, r.state_slot
             inp["last"][i] = r.num_tokens - 1
@@ -151,11 +168,11 @@ class ModelRunner:
                 if src_step != self._prev_step_id:
                     raise RuntimeError(f"row of request {r.request_id} reads step {src_step}'s output, but the "
                                        f"previous dispatched step is {self._prev_step_id}")
-                inp["use_prev"][i], inp["prev_row"][i] = True, src_row
+                feed["use_prev"][i], feed["prev_row"][i] = True, src_row
             else:
                 inp["tokens"][i, : r.num_tokens] = r.token_ids
         sampling = self._sampling(params, seeds, [r.end_pos for r in rows], b)
-        toks, logprobs, self.cache = self._call(inp, sampling, (b, q))
+        toks, logprobs, self.cache = self._call(inp, feed, sampling, (b, q))
         self._prev_tokens, self._prev_step_id = toks, step.step_id
         return StepOutput(step, toks, logprobs, time.perf_counter())
 
@@ -174,15 +191,13 @@ def _engram_callback(cfg: Any, tables: list[Any], rows: jax.Array) -> jax.Array:
     return jax.pure_callback(host, shape, rows)
 
 
-def _device_step(params: Any, cache: Any, inp: dict[str, Any], prev_tokens: jax.Array, samp: Any, cmap: Any, *,
-                 cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int):
+def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
+                 cmap: Any, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int):
     """Traced step: resolve in-flight inputs on device, run the model, sample. Outputs padded to ``max_rows``."""
-    first = jnp.where(inp["use_prev"], prev_tokens[inp["prev_row"]], inp["tokens"][:, 0])
-    tokens = inp["tokens"].at[:, 0].set(first)
-    model_inp = {k: inp[k] for k in ("start", "n", "slot", "pages", "last")}
-    model_inp["tokens"] = tokens
-    logits, cache = model_step(params, cache, model_inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl,
-                               engram_fn=engram_fn, cmap=cmap)
+    first = jnp.where(feed.use_prev, prev_tokens[feed.prev_row], inp.tokens[:, 0])
+    inp = dataclasses.replace(inp, tokens=inp.tokens.at[:, 0].set(first))
+    logits, cache = model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn,
+                               cmap=cmap)
     toks, logprobs = sample(logits, samp)
     out = jnp.zeros((max_rows,), jnp.int32).at[: toks.shape[0]].set(toks)
     return out, logprobs, cache

@@ -1,4 +1,5 @@
-"""V4 attention for the full-sequence reference path (positions 0..S−1, no cache): spec ``model-v4.md`` §3.4–3.7.
+"""V4 attention building blocks (spec ``model-v4.md`` §3.4–3.7); the sublayers over cached state are in
+:mod:`dinfer_jax.models.layers`.
 
 Every layer attends to a sliding window of raw KV rows; CSA layers (m = 4, overlapping compressor + lightning
 indexer top-k) and HCA layers (m large, all closed windows) add compressed KV rows. K = V = one 512-wide latent
@@ -37,33 +38,6 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[Any, 
     return out
 
 
-def compress_full(p: Mapping[str, jax.Array], h: jax.Array, *, ratio: int, dim: int, overlap: bool,
-                  inv_freq: Any, norm_eps: float) -> jax.Array:
-    """Compressor over all closed windows of a sequence starting at position 0 (fp32 throughout).
-
-    h: ``[B,S,D]``. Returns ``[B, T, dim]`` fp32 with ``T = S // ratio``; row w pools tokens
-    ``[w·m, (w+1)·m)`` (overlap: plus the first half-channels of window w−1) and carries RoPE at position ``w·m``.
-    A trailing partial window produces no row (no query of this sequence could see it).
-    """
-    B, S, _ = h.shape
-    T = S // ratio
-    if T == 0:
-        return jnp.zeros((B, 0, dim), F32)
-    hf = h[:, :T * ratio].astype(F32)
-    kv = linear(hf, p["wkv"]).reshape(B, T, ratio, -1)
-    gate = linear(hf, p["wgate"]).reshape(B, T, ratio, -1) + p["ape"].astype(F32)
-    if overlap:
-        prev_kv = jnp.pad(kv[:, :-1, :, :dim], ((0, 0), (1, 0), (0, 0), (0, 0)))
-        prev_gate = jnp.pad(gate[:, :-1, :, :dim], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
-        kv = jnp.concatenate([prev_kv, kv[..., dim:]], axis=2)  # [B,T,2m,dim]
-        gate = jnp.concatenate([prev_gate, gate[..., dim:]], axis=2)
-    weights = jax.nn.softmax(gate, axis=2)
-    pooled = jnp.sum(kv * weights, axis=2)
-    pooled = rms_norm(pooled, p["norm"], norm_eps, out_dtype=F32)
-    cos, sin = rope_cos_sin(jnp.arange(T) * ratio, inv_freq)
-    return apply_rope_tail(pooled, cos, sin)
-
-
 def index_scores(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, k_rows: jax.Array, pos: jax.Array, *,
                  cfg: ModelConfig, ratio: int, rope: RopeTable) -> jax.Array:
     """Lightning-indexer scores ``[B,S,T]`` fp32: ``Σ_h relu(q_h · k_j) · w_h`` with −inf where ``j ≥ (p+1)//m``.
@@ -86,23 +60,6 @@ def index_scores(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, k_rows: jax.
     return jnp.where(visible, scores, -jnp.inf)
 
 
-def indexer_select(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, *, cfg: ModelConfig, ratio: int,
-                   rope: RopeTable, inv_freq: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """V4 lightning indexer over a sequence from position 0: top-k compressed rows per query.
-
-    h: ``[B,S,D]``, cq: ``[B,S,q_lora]``. Returns ``(indices [B,S,k] int32 with −1 for an invalid pick,
-    selected [B,S,T] bool, scores [B,S,T] fp32 with −inf on rows the query cannot see)``, k = min(index_topk, T).
-    Ties are broken towards the lowest row index (``jax.lax.top_k``).
-    """
-    from dinfer_jax.models.csa2 import topk_select
-
-    k_rows = compress_full(p["compressor"], h, ratio=ratio, dim=cfg.index_head_dim, overlap=True, inv_freq=inv_freq,
-                           norm_eps=cfg.norm_eps)  # [B,T,di] fp32
-    scores = index_scores(p, h, cq, k_rows, jnp.arange(h.shape[1]), cfg=cfg, ratio=ratio, rope=rope)
-    top_idx, selected = topk_select(scores, cfg.index_topk)
-    return top_idx, selected, scores
-
-
 def query_and_window_kv(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig,
                         rope: RopeTable) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q low-rank path and the shared K=V latent. h: ``[B,S,D]``. Returns ``(cq [B,S,q_lora], q [B,S,H,d] with
@@ -117,12 +74,6 @@ def query_and_window_kv(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig,
     kv = rms_norm(linear(h, p["wkv"]), p["kv_norm"], eps)
     kv = apply_rope_tail(kv, rope.cos, rope.sin)
     return cq, q, kv
-
-
-def window_mask(S: int, window: int) -> jax.Array:
-    """``[S(q), S(k)]`` bool: key positions max(0, t−W+1)…t for query t."""
-    pos = jnp.arange(S)
-    return (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
 
 
 def attend(q: jax.Array, kv: jax.Array, win_mask: jax.Array, ckv: jax.Array | None, cmask: jax.Array | None,
@@ -159,31 +110,3 @@ def output_projection(p: Mapping[str, Any], o: jax.Array, *, cfg: ModelConfig, r
     wo_a = p["wo_a"].astype(dt).reshape(G, R, H * d // G)
     z = matmul("bsgi,gri->bsgr", o.reshape(B, S, G, H * d // G), wo_a).astype(dt)
     return linear(z.reshape(B, S, G * R), p["wo_b"])
-
-
-def attention_full(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig, kind: str, ratio: int, rope: RopeTable,
-                   inv_freq: Any, sharder: Sharder | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """One V4 attention sublayer over a whole sequence from position 0.
-
-    h: ``[B,S,D]`` (already RMS-normalised), activation dtype. Returns ``(out [B,S,D], aux)`` where ``aux`` holds
-    ``indexer_topk`` ``[B,S,k]`` and ``indexer_scores`` ``[B,S,T]`` on CSA layers.
-    """
-    B, S, _ = h.shape
-    cq, q, kv = query_and_window_kv(p, h, cfg=cfg, rope=rope)
-    q = constrain(sharder, q, ("act_batch", "act_seq", "act_heads", None))
-    aux: dict[str, jax.Array] = {}
-    ckv = cmask = None
-    if kind != ATTN_SLIDING:
-        ckv = compress_full(p["compressor"], h, ratio=ratio, dim=cfg.head_dim, overlap=kind == ATTN_CSA,
-                            inv_freq=inv_freq, norm_eps=cfg.norm_eps).astype(h.dtype)  # [B,T,d]
-        T = ckv.shape[1]
-        pos = jnp.arange(S)
-        cmask = jnp.broadcast_to((jnp.arange(T)[None, :] < ((pos + 1) // ratio)[:, None])[None], (B, S, T))
-        if kind == ATTN_CSA and T > 0:
-            top_idx, selected, scores = indexer_select(p["indexer"], h, cq, cfg=cfg, ratio=ratio, rope=rope,
-                                                       inv_freq=inv_freq)
-            cmask = cmask & selected
-            aux["indexer_topk"] = top_idx
-            aux["indexer_scores"] = scores
-    o = attend(q, kv, window_mask(S, cfg.sliding_window), ckv, cmask, p["attn_sink"])
-    return output_projection(p, o, cfg=cfg, rope=rope), aux

@@ -2,7 +2,7 @@
 
 Two stages, as in DeepInfer's ``DFlash.update_main_cache`` and ``DFlash.run_drafts``:
 
-* :func:`main_keys`: every target token's features ``F`` (``forward_v41``'s ``dspark_features``: the mean over the
+* :func:`main_keys`: every target token's features ``F`` (the V4.1 forward's ``dspark_features``: the mean over the
   mHC streams of the trunk entering each target layer's attention) become one SWA key per draft layer,
   ``K_i = Q8(rope_main(rms(m · wkv_iᵀ; kv_norm_i), pos))`` with ``m = rms(F · main_projᵀ; main_norm)``. DeepInfer
   writes these into each draft layer's own SWA ring through the same fused norm → RoPE → e4m3/UE8M0-per-32 cast as the

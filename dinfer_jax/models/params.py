@@ -250,6 +250,13 @@ def param_specs(c: ModelConfig, include_mtp: bool = True) -> dict[str, Any]:
     return specs
 
 
+def param_specs_layer(c: ModelConfig, layer: int) -> dict[str, Any]:
+    """The :class:`ParamSpec` pytree of backbone layer ``layer`` (same as ``param_specs(c)["layers"][layer]``)."""
+    if c.is_v41:
+        return _v41_block(c, f"layers.{layer}.", layer)
+    return _block(c, f"layers.{layer}.", c.attn_kinds[layer], c.compress_ratios[layer], c.hash_layers[layer])
+
+
 def engram_table_rows(c: ModelConfig) -> int:
     """Scalars held by the host-side Engram tables (rows × head_dim summed over Engram layers)."""
     return sum(c.engram_num_embeddings) * c.engram_head_dim

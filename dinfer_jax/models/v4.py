@@ -1,25 +1,28 @@
 """DeepSeek-V4 forward: embedding → n mHC streams → blocks (attention + MoE) → HC head → norm → head; MTP block.
 
-The full-sequence forward (positions 0..S−1, no cache) is the reference path that cached and paged paths are tested
-against. Everything here is a pure function of ``(params, token_ids)`` with the config and options static.
+The full-sequence forward (positions 0..S−1) is the serving step's layer scan on a fresh cache (one implementation of
+the layer math, :mod:`dinfer_jax.models.layers`). Everything here is a pure function of ``(params, token_ids)`` with
+the config and options static.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.models.attention import RopeTable, attention_full, rope_tables
-from dinfer_jax.models.config import ATTN_SLIDING, ModelConfig
-from dinfer_jax.models.mhc import hc_head, hc_post, hc_pre
-from dinfer_jax.models.moe import moe
+from dinfer_jax.models.backbone import head_logits, rope_for, run_backbone
+from dinfer_jax.models.config import ModelConfig
+from dinfer_jax.models.layer_plan import SLIDING_INFO
+from dinfer_jax.models.layers import LayerOptions, StepContext, layer_v4
 from dinfer_jax.models.ops import F32, linear, rms_norm
-from dinfer_jax.models.v41 import forward_v41
-from sharding.rules import Sharder, constrain
+from dinfer_jax.models.step_state import CacheConfig, ModelCache, StepInput, cache_shapes, single_layer_cache, zeros_like_shapes
+from dinfer_jax.models.v41 import YOCO_MODES, embed_tokens
+from sharding.rules import Sharder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,34 +53,41 @@ class ForwardOutput(NamedTuple):
     intermediates: dict[str, Any]
 
 
-def block_forward(p: Mapping[str, Any], streams: jax.Array, token_ids: jax.Array, *, cfg: ModelConfig, kind: str,
-                  ratio: int, hash_routed: bool, ropes: Mapping[str, tuple[Any, RopeTable]],
-                  options: ForwardOptions) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """One V4 block on streams ``[B,S,n,D]``: mHC site → attention, mHC site → MoE. Returns new streams and aux."""
-    hc_kw = dict(hc_mult=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
-    inv, table = ropes["main" if kind == ATTN_SLIDING else "compress"]
-
-    u, post, comb = hc_pre(streams, p["hc_attn"], **hc_kw)
-    a, aux = attention_full(p["attn"], rms_norm(u, p["attn_norm"], cfg.norm_eps), cfg=cfg, kind=kind, ratio=ratio,
-                            rope=table, inv_freq=inv, sharder=options.sharder)
-    streams = hc_post(streams, a, post, comb)
-    streams = constrain(options.sharder, streams, ("act_batch", "act_seq", None, None))
-
-    u, post, comb = hc_pre(streams, p["hc_ffn"], **hc_kw)
-    m, moe_aux = moe(p["ffn"], rms_norm(u, p["ffn_norm"], cfg.norm_eps), token_ids, cfg=cfg,
-                     hash_routed=hash_routed, impl=options.moe_impl, sharder=options.sharder)
-    streams = hc_post(streams, m, post, comb)
-    streams = constrain(options.sharder, streams, ("act_batch", "act_seq", None, None))
-    aux.update(moe_aux)
-    return streams, aux
+def _forward_cache(cfg: ModelConfig, B: int, S: int, dtype: str) -> tuple[ModelCache, jax.Array]:
+    """A fresh cache for ``B`` sequences of ``S`` tokens from position 0 (slot b+1, one page b+1 each holding
+    every compressed row) and the page table ``[B,1]``."""
+    ratios = [r for r in cfg.compress_ratios if r] or [1]
+    unit = math.lcm(*ratios)
+    cc = CacheConfig(num_slots=B + 1, num_blocks=B + 1, block_size=max(unit, -(-S // unit) * unit))
+    return zeros_like_shapes(cache_shapes(cfg, cc, dtype)), jnp.arange(1, B + 1, dtype=jnp.int32)[:, None]
 
 
-def logits_head(params: Mapping[str, Any], head_params: Mapping[str, Any], norm_w: jax.Array, streams: jax.Array,
-                cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """HC head collapse, final RMSNorm and the vocabulary head, all in fp32. Returns ``(logits, normed hidden)``."""
-    h = hc_head(streams, head_params, hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
-    h = rms_norm(h, norm_w, cfg.norm_eps, out_dtype=F32)
-    return linear(h, params["head"].astype(F32)), h
+def _collect(cfg: ModelConfig, S: int, per_layer: list[dict[str, jax.Array]], embed_carry: Any) -> dict[str, Any]:
+    """Per-layer intermediates in the forward's documented layout. The cache pages of a full forward hold
+    ``block_size // ratio ≥ S // ratio`` rows; indexer outputs are cut back to the ``S // ratio`` real ones."""
+    keys = ["indexer_topk", "indexer_scores", "router_indices", "router_weights"]
+    if cfg.is_v41:
+        keys.append("candidate_blocks")
+    inter: dict[str, Any] = {k: {} for k in keys}
+    for layer, aux in enumerate(per_layer):
+        T = S // cfg.compress_ratios[layer] if cfg.compress_ratios[layer] else 0
+        for key in keys:
+            if key not in aux:
+                continue
+            v = aux[key]
+            if key == "indexer_scores":
+                if T == 0:
+                    continue
+                v = v[..., :T]
+            elif key == "indexer_topk":
+                if T == 0:
+                    continue
+                v = v[..., :min(cfg.index_topk, T)]
+            inter[key][layer] = v
+    inter["hidden_states"] = jnp.stack([embed_carry["streams"]] + [a["hidden_states"] for a in per_layer])
+    if cfg.is_v41:
+        inter["premix"] = jnp.stack([embed_carry["premix"]] + [a["premix"] for a in per_layer])
+    return inter
 
 
 def forward(params: Mapping[str, Any], token_ids: jax.Array, *, cfg: ModelConfig, dtype: str = "float32",
@@ -85,42 +95,61 @@ def forward(params: Mapping[str, Any], token_ids: jax.Array, *, cfg: ModelConfig
             image_embeds: jax.Array | None = None, image_mask: jax.Array | None = None) -> ForwardOutput:
     """Full-sequence forward from position 0. token_ids: ``[B,S]`` int. Activations in ``dtype``.
 
+    The serving step's layers on a fresh cache (every row starts at position 0), so the reference forward and the
+    cached step share one implementation. ``params["layers"]`` may be in checkpoint layout (stacked here, a copy
+    of the layer weights per call) or already stacked (:func:`layer_plan.stack_params`).
+
     V4.1 only: ``engram_emb`` ``[n_engram_layers,B,S,E_in]`` (host-gathered Engram rows), ``image_embeds``
-    ``[B,S,D]`` + ``image_mask`` ``[B,S]``. V4.1 always returns its ``positions`` (and ``dspark_features`` when
-    the config names DSpark targets) in the intermediates.
+    ``[B,S,D]`` + ``image_mask`` ``[B,S]``, ``options.yoco``: "off" (exact), "mask" (from the first ratio-1 layer
+    on, window keys before the last ``yoco_keep`` rows are hidden) or "compact" (the mask result, logits of the
+    kept rows only). V4.1 always returns its ``positions`` (and ``dspark_features`` when the config names DSpark
+    targets) in the intermediates.
     """
-    if cfg.is_v41:
-        logits, inter = forward_v41(params, token_ids, cfg=cfg, dtype=dtype, options=options, engram_emb=engram_emb,
-                                    image_embeds=image_embeds, image_mask=image_mask)
-        return ForwardOutput(logits, inter)
     dt = jnp.dtype(dtype)
     B, S = token_ids.shape
-    ropes = rope_tables(cfg, jnp.arange(S))
-    x = params["embed"][token_ids].astype(dt)
-    streams = jnp.broadcast_to(x[:, :, None, :], (B, S, cfg.hc_mult, cfg.hidden_size))
-    streams = constrain(options.sharder, streams, ("act_batch", "act_seq", None, None))
-    hidden = [streams]
-    inter: dict[str, Any] = {"indexer_topk": {}, "indexer_scores": {}, "router_indices": {}, "router_weights": {}}
-    for i, lp in enumerate(params["layers"]):
-        streams, aux = block_forward(lp, streams, token_ids, cfg=cfg, kind=cfg.attn_kinds[i],
-                                     ratio=cfg.compress_ratios[i], hash_routed=cfg.hash_layers[i], ropes=ropes,
-                                     options=options)
+    mode, keep = options.yoco, options.yoco_keep
+    if mode not in YOCO_MODES:
+        raise ValueError(f"yoco mode must be one of {YOCO_MODES}, got {mode!r}")
+    truncate = cfg.is_v41 and mode != "off" and S > keep
+    cache, pages = _forward_cache(cfg, B, S, dtype)
+    full = jnp.full((B,), S, jnp.int32)
+    inp = StepInput(tokens=token_ids.astype(jnp.int32), start=jnp.zeros((B,), jnp.int32), n=full,
+                    slot=pages[:, 0], pages=pages, last=full - 1, image_embeds=image_embeds, image_mask=image_mask,
+                    window_floor=jnp.full((B,), S - keep, jnp.int32) if truncate else None)
+    opts = LayerOptions(moe_impl=options.moe_impl, sharder=options.sharder, collect=options.collect)
+    embed_carry = None
+    if options.collect:
+        x = embed_tokens(params, inp.tokens, dt, image_embeds, image_mask)
+        embed_carry = {"streams": jnp.broadcast_to(x[:, :, None, :], (B, S, cfg.hc_mult, cfg.hidden_size)),
+                       "premix": jnp.broadcast_to(jax.nn.one_hot(0, cfg.hc_mult, dtype=F32), (B, S, cfg.hc_mult))}
+    carry, _, per_layer = run_backbone(params, cache, inp, cfg=cfg, dtype=dtype, opts=opts, engram=engram_emb)
+    logits, h = head_logits(params, carry, cfg)
+    inter: dict[str, Any] = {}
+    if options.collect:
+        inter = _collect(cfg, S, per_layer, embed_carry)
+        inter["final_hidden"] = h
+    if not cfg.is_v41:
+        return ForwardOutput(logits, inter)
+    pos = jnp.arange(S)
+    targets = [a["dspark_feature"] for a in per_layer if "dspark_feature" in a]
+    if targets:
+        inter["dspark_features"] = jnp.concatenate(targets, axis=-1)  # [B,S,n_targets·D]
+    if mode == "compact" and truncate:
+        rows = slice(S - keep, S)
+        logits, pos = logits[:, rows], pos[rows]
+        if targets:
+            inter["dspark_features"] = inter["dspark_features"][:, rows]
         if options.collect:
-            hidden.append(streams)
-            for key, val in aux.items():
-                inter[key][i] = val
-    logits, h = logits_head(params, params["hc_head"], params["norm"], streams, cfg)
-    if not options.collect:
-        return ForwardOutput(logits, {})
-    inter["hidden_states"] = jnp.stack(hidden)
-    inter["final_hidden"] = h
+            inter["final_hidden"] = h[:, rows]
+    inter["positions"] = pos
     return ForwardOutput(logits, inter)
 
 
 def mtp_forward(params: Mapping[str, Any], streams: jax.Array, next_ids: jax.Array, *, cfg: ModelConfig,
                 depth: int = 0, dtype: str = "float32",
                 options: ForwardOptions = ForwardOptions()) -> tuple[jax.Array, jax.Array]:
-    """MTP block ``mtp.{depth}`` (spec §3.10), full sequence from position 0.
+    """MTP block ``mtp.{depth}`` (spec §3.10), full sequence from position 0: a sliding-only V4 layer
+    (:func:`layers.layer_v4` on a fresh cache).
 
     streams: the main model's pre-HC-head streams ``[B,S,n,D]`` (``hidden_states[-1]`` of a collected forward);
     next_ids: ``[B,S]`` the token at position t+1 for each position t. Returns ``(logits [B,S,V] fp32,
@@ -129,14 +158,21 @@ def mtp_forward(params: Mapping[str, Any], streams: jax.Array, next_ids: jax.Arr
     p = params["mtp"][depth]
     dt = jnp.dtype(dtype)
     B, S = next_ids.shape
-    ropes = rope_tables(cfg, jnp.arange(S))
     e = rms_norm(params["embed"][next_ids].astype(dt), p["enorm"], cfg.norm_eps)
     hn = rms_norm(streams.astype(dt), p["hnorm"], cfg.norm_eps)
-    x = linear(e, p["e_proj"])[:, :, None, :] + linear(hn, p["h_proj"])
-    x, _ = block_forward(p, x.astype(dt), next_ids, cfg=cfg, kind=ATTN_SLIDING, ratio=0, hash_routed=False,
-                         ropes=ropes, options=options)
-    logits, _ = logits_head(params, p["hc_head"], p["norm"], x, cfg)
-    return logits, x
+    x = (linear(e, p["e_proj"])[:, :, None, :] + linear(hn, p["h_proj"])).astype(dt)
+    pages = jnp.arange(1, B + 1, dtype=jnp.int32)[:, None]
+    lc = single_layer_cache(cfg, SLIDING_INFO, CacheConfig(B + 1, B + 1, 1), dtype)
+    full = jnp.full((B,), S, jnp.int32)
+    inp = StepInput(tokens=next_ids.astype(jnp.int32), start=jnp.zeros((B,), jnp.int32), n=full, slot=pages[:, 0],
+                    pages=pages, last=full - 1)
+    pos = inp.positions()
+    ctx = StepContext(inp, pos, rope_for(cfg, pos))
+    opts = LayerOptions(moe_impl=options.moe_impl, sharder=options.sharder)
+    carry, _, _ = layer_v4(p, {"streams": x}, lc, jnp.int32(0), jnp.int32(-1), ctx, cfg=cfg, info=SLIDING_INFO,
+                           opts=opts)
+    logits, _ = head_logits({"hc_head": p["hc_head"], "norm": p["norm"], "head": params["head"]}, carry, cfg)
+    return logits, carry["streams"]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "options"))

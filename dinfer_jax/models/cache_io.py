@@ -1,0 +1,73 @@
+"""Ring and page I/O on stacked cache arrays.
+
+Every cache array has a leading layer axis (the repeats of a scan group); ``k`` (a scalar, traced inside a scan)
+picks the layer, so reads gather only the rows they need and writes scatter in place into the scan's carry.
+Out-of-range scatter indices (slot ``num_slots``, page ``num_blocks``) are dropped: that is how padding rows and
+invalid entries write nowhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def ring_positions(start: jax.Array, size: int) -> jax.Array:
+    """Positions held by a ring of ``size`` entries just before ``start`` ``[B]``: ``[B, size]`` (< 0 if none)."""
+    j = jnp.arange(size)
+    return start[:, None] - 1 - jnp.mod(start[:, None] - 1 - j[None, :], size)
+
+
+def ring_read(ring: jax.Array, k: jax.Array, slot: jax.Array) -> jax.Array:
+    """The rings of slots ``slot [B]`` of layer ``k``: ring ``[L, num_slots, R, C]`` → ``[B, R, C]``."""
+    return ring[k, slot]
+
+
+def ring_write(ring: jax.Array, k: jax.Array, slot: jax.Array, pos: jax.Array, n: jax.Array,
+               values: jax.Array) -> jax.Array:
+    """Write ``values [B,Q,C]`` of positions ``pos [B,Q]`` into layer ``k`` of ``ring [L, num_slots, R, C]`` at
+    ``[slot, pos % R]``; only each row's last R valid tokens are written, padding rows nowhere."""
+    R = ring.shape[2]
+    Q = pos.shape[1]
+    i = jnp.arange(Q)[None, :]
+    keep = (i < n[:, None]) & (i >= n[:, None] - R)
+    s = jnp.where(keep, slot[:, None], ring.shape[1])
+    return ring.at[k, s, jnp.mod(pos, R)].set(values.astype(ring.dtype), mode="drop")
+
+
+def buffer_take(ring_rows: jax.Array, new_rows: jax.Array, start: jax.Array, positions: jax.Array) -> jax.Array:
+    """Values at ``positions [B, ...]`` from this step's rows (position ≥ start) or the slot's ring (earlier).
+
+    ring_rows ``[B,R,C]`` (ring of the row's slot), new_rows ``[B,Q,C]``. Returns ``[B, ..., C]``.
+    """
+    B, R, C = ring_rows.shape
+    Q = new_rows.shape[1]
+    flat = positions.reshape(B, -1)
+    rel = flat - start[:, None]
+    from_new = rel >= 0
+    a = jnp.take_along_axis(new_rows, jnp.clip(rel, 0, Q - 1)[..., None], axis=1)
+    b = jnp.take_along_axis(ring_rows, jnp.mod(flat, R)[..., None], axis=1)
+    return jnp.where(from_new[..., None], a, b).reshape(*positions.shape, C)
+
+
+def pages_read(pool: jax.Array, k: jax.Array, pages: jax.Array) -> jax.Array:
+    """A sequence's paged rows in order: pool ``[L, N, rpb, C]``, pages ``[B,P]`` → ``[B, P·rpb, C]``."""
+    g = pool[k, pages]
+    return g.reshape(pages.shape[0], -1, pool.shape[-1])
+
+
+def pages_write(pool: jax.Array, k: jax.Array, pages: jax.Array, rows: jax.Array, valid: jax.Array,
+                values: jax.Array) -> jax.Array:
+    """Write compressed rows ``rows [B,W]`` (sequence row index) of each sequence into layer ``k`` of
+    ``pool [L, N, rpb, C]``; invalid entries are dropped."""
+    rpb = pool.shape[2]
+    page_no = jnp.clip(rows // rpb, 0, pages.shape[1] - 1)
+    page = jnp.where(valid, jnp.take_along_axis(pages, page_no, axis=1), pool.shape[1])
+    return pool.at[k, page, jnp.mod(rows, rpb)].set(values.astype(pool.dtype), mode="drop")
+
+
+def closing_groups(start: jax.Array, n: jax.Array, ratio: int, Q: int) -> tuple[jax.Array, jax.Array]:
+    """Compression groups closed by this step's tokens: ``(w [B, Q//ratio + 1], valid)``; group w closes at token
+    ``(w+1)·ratio − 1``."""
+    w = start[:, None] // ratio + jnp.arange(Q // ratio + 1)[None, :]
+    return w, w < ((start + n) // ratio)[:, None]

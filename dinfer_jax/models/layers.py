@@ -1,0 +1,295 @@
+"""The one layer function per family, over cached state: V4 (:func:`layer_v4`) and V4.1 (:func:`layer_v41`).
+
+A layer processes ``B`` rows of ``Q`` query tokens (:class:`StepInput`) against its cache: the window of raw KV
+rows (the slot's SWA ring plus this step's rows), the compressed rows closed so far (this step's new rows
+included) and the indexer's top-k among them. The full-sequence forward is the same function on a fresh cache with
+every row starting at position 0 (see :mod:`dinfer_jax.models.backbone`), so there is one implementation of the
+layer math for the reference forward, prefill and decode.
+
+Cache arrays carry a leading layer axis (scan repeats); ``k`` picks this layer's entry. What crosses layers travels
+in ``carry`` (a dict): ``streams [B,Q,n,D]``, V4.1 ``premix [B,Q,n]`` and, from V4.1 source layers to the layers
+after them, ``kv [B,T,d]`` (compressed KV of the latest KV source), ``ik [B,T,di]`` (latest index keys),
+``selected [B,Q,T]`` (latest index source's top-k) and ``candidates [B,Q,T]`` (candidate blocks). "Latest" is
+exactly the config's nearest-source-at-or-before rule (``cfg.kv_source`` etc.).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax.models.attention import RopeTable, attend, index_scores, output_projection, query_and_window_kv
+from dinfer_jax.models.cache_io import (buffer_take, closing_groups, pages_read, pages_write, ring_positions,
+                                        ring_read, ring_write)
+from dinfer_jax.models.config import ATTN_CSA, ATTN_SLIDING, ModelConfig
+from dinfer_jax.models.csa2 import candidate_blocks, topk_select
+from dinfer_jax.models.engram import engram_gate
+from dinfer_jax.models.fake_quant import maybe_fake_quant, q8_fake
+from dinfer_jax.models.layer_plan import LayerInfo
+from dinfer_jax.models.mhc import hc_collapse, hc_mixes, hc_post, hc_pre
+from dinfer_jax.models.moe import moe
+from dinfer_jax.models.ops import F32, apply_rope_tail, linear, rms_norm, rope_cos_sin
+from dinfer_jax.models.step_state import LayerCache, StepInput
+from dinfer_jax.models.v41 import source_rows
+from sharding.rules import Sharder, constrain
+
+NEG_INF = -jnp.inf
+Carry = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOptions:
+    """Static switches: MoE implementation, mesh sharder, whether layers emit per-layer intermediates."""
+
+    moe_impl: str = "ragged"
+    sharder: Sharder | None = None
+    collect: bool = False
+
+
+class StepContext(NamedTuple):
+    """Per-step values every layer reads: the input, query positions ``[B,Q]``, RoPE ``{compressed: (inv_freq,
+    table)}``, V4.1 Engram rows ``[n_engram,B,Q,E_in]`` and the layer → Engram row table ``[L]`` (−1: none)."""
+
+    inp: StepInput
+    pos: jax.Array
+    ropes: dict[bool, tuple[Any, RopeTable]]
+    engram: jax.Array | None = None
+    engram_index: jax.Array | None = None
+
+
+def _hc_kw(cfg: ModelConfig) -> dict[str, Any]:
+    return dict(hc_mult=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
+
+
+def _window(swa: jax.Array, k: jax.Array, kv: jax.Array, inp: StepInput, pos: jax.Array, W: int,
+            floor: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Window keys ``[B, W+Q, d]`` (ring then this step's rows), their mask ``[B,Q,W+Q]``, updated ring.
+    ``floor [B]`` hides keys below a position (YOCO mask)."""
+    ring = ring_read(swa, k, inp.slot)
+    rpos = ring_positions(inp.start, W)
+    keys = jnp.concatenate([ring.astype(kv.dtype), kv], axis=1)
+    kpos = jnp.concatenate([rpos, pos], axis=1)
+    Q = pos.shape[1]
+    kvalid = jnp.concatenate([rpos >= 0, jnp.arange(Q)[None, :] < inp.n[:, None]], axis=1)
+    mask = kvalid[:, None, :] & (kpos[:, None, :] <= pos[:, :, None]) & (kpos[:, None, :] > pos[:, :, None] - W)
+    if floor is not None:
+        mask = mask & (kpos[:, None, :] >= floor[:, None, None])
+    return keys, mask, ring_write(swa, k, inp.slot, pos, inp.n, kv)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compressors over (ring state + this step's tokens)
+
+
+def compress_v4(p: Any, h: jax.Array, st_kv: jax.Array, st_gate: jax.Array, start: jax.Array, n: jax.Array, *,
+                ratio: int, dim: int, overlap: bool, inv_freq: Any,
+                norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """V4 compressor. h ``[B,Q,D]``; st_* ``[B,Sm,coff·dim]`` (the row's slot ring, gate incl. APE).
+
+    Returns ``(rows [B,W,dim] fp32, w [B,W], valid [B,W], kv [B,Q,coff·dim], gate [B,Q,coff·dim])`` — the
+    projections of this step's tokens, for the caller to write into the ring. Row w pools tokens
+    ``[w·m, (w+1)·m)`` (overlap: plus the first half-channels of window w−1) with RoPE at position ``w·m``.
+    """
+    B, Q, _ = h.shape
+    hf = h.astype(F32)
+    pos = start[:, None] + jnp.arange(Q)[None, :]
+    kv = linear(hf, p["wkv"])
+    gate = linear(hf, p["wgate"]) + p["ape"].astype(F32)[jnp.mod(pos, ratio)]
+    w, valid = closing_groups(start, n, ratio, Q)
+    if overlap:
+        tok = w[..., None] * ratio - ratio + jnp.arange(2 * ratio)  # [B,W,2m]
+        kv_t, g_t = buffer_take(st_kv, kv, start, tok), buffer_take(st_gate, gate, start, tok)
+        first = jnp.arange(2 * ratio) < ratio
+        kv_sel = jnp.where(first[:, None], kv_t[..., :dim], kv_t[..., dim:])
+        g_sel = jnp.where(first[:, None], g_t[..., :dim], g_t[..., dim:])
+        before_start = (tok < 0)[..., None]
+        kv_sel = jnp.where(before_start, 0.0, kv_sel)
+        g_sel = jnp.where(before_start, NEG_INF, g_sel)
+    else:
+        tok = w[..., None] * ratio + jnp.arange(ratio)
+        kv_sel, g_sel = buffer_take(st_kv, kv, start, tok), buffer_take(st_gate, gate, start, tok)
+    pooled = jnp.sum(kv_sel * jax.nn.softmax(g_sel, axis=2), axis=2)
+    pooled = rms_norm(pooled, p["norm"], norm_eps, out_dtype=F32)
+    cos, sin = rope_cos_sin(w * ratio, inv_freq)
+    return apply_rope_tail(pooled, cos, sin), w, valid, kv, gate
+
+
+def compress_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, inp: StepInput, *,
+                 ratio: int) -> tuple[jax.Array, jax.Array, jax.Array, dict[str, jax.Array]]:
+    """V4.1 CSA2 compressor: groups of ``ratio`` ∈ {1, 2} tokens, softmax-gated (ratio 2), no overlap/APE.
+
+    Returns ``(latent [B,W,d] fp32 pre-norm, w [B,W], valid [B,W], ring updates)``.
+    """
+    B, Q, _ = h.shape
+    hf = h.astype(F32)
+    pos = inp.positions()
+    latent = linear(hf, p["wkv"])
+    w, valid = closing_groups(inp.start, inp.n, ratio, Q)
+    if ratio == 1:
+        return latent, w[:, :Q], valid[:, :Q], {}
+    score = linear(hf, p["wgate"])
+    tok = w[..., None] * ratio + jnp.arange(ratio)
+    lat_t = buffer_take(ring_read(lc.cst_latent, k, inp.slot), latent, inp.start, tok)
+    sc_t = buffer_take(ring_read(lc.cst_score, k, inp.slot), score, inp.start, tok)
+    pooled = jnp.sum(lat_t * jax.nn.softmax(sc_t, axis=2), axis=2)
+    updates = {"cst_latent": ring_write(lc.cst_latent, k, inp.slot, pos, inp.n, latent),
+               "cst_score": ring_write(lc.cst_score, k, inp.slot, pos, inp.n, score)}
+    return pooled, w, valid, updates
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attention sublayers
+
+
+def attention_v4(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, ctx: StepContext, *, cfg: ModelConfig,
+                 info: LayerInfo, opts: LayerOptions) -> tuple[jax.Array, LayerCache, dict[str, jax.Array]]:
+    """V4 attention sublayer (sliding / CSA / HCA). h ``[B,Q,D]`` normalised. Returns ``(out [B,Q,D], updated
+    layer cache, aux)``; aux (``collect``) holds ``indexer_topk [B,Q,k]`` and ``indexer_scores [B,Q,T]`` on CSA."""
+    inp, pos = ctx.inp, ctx.pos
+    inv, table = ctx.ropes[info.ratio > 0]
+    cq, q, kv = query_and_window_kv(p, h, cfg=cfg, rope=table)
+    q = constrain(opts.sharder, q, ("act_batch", "act_seq", "act_heads", None))
+    keys, wmask, swa = _window(lc.swa, k, kv, inp, pos, cfg.sliding_window, None)
+    upd: dict[str, Any] = {"swa": swa}
+    aux: dict[str, jax.Array] = {}
+    ckv = cmask = None
+    if info.kind != ATTN_SLIDING:
+        ratio, slot, start, n, pages = info.ratio, inp.slot, inp.start, inp.n, inp.pages
+        overlap = info.kind == ATTN_CSA
+        rows, w, valid, kvp, gate = compress_v4(
+            p["compressor"], h, ring_read(lc.cst_kv, k, slot), ring_read(lc.cst_gate, k, slot), start, n,
+            ratio=ratio, dim=cfg.head_dim, overlap=overlap, inv_freq=inv, norm_eps=cfg.norm_eps)
+        upd["cst_kv"] = ring_write(lc.cst_kv, k, slot, pos, n, kvp)
+        upd["cst_gate"] = ring_write(lc.cst_gate, k, slot, pos, n, gate)
+        upd["ckv"] = pages_write(lc.ckv, k, pages, w, valid, rows)
+        ckv = pages_read(upd["ckv"], k, pages)
+        cmask = jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]  # [B,Q,T]
+        if overlap:
+            ix = p["indexer"]
+            irows, iw, ivalid, ikv, igate = compress_v4(
+                ix["compressor"], h, ring_read(lc.ist_kv, k, slot), ring_read(lc.ist_gate, k, slot), start, n,
+                ratio=ratio, dim=cfg.index_head_dim, overlap=True, inv_freq=inv, norm_eps=cfg.norm_eps)
+            upd["ist_kv"] = ring_write(lc.ist_kv, k, slot, pos, n, ikv)
+            upd["ist_gate"] = ring_write(lc.ist_gate, k, slot, pos, n, igate)
+            upd["ikv"] = pages_write(lc.ikv, k, pages, iw, ivalid, irows)
+            scores = index_scores(ix, h, cq, pages_read(upd["ikv"], k, pages), pos, cfg=cfg, ratio=ratio,
+                                  rope=table)
+            top_idx, selected = topk_select(scores, cfg.index_topk)
+            cmask = cmask & selected
+            if opts.collect:
+                aux.update(indexer_topk=top_idx, indexer_scores=scores)
+    o = attend(q, keys, wmask, ckv, cmask, p["attn_sink"])
+    return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), aux
+
+
+def attention_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, carry: Carry, ctx: StepContext, *,
+                  cfg: ModelConfig, info: LayerInfo,
+                  opts: LayerOptions) -> tuple[jax.Array, LayerCache, Carry, dict[str, jax.Array]]:
+    """V4.1 attention sublayer. A KV source compresses and pages its rows and publishes them (``carry["kv"]``,
+    ``carry["ik"]``); every compressed layer attends to the latest source's rows, masked by the latest index
+    source's top-k (``carry["selected"]``). Returns ``(out [B,Q,D], layer cache, carry, aux)``."""
+    inp, pos = ctx.inp, ctx.pos
+    inv, table = ctx.ropes[info.ratio > 0]
+    cq, q, kv = query_and_window_kv(p, h, cfg=cfg, rope=table)
+    q = constrain(opts.sharder, q, ("act_batch", "act_seq", "act_heads", None))
+    kv = maybe_fake_quant(cfg.kv_fake_quant, q8_fake, kv, 32)
+    floor = inp.window_floor if info.yoco_region else None
+    keys, wmask, swa = _window(lc.swa, k, kv, inp, pos, cfg.sliding_window, floor)
+    upd: dict[str, Any] = {"swa": swa}
+    carry = dict(carry)
+    aux: dict[str, jax.Array] = {}
+    ckv = cmask = None
+    ratio = info.ratio
+    if ratio > 0:
+        if info.kv_source:
+            latent, w, valid, ring_upd = compress_v41(p["compressor"], h, lc, k, inp, ratio=ratio)
+            upd.update(ring_upd)
+            kvc, kidx = source_rows(p, latent, w * ratio, cfg=cfg, dtype=h.dtype, inv_freq=inv,
+                                    has_index_k=info.has_index_k)
+            upd["ckv"] = pages_write(lc.ckv, k, inp.pages, w, valid, kvc)
+            carry["kv"] = pages_read(upd["ckv"], k, inp.pages)
+            if info.has_index_k:
+                upd["ik"] = pages_write(lc.ik, k, inp.pages, w, valid, kidx)
+                carry["ik"] = pages_read(upd["ik"], k, inp.pages)
+        ckv = carry["kv"]
+        visible = (pos + 1) // ratio
+        cmask = jnp.arange(ckv.shape[1]) < visible[..., None]
+        if info.index_source:
+            scores = index_scores(p["indexer"], h, cq, carry["ik"], pos, cfg=cfg, ratio=ratio, rope=table)
+            if info.candidate_source:
+                carry["candidates"], cand_ids = candidate_blocks(scores, visible, cfg.candidate_block_size,
+                                                                 cfg.candidate_topk_blocks)
+                if opts.collect:
+                    aux["candidate_blocks"] = cand_ids
+            elif info.uses_candidates:
+                scores = jnp.where(carry["candidates"], scores, NEG_INF)
+            top_idx, carry["selected"] = topk_select(scores, cfg.index_topk)
+            if opts.collect:
+                aux.update(indexer_topk=top_idx, indexer_scores=scores)
+        cmask = cmask & carry["selected"]
+    o = attend(q, keys, wmask, ckv, cmask, p["attn_sink"])
+    return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), carry, aux
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# blocks
+
+
+def layer_v4(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Array, ctx: StepContext, *,
+             cfg: ModelConfig, info: LayerInfo,
+             opts: LayerOptions) -> tuple[Carry, LayerCache, dict[str, jax.Array]]:
+    """One V4 block on ``carry["streams"] [B,Q,n,D]``: mHC site → attention, mHC site → MoE.
+    ``layer`` (the absolute layer index, possibly traced) is unused by V4. Returns ``(carry, cache, aux)``."""
+    del layer
+    hc_kw = _hc_kw(cfg)
+    streams = carry["streams"]
+    u, post, comb = hc_pre(streams, p["hc_attn"], **hc_kw)
+    a, lc, aux = attention_v4(p["attn"], rms_norm(u, p["attn_norm"], cfg.norm_eps), lc, k, ctx, cfg=cfg, info=info,
+                              opts=opts)
+    streams = hc_post(streams, a, post, comb)
+    streams = constrain(opts.sharder, streams, ("act_batch", "act_seq", None, None))
+    u, post, comb = hc_pre(streams, p["hc_ffn"], **hc_kw)
+    m, moe_aux = moe(p["ffn"], rms_norm(u, p["ffn_norm"], cfg.norm_eps), ctx.inp.tokens, cfg=cfg,
+                     hash_routed=info.hash_routed, impl=opts.moe_impl, sharder=opts.sharder)
+    streams = hc_post(streams, m, post, comb)
+    streams = constrain(opts.sharder, streams, ("act_batch", "act_seq", None, None))
+    if opts.collect:
+        aux.update(moe_aux)
+        aux["hidden_states"] = streams
+    return {**carry, "streams": streams}, lc, aux
+
+
+def layer_v41(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Array, ctx: StepContext, *,
+              cfg: ModelConfig, info: LayerInfo,
+              opts: LayerOptions) -> tuple[Carry, LayerCache, dict[str, jax.Array]]:
+    """One V4.1 block with shifted mHC: Engram gate (Engram layers), attention, MoE. ``carry`` holds ``streams``
+    ``[B,Q,n,D]``, ``premix`` ``[B,Q,n]`` (the previous FFN site's pre) and the cross-layer source values.
+    ``layer`` (absolute index, possibly traced) picks the Engram rows. Returns ``(carry, cache, aux)``; aux has
+    ``dspark_feature [B,Q,D]`` (mean attention-input stream) on DSpark target layers."""
+    hc_kw = _hc_kw(cfg)
+    inp = ctx.inp
+    streams, premix = carry["streams"], carry["premix"]
+    if info.engram:
+        rows = ctx.engram[ctx.engram_index[layer]]
+        streams = engram_gate(streams, rows, p["engram"], norm_eps=cfg.norm_eps, image_mask=inp.image_mask)
+    attn_in = streams
+    pre_a, post_a, comb_a = hc_mixes(streams, p["hc_attn"], **hc_kw)
+    h = rms_norm(hc_collapse(streams, premix), p["attn_norm"], cfg.norm_eps)
+    a, lc, carry, aux = attention_v41(p["attn"], h, lc, k, carry, ctx, cfg=cfg, info=info, opts=opts)
+    streams = hc_post(streams, a, post_a, comb_a)
+    pre_f, post_f, comb_f = hc_mixes(streams, p["hc_ffn"], **hc_kw)
+    x = rms_norm(hc_collapse(streams, pre_a), p["ffn_norm"], cfg.norm_eps)
+    m, moe_aux = moe(p["ffn"], x, None, cfg=cfg, hash_routed=False, impl=opts.moe_impl, sharder=opts.sharder,
+                     image_mask=inp.image_mask)
+    streams = hc_post(streams, m, post_f, comb_f)
+    streams = constrain(opts.sharder, streams, ("act_batch", "act_seq", None, None))
+    if info.dspark_target:
+        aux["dspark_feature"] = jnp.mean(attn_in.astype(F32), axis=2).astype(streams.dtype)
+    if opts.collect:
+        aux.update(moe_aux)
+        aux["hidden_states"] = streams
+        aux["premix"] = pre_f
+    return {**carry, "streams": streams, "premix": pre_f}, lc, aux

@@ -1,0 +1,113 @@
+"""Compile time of the serving step and the full forward vs number of layers (layer scan; issue 8 part 3).
+
+For each layer count the preset is cut to its first N layers (V4.1 cross-layer ids are filtered to the kept
+layers), parameters and cache are abstract (``jax.ShapeDtypeStruct``, nothing allocated, so real-dimension presets
+work on any host), and ``jax.jit(...).lower(...).compile()`` is timed for one serving step bucket ``[B, Q]`` and the
+full forward ``[B, S]``. Prints a Markdown table and the 8-layer / 2-layer ratio.
+
+    python scripts/bench_compile.py --preset tiny-v4 --layout deepseek-v4-flash --layers 2 4 8 16
+    python scripts/bench_compile.py --preset deepseek-v4-flash --layers 2 4 8 --dtype bfloat16   # on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from dinfer_jax.engine.model_step import model_step  # noqa: E402
+from dinfer_jax.models.config import ModelConfig, load_config  # noqa: E402
+from dinfer_jax.models.layer_plan import plan_layers, stack_params  # noqa: E402
+from dinfer_jax.models.params import abstract_params  # noqa: E402
+from dinfer_jax.models.step_state import CacheConfig, StepInput, cache_shapes  # noqa: E402
+from dinfer_jax.models.v4 import ForwardOptions, forward  # noqa: E402
+
+
+def first_layers(base: ModelConfig, n: int, layout: ModelConfig | None = None) -> ModelConfig:
+    """``base``'s dimensions with the first ``n`` layers of ``layout``'s layer structure (default: base's own;
+    no MTP / DSpark blocks)."""
+    cfg = layout or base
+    if n > cfg.num_layers:
+        raise ValueError(f"{n} layers requested, the preset has {cfg.num_layers}")
+    keep = lambda ids: tuple(i for i in ids if i < n)  # noqa: E731
+    changes = dict(num_layers=n, attn_kinds=cfg.attn_kinds[:n], compress_ratios=cfg.compress_ratios[:n],
+                   hash_layers=cfg.hash_layers[:n], n_mtp_layers=0, mtp_compress_ratios=())
+    if cfg.is_v41:
+        eng = keep(cfg.engram_layer_ids)
+        changes.update(
+            kv_source_layer_ids=keep(cfg.kv_source_layer_ids), index_source_layer_ids=keep(cfg.index_source_layer_ids),
+            index_k_source_layer_ids=keep(cfg.index_k_source_layer_ids),
+            candidate_source_layer_id=cfg.candidate_source_layer_id if cfg.candidate_source_layer_id < n else -1,
+            engram_layer_ids=eng, engram_num_embeddings=cfg.engram_num_embeddings[:len(eng)],
+            dspark_target_layer_ids=keep(cfg.dspark_target_layer_ids))
+    return base.replace(**changes)
+
+
+def _engram_stub(cfg: ModelConfig, rows: jax.Array) -> jax.Array:
+    """Device stand-in for the host Engram gather (compile time only; shapes as the real callback)."""
+    e_in = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim
+    return jnp.zeros((len(cfg.engram_layer_ids), *rows.shape[:-1], e_in), jnp.float32) + rows[..., :1] * 0
+
+
+def compile_seconds(cfg: ModelConfig, dtype: str, batch: int, q: int, seq: int, block_size: int) -> tuple[float, float]:
+    """Seconds to lower + compile one serving step ``[batch, q]`` and the full forward ``[batch, seq]``."""
+    sds = jax.ShapeDtypeStruct
+    params = jax.eval_shape(functools.partial(stack_params, cfg), abstract_params(cfg, dtype, include_mtp=False))
+    pages = -(-seq // block_size)
+    cc = CacheConfig(num_slots=batch + 1, num_blocks=batch * pages + 1, block_size=block_size)
+    i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
+    inp = StepInput(tokens=i32(batch, q), start=i32(batch), n=i32(batch), slot=i32(batch), pages=i32(batch, pages),
+                    last=i32(batch))
+    cmap = sds((cfg.vocab_size,), jnp.int32) if cfg.engram_layer_ids else None
+    step = jax.jit(functools.partial(model_step, cfg=cfg, dtype=dtype,
+                                     engram_fn=functools.partial(_engram_stub, cfg)), donate_argnums=(1,))
+    t0 = time.perf_counter()
+    step.lower(params, cache_shapes(cfg, cc, dtype), inp, cmap=cmap).compile()
+    t_step = time.perf_counter() - t0
+    n_eng = len(cfg.engram_layer_ids)
+    e_in = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim
+    emb = sds((n_eng, batch, seq, e_in), jnp.dtype(dtype)) if n_eng else None
+    fwd = jax.jit(functools.partial(forward, cfg=cfg, dtype=dtype, options=ForwardOptions()))
+    t0 = time.perf_counter()
+    fwd.lower(params, i32(batch, seq), engram_emb=emb).compile()
+    return t_step, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny-v4")
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--layout", default=None, help="take the layer structure from this preset (e.g. "
+                    "deepseek-v4-flash with --preset tiny-v4: real layer kinds at tiny dimensions)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--q", type=int, default=64, help="serving-step bucket length (1 = decode)")
+    ap.add_argument("--seq", type=int, default=256, help="full-forward length and pages per sequence")
+    ap.add_argument("--block-size", type=int, default=256)
+    args = ap.parse_args()
+    base = load_config(args.preset)
+    layout = load_config(args.layout) if args.layout else None
+    print(f"preset {args.preset}, layout {args.layout or args.preset}, {args.dtype}, step [{args.batch},{args.q}], forward [{args.batch},{args.seq}], "
+          f"jax {jax.__version__} on {jax.devices()[0].platform}\n")
+    print("| layers | scan plan (start×period×repeats) | step compile s | forward compile s |")
+    print("|---:|---|---:|---:|")
+    times = {}
+    for n in args.layers:
+        cfg = first_layers(base, n, layout)
+        plan = " ".join(f"{g.start}:{g.period}×{g.repeats}" for g in plan_layers(cfg))
+        times[n] = compile_seconds(cfg, args.dtype, args.batch, args.q, args.seq, args.block_size)
+        print(f"| {n} | {plan} | {times[n][0]:.2f} | {times[n][1]:.2f} |", flush=True)
+    lo, hi = min(times), max(times)
+    print(f"\nratio {hi}/{lo} layers: step {times[hi][0] / times[lo][0]:.2f}×, "
+          f"forward {times[hi][1] / times[lo][1]:.2f}×")
+
+
+if __name__ == "__main__":
+    main()
