@@ -34,7 +34,7 @@ prompts = [ln for ln in (Path(__file__).resolve().parent / "prompts.txt").read_t
 llm = LLM(model="default", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64,
           buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(64,)))  # few shapes: fast warm-up
 greedy = SamplingParams(temperature=0.0, max_tokens=24)
-for p, out in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False)):
+for p, out in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False), strict=True):
     print(f"{p!r} -> {out.text!r}")
 
 # %% [markdown]

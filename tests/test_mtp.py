@@ -38,7 +38,10 @@ def test_mtp_block_matches_formula_with_transformers_block():
     torch = require_reference()
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
-        DeepseekV4DecoderLayer, DeepseekV4HyperHead, DeepseekV4RotaryEmbedding)
+        DeepseekV4DecoderLayer,
+        DeepseekV4HyperHead,
+        DeepseekV4RotaryEmbedding,
+    )
 
     from dinfer_jax.models import inspect, load_config, mtp_logits, random_model
     from dinfer_jax.reference.transformers_v4 import hf_config_kwargs

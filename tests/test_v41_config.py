@@ -43,7 +43,8 @@ def test_flash_param_count_matches_published():
     assert "wgate" not in p["layers"][20]["attn"]["compressor"]  # ratio-1 source has no gate
     assert p["layers"][20]["attn"]["indexer"]["wk"].shape == (128, 512)
     assert "compressor" not in p["layers"][21]["attn"] and "indexer" not in p["layers"][21]["attn"]
-    assert p["layers"][24]["attn"]["indexer"]["wq_b"].shape == (4096, 1280) and "wk" not in p["layers"][24]["attn"]["indexer"]
+    assert p["layers"][24]["attn"]["indexer"]["wq_b"].shape == (4096, 1280)
+    assert "wk" not in p["layers"][24]["attn"]["indexer"]
     assert p["layers"][1]["engram"]["wkv"].shape == (25600, 6144)
     assert p["layers"][5]["ffn"]["gate"]["bias_vl"].shape == (384,)
     assert p["mtp"][0]["main_proj"].shape == (5120, 15360) and p["mtp"][0]["ffn"]["experts"]["w1"].shape[0] == 128

@@ -130,7 +130,7 @@ def hf_tensor_name(release_name: str) -> str:
 def hf_config_dict(cfg) -> dict[str, Any]:
     """transformers ``DeepseekV4Config`` keyword arguments equivalent to a :class:`ModelConfig`."""
     rates: dict[str, int] = {}
-    for kind, ratio in zip(cfg.attn_kinds, cfg.compress_ratios):
+    for kind, ratio in zip(cfg.attn_kinds, cfg.compress_ratios, strict=True):
         if kind == "sliding":
             continue
         key = _KIND_TO_HF[kind]
