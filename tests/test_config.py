@@ -41,7 +41,7 @@ def test_param_count_matches_published(preset, published):
 
 
 def test_flash_shapes_match_spec_table():
-    """Spec model-v4.md §1.1 derived shapes (Flash), from abstract evaluation: nothing is allocated."""
+    """Spec docs/spec/model-v4.md §1.1 derived shapes (Flash), from abstract evaluation: nothing is allocated."""
     p = abstract_params(load_config("deepseek-v4-flash"))
     L2, L3 = p["layers"][2], p["layers"][3]
     a = L2["attn"]

@@ -1,5 +1,5 @@
-"""DSpark drafter (``model-v41.md`` §3.8; DeepInfer ``DFlash``): DeepInfer's ``_ref`` twins, shapes, and independent
-checks of the draft formulas on the random tiny-v41 model.
+"""DSpark drafter (``docs/spec/model-v41.md`` §3.8; DeepInfer ``DFlash``): DeepInfer's ``_ref`` twins, shapes, and
+independent checks of the draft formulas on the random tiny-v41 model.
 
 Compile budget (2-core CPU): one target forward (collect=True, ~12 s) shared by every test through the module
 fixture, and a handful of draft-block compiles (~4 s each); every draft call below goes through ``_draft`` with the

@@ -1,4 +1,4 @@
-"""V4.1 Engram (model-v41.md §3.3, §3.9): hash layout, compressed tokenizer, hash, host tables, gate.
+"""V4.1 Engram (docs/spec/model-v41.md §3.3, §3.9): hash layout, compressed tokenizer, hash, host tables, gate.
 
 References: the spec's published check values (a), the HF-generated tiny fixture (b, e), TileKernels 2.1.0's PyTorch
 ``engram_hash_ref`` / ``engram_gate_ref`` / ``make_offsets`` loaded through ``tests/deepinfer_refs.py`` (c, d), and

@@ -1,4 +1,4 @@
-"""MTP block (spec model-v4.md §3.10) against the formula, with transformers' own decoder layer, HC head and norm
+"""MTP block (``docs/spec/model-v4.md`` §3.10) against the formula, with transformers' own decoder layer, HC head, norm
 as the block reference (transformers does not build MTP, but the MTP block is a standard sliding-only V4 block
 with learned routing). The backbone streams fed to MTP are ours; their parity is covered by
 test_parity_transformers. Tolerance 1e-4 × max |reference logit| as for the backbone (fp32 both sides)."""

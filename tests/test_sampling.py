@@ -1,4 +1,4 @@
-"""Deterministic sampling (engine.md §7) against DeepInfer's pure-PyTorch references.
+"""Deterministic sampling (docs/spec/engine.md §7) against DeepInfer's pure-PyTorch references.
 
 References (loaded from DeepInfer's source by ``deepinfer_refs``, never imported): ``random_sampling_ref`` and
 ``_hash_to_uniform`` (``tilelang_ops/random_sampling.py``), ``apply_top_p_top_k_ref`` and ``fused_sample_ref``

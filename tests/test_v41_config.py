@@ -21,7 +21,7 @@ def test_flash_preset_layer_roles():
     assert c.is_v41 and c.hc_shifted and not c.use_qnorm and c.kv_fake_quant
     assert c.attn_kinds[:2] == (ATTN_SLIDING, ATTN_SLIDING) and set(c.attn_kinds[2:]) == {ATTN_SHARED}
     assert c.n_prefill_layer == 20 and c.mtp_compress_ratios == (0, 0, 0)
-    # model-v41.md §1.2 role table
+    # docs/spec/model-v41.md §1.2 role table
     assert [c.kv_source(i) for i in (2, 7, 8, 13, 14, 19, 20, 39)] == [2, 2, 8, 8, 14, 14, 20, 20]
     assert [c.index_source(i) for i in (3, 20, 23, 24, 27, 36, 39)] == [2, 20, 20, 24, 24, 36, 36]
     assert [c.uses_candidates(i) for i in (20, 21, 24, 28, 36)] == [False, False, True, True, True]

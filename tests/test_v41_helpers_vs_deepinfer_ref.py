@@ -109,7 +109,7 @@ def test_e4m3_rne_matches_ml_dtypes_cast():
 
 
 def test_e2m1_rne_ties_follow_spec():
-    """The spec's tie table (model-v41.md §2), clamping at ±6 and the sign."""
+    """The spec's tie table (docs/spec/model-v41.md §2), clamping at ±6 and the sign."""
     x = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 7, 0.2499, 5.01, -0.75, -5, -1e9])
     want = np.float32([0, 1, 1, 2, 2, 4, 4, 6, 0, 6, -1, -4, -6])
     np.testing.assert_array_equal(np.asarray(fq.e2m1_rne(x)), want)
