@@ -15,7 +15,7 @@ Scanned: git-tracked (or, outside a git checkout, all) ``*.py``, ``*.md``, ``*.t
 
 Usage::
 
-    python scripts/check_doc_refs.py [ROOT] [PATH ...]
+    python scripts/check_doc_refs.py [--root ROOT] [PATH ...]
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def check(root: Path, paths: list[Path] | None = None) -> list[Finding]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("root", nargs="?", type=Path, default=Path(__file__).resolve().parents[1])
+    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1], help="repository root")
     ap.add_argument("paths", nargs="*", type=Path, help="only these files (default: the whole repository)")
     args = ap.parse_args(argv)
     findings = check(args.root, args.paths)

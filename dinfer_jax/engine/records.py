@@ -1,6 +1,6 @@
 """The scheduler's records: a request (``Sequence``) and its immutable snapshot (``RequestOutput``), and the plan of
 one step (``ScheduledStep`` of ``ScheduledRow``). Plain data with derived properties; the policy that creates and
-mutates them is ``scheduler.Scheduler`` (see ``docs/architecture.md``, "Scheduler"). Pure Python; no jax.
+mutates them is ``scheduler.Scheduler`` (see ``docs/architecture.md`` section 5, "Scheduler"). Pure Python; no jax.
 """
 
 from __future__ import annotations
