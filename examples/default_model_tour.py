@@ -95,6 +95,8 @@ print("engine:", out.token_ids, "\nforward:", ref, "\nequal:", out.token_ids == 
 # ## Comparing two sampling settings
 # Greedy decoding is deterministic; sampling at temperature 0.8 with top-p 0.9 (a fixed `seq_seed` per request
 # makes it reproducible) trades faithfulness to the documentation for variety.
+# The figure shows each sampled token's log-probability under the filtered distribution the sampler drew from;
+# for greedy rows that distribution is one-hot (DeepInfer clamps the temperature to 1e-5), so the line sits at 0.
 
 # %%
 prompt = "A class definition defines"
