@@ -6,14 +6,25 @@
 # the DSpark drafter) trained on Python's own documentation topics (`pydoc_data.topics`) by
 # `scripts/train_tiny.py`. It lives in `dinfer_jax/bundled/default/` and is registered as `"default"`.
 #
-# Run as a script (`python examples/default_model_tour.py`) or cell by cell (`# %%`) in VS Code / Jupyter.
+# Run as a script (`python examples/default_model_tour.py [OUT_DIR]`) or cell by cell (`# %%`) in VS Code /
+# Jupyter. The figures (matplotlib: `pip install -e ".[examples]"`) are written to OUT_DIR, default `docs/figures/`.
 
 # %%
+import sys
+from pathlib import Path
+
 import numpy as np
 
 from dinfer_jax import LLM, SamplingParams
 from dinfer_jax.engine.runner import Buckets
 from dinfer_jax.models import forward_logits, inspect, load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/ is not a package
+import tour_plots  # noqa: E402
+
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else (
+    Path(__file__).resolve().parents[1] / "docs" / "figures")
+OUT.mkdir(parents=True, exist_ok=True)
 
 model = load_model("default")  # resolves the registered name to dinfer_jax/bundled/default/
 cfg = model.config
@@ -28,13 +39,11 @@ print("KV sources", cfg.kv_source_layer_ids, "| index sources", cfg.index_source
 # documentation-style beginnings:
 
 # %%
-from pathlib import Path
-
 prompts = [ln for ln in (Path(__file__).resolve().parent / "prompts.txt").read_text().splitlines() if ln.strip()]
 llm = LLM(model="default", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64,
           buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(64,)))  # few shapes: fast warm-up
 greedy = SamplingParams(temperature=0.0, max_tokens=24)
-for p, out in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False)):
+for p, out in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False), strict=True):
     print(f"{p!r} -> {out.text!r}")
 
 # %% [markdown]
@@ -56,6 +65,9 @@ for layer, topk in sorted(info["indexer_topk"].items()):
     # a compressed row j of a ratio-r layer covers tokens r*j .. r*j + r - 1
     spans = ["".join(pieces[ratio * j: ratio * j + ratio]) for j in sel]
     print(f"layer {layer} (ratio {ratio}) last query selects rows {sel}: {spans}")
+fig = tour_plots.plot_indexer_selections({k: v[0] for k, v in info["indexer_topk"].items()},
+                                         cfg.compress_ratios, pieces)
+fig.savefig(OUT / "tour_indexer_selections.png", dpi=110)
 for layer, blocks in sorted(info["candidate_blocks"].items()):
     print(f"layer {layer} candidate blocks of the last query: {blocks[0, last].tolist()}")
 for layer in sorted(info["router_indices"]):
@@ -64,6 +76,8 @@ for layer in sorted(info["router_indices"]):
     counts = np.bincount(experts.reshape(-1), minlength=cfg.n_routed_experts)
     print(f"layer {layer} expert load over the sentence: {counts.tolist()}; "
           f"token {pieces[1]!r} -> experts {experts[1].tolist()} weights {np.round(weights[1], 3).tolist()}")
+fig = tour_plots.plot_expert_load({k: v[0] for k, v in info["router_indices"].items()}, cfg.n_routed_experts)
+fig.savefig(OUT / "tour_expert_load.png", dpi=110)
 
 # %% [markdown]
 # The engine's cached path and the full-sequence forward agree: the greedy tokens equal the argmax of
@@ -81,14 +95,23 @@ print("engine:", out.token_ids, "\nforward:", ref, "\nequal:", out.token_ids == 
 # ## Comparing two sampling settings
 # Greedy decoding is deterministic; sampling at temperature 0.8 with top-p 0.9 (a fixed `seq_seed` per request
 # makes it reproducible) trades faithfulness to the documentation for variety.
+# The figure shows each sampled token's log-probability under the filtered distribution the sampler drew from;
+# for greedy rows that distribution is one-hot (DeepInfer clamps the temperature to 1e-5), so the line sits at 0.
 
 # %%
 prompt = "A class definition defines"
 settings = {
-    "greedy": [SamplingParams(temperature=0.0, max_tokens=32)] * 3,
-    "T=0.8, top-p 0.9": [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=32, seq_seed=s) for s in (1, 2, 3)],
+    "greedy": [SamplingParams(temperature=0.0, max_tokens=32, logprobs=0)] * 3,
+    "T=0.8, top-p 0.9": [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=32, seq_seed=s, logprobs=0)
+                         for s in (1, 2, 3)],
 }
+runs = {}
 for name, sps in settings.items():
     print(f"--- {name}")
-    for o in llm.generate([prompt] * len(sps), sps, use_tqdm=False):
+    outs = llm.generate([prompt] * len(sps), sps, use_tqdm=False)
+    for o in outs:
         print("   ", repr(prompt + o.text))
+    runs[name] = [(o.text, [e["logprob"] for e in o.logprobs]) for o in outs]
+fig = tour_plots.plot_sampling_settings(prompt, runs)
+fig.savefig(OUT / "tour_sampling_settings.png", dpi=110)
+print(f"figures written to {OUT}")

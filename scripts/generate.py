@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     sink = open(args.output, "w") if args.output else sys.stdout
     try:
-        for rec, out in zip(records, outputs):
+        for rec, out in zip(records, outputs, strict=True):
             sink.write(json.dumps({"prompt": rec.get("prompt"), "prompt_token_ids": out.prompt_token_ids,
                                    "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
                                    "error": out.error}) + "\n")

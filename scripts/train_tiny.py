@@ -220,7 +220,7 @@ def engram_ids(cfg, cmap: np.ndarray, ids: np.ndarray) -> np.ndarray:
 def gather_engram(tables, rows):
     """``[n_engram, B, S, H·head_dim]`` rows of the trainable tables (the same rows inference gathers)."""
     out = []
-    for t, r in zip(tables, rows):
+    for t, r in zip(tables, rows, strict=True):
         g = jnp.take(t, r, axis=0)  # [B,S,H,hd]
         out.append(g.reshape(*g.shape[:-2], -1))
     return jnp.stack(out)
@@ -275,14 +275,14 @@ def save_checkpoint(directory: Path, config: dict, cfg, params, tables) -> None:
             return a.astype(np.int32)
         return a.astype(np.float32) if spec.keep_fp32 else a.astype(ml_dtypes.bfloat16)
 
-    for spec, val in zip(flat_specs, flat_vals):
+    for spec, val in zip(flat_specs, flat_vals, strict=True):
         arr = np.asarray(val)
         if spec.stacked_experts:
             for e in range(spec.shape[0]):
                 tensors[spec.ckpt.format(e=e)] = cast(spec, arr[e])
         else:
             tensors[spec.ckpt] = cast(spec, arr)
-    for lid, t in zip(cfg.engram_layer_ids, tables):
+    for lid, t in zip(cfg.engram_layer_ids, tables, strict=True):
         tensors[f"layers.{lid}.engram.embed.weight"] = np.asarray(t).astype(ml_dtypes.bfloat16)
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=1) + "\n")
@@ -354,7 +354,8 @@ def main() -> None:
     n_table = sum(int(np.prod(t.shape)) for t in tables)
     print(f"parameters: {n_params:,} (+ {n_table:,} Engram table scalars)", flush=True)
 
-    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(args.warmup, args.steps // 2), args.steps, end_value=args.lr * 0.05)
+    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(args.warmup, args.steps // 2), args.steps,
+                                               end_value=args.lr * 0.05)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.01))
     opt_state = opt.init(state)
     loss_fn = make_loss(cfg, args.draft_weight)

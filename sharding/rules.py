@@ -8,7 +8,7 @@ DeepInfer's data-, context- and expert-parallel rank groups) or to ``None`` (rep
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -34,7 +34,7 @@ class ShardingRules:
     mapping: tuple[tuple[str, str | None], ...] = tuple(DEFAULT_RULES.items())
 
     @classmethod
-    def from_dict(cls, mapping: Mapping[str, str | None]) -> "ShardingRules":
+    def from_dict(cls, mapping: Mapping[str, str | None]) -> ShardingRules:
         for k, v in mapping.items():
             if v is not None and v not in MESH_AXES:
                 raise ValueError(f"sharding rule {k!r} -> {v!r}: mesh axis must be one of {MESH_AXES} or None")

@@ -8,11 +8,12 @@ TileLang types); names imported from modules that cannot be imported here (``til
 such as ``tile_kernels.quant``) become placeholders that raise when touched, so a ref that only uses them on a
 branch the caller does not take still works.
 
-Sources: ``$DINFER_DEEPINFER_SRC`` (a directory made by ``../shared/tools/fetch-deepinfer-source DIR``), else a
-cache directory ``${XDG_CACHE_HOME:-~/.cache}/dinfer_jax/deepinfer-src`` filled by that tool on first use. The tool
-unpacks into a private temporary directory which is renamed into place once complete, so a directory that exists
-is complete and concurrent test workers need no lock. Without sources (no network) :func:`load_ref` raises
-:class:`RefSourceUnavailable`; :func:`require_refs` turns that into a pytest skip.
+Sources: ``$DINFER_DEEPINFER_SRC`` (a directory made by ``scripts/fetch_deepinfer_source.py DIR``), else the cache
+directory ``${XDG_CACHE_HOME:-~/.cache}/dinfer_jax/deepinfer-src`` that the same script fills (``pip download``) on
+first use. The script unpacks into a private temporary directory which is renamed into place once complete, so a
+directory that exists is complete and concurrent test workers need no lock. Without sources (no network)
+:func:`load_ref` raises :class:`RefSourceUnavailable`; :func:`require_refs` reports that through
+:func:`provision.missing` (a skip locally, a failure under ``CI``).
 
 Limits: only top-level ``def`` / ``class`` / import / plain assignment bindings are seen (the last one wins);
 module-level code that mutates a name later (loops, ``if`` blocks) is not replayed. Use ``overrides`` to supply a
@@ -28,81 +29,60 @@ from __future__ import annotations
 import ast
 import builtins
 import importlib
+import importlib.util
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable, Mapping
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FETCH_TOOL = REPO_ROOT.parent / "shared" / "tools" / "fetch-deepinfer-source"
-DEEPINFER_DIR = "deepinfer-0.1.0"  # holds the package directory ``deepinfer/``
-TILE_KERNELS_DIR = "tile_kernels"  # the package directory itself
-# Files whose presence marks a usable source tree (the tool writes both trees).
-_MARKERS = (f"{DEEPINFER_DIR}/deepinfer/model_executor/layers/tilelang_ops/compress.py",
-            f"{TILE_KERNELS_DIR}/torch/cast.py")
+FETCH_SCRIPT = REPO_ROOT / "scripts" / "fetch_deepinfer_source.py"
+HOW_TO_PROVIDE = (f"run `python {FETCH_SCRIPT.relative_to(REPO_ROOT)}` with network access (pip download of "
+                  "deepinfer==0.1.0 and tile-kernels==2.1.0 into the cache), or set DINFER_DEEPINFER_SRC to a "
+                  "directory that script made")
 
 
 class RefSourceUnavailable(RuntimeError):
     """The DeepInfer / tile-kernels sources are not available (unset and could not be fetched)."""
 
 
-def _complete(root: Path) -> bool:
-    return all((root / m).is_file() for m in _MARKERS)
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "dinfer_jax" / "deepinfer-src"
-
-
-def _fetch_into(dest: Path) -> None:
-    """Run the fetch tool into a temporary sibling of ``dest`` and rename it into place (atomic, lock-free)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=dest.parent))
-    env = {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)}
-    try:
-        proc = subprocess.run([str(FETCH_TOOL), str(tmp)], env=env, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0 or not _complete(tmp):
-            raise RefSourceUnavailable(f"{FETCH_TOOL} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
-        try:
-            tmp.rename(dest)
-        except OSError as e:  # another worker renamed its copy first, or a stale directory is in the way
-            if not _complete(dest):
-                raise RefSourceUnavailable(f"{dest} exists but is incomplete; remove it") from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+@cache
+def _fetcher() -> ModuleType:
+    """``scripts/fetch_deepinfer_source.py`` as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("_dinfer_fetch_deepinfer_source", FETCH_SCRIPT)
+    if spec is None or spec.loader is None:
+        raise RefSourceUnavailable(f"cannot load {FETCH_SCRIPT}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @cache
 def source_root() -> Path:
     """Directory holding ``deepinfer-0.1.0/`` and ``tile_kernels/``; fetched once into the cache if needed."""
+    fetcher = _fetcher()
     env = os.environ.get("DINFER_DEEPINFER_SRC")
     if env:
         root = Path(env)
-        if not _complete(root):
-            raise RefSourceUnavailable(f"DINFER_DEEPINFER_SRC={env} is not a fetch-deepinfer-source directory")
+        if not fetcher.is_complete(root):
+            raise RefSourceUnavailable(f"DINFER_DEEPINFER_SRC={env} is not a directory made by {FETCH_SCRIPT.name}")
         return root
-    root = _cache_dir()
-    if not _complete(root):
-        if not FETCH_TOOL.is_file():
-            raise RefSourceUnavailable(f"no sources: set DINFER_DEEPINFER_SRC or provide {FETCH_TOOL}")
-        _fetch_into(root)
-    return root
+    try:
+        return fetcher.fetch()
+    except fetcher.FetchError as e:
+        raise RefSourceUnavailable(str(e)) from e
 
 
 def require_refs() -> Path:
-    """:func:`source_root`, or skip the calling test with the reason (no network / no tool)."""
-    import pytest
+    """:func:`source_root`, or report the sources missing (skip locally, fail under ``CI``) with how to get them."""
+    from provision import missing
 
     try:
         return source_root()
-    except (RefSourceUnavailable, OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"DeepInfer reference sources unavailable: {e}")
+    except (RefSourceUnavailable, OSError) as e:
+        missing(f"DeepInfer's reference sources ({e})", HOW_TO_PROVIDE)
 
 
 # --- module resolution ---------------------------------------------------------------------------------------
@@ -110,7 +90,7 @@ def require_refs() -> Path:
 
 def _package_roots() -> dict[str, Path]:
     root = source_root()
-    return {"deepinfer": root / DEEPINFER_DIR, "tile_kernels": root}
+    return {"deepinfer": root / _fetcher().DEEPINFER_DIR, "tile_kernels": root}
 
 
 def _module_file(module: str) -> Path | None:

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
-import pytest
+
+from provision import INSTALL_HINT, missing, require_module
 
 
-def require_reference():
-    """Import torch + transformers 5.24.0 or skip (``.ci/run`` installs the reference extra, so CI never skips).
+def require_reference() -> ModuleType:
+    """Import torch + transformers 5.24.0 and return torch; a missing or other version is reported by
+    :func:`provision.missing` (a skip locally, a failure under ``CI``).
 
     Other transformers versions differ in V4 numerics (5.17 casts RMSNorm differently), so they are no reference.
     """
     from dinfer_jax.reference.transformers_v4 import REFERENCE_TRANSFORMERS
 
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = require_module("torch")
+    transformers = require_module("transformers")
     if transformers.__version__ != REFERENCE_TRANSFORMERS:
-        pytest.skip(f"transformers {transformers.__version__} is not the reference {REFERENCE_TRANSFORMERS}")
+        missing(f"the reference transformers {REFERENCE_TRANSFORMERS} (found {transformers.__version__})", INSTALL_HINT)
     return torch
 
 

@@ -41,7 +41,7 @@ def test_param_count_matches_published(preset, published):
 
 
 def test_flash_shapes_match_spec_table():
-    """Spec model-v4.md §1.1 derived shapes (Flash), from abstract evaluation: nothing is allocated."""
+    """Spec docs/spec/model-v4.md §1.1 derived shapes (Flash), from abstract evaluation: nothing is allocated."""
     p = abstract_params(load_config("deepseek-v4-flash"))
     L2, L3 = p["layers"][2], p["layers"][3]
     a = L2["attn"]
@@ -55,7 +55,8 @@ def test_flash_shapes_match_spec_table():
     assert a["indexer"]["compressor"]["wkv"].shape == (256, 4096) and a["indexer"]["compressor"]["norm"].shape == (128,)
     assert L3["ffn"]["gate"]["weight"].shape == (256, 4096) and L3["ffn"]["gate"]["bias"].shape == (256,)
     assert p["layers"][0]["ffn"]["gate"]["tid2eid"].shape == (129280, 6)
-    assert L3["ffn"]["experts"]["w1"].shape == (256, 2048, 4096) and L3["ffn"]["experts"]["w2"].shape == (256, 4096, 2048)
+    assert L3["ffn"]["experts"]["w1"].shape == (256, 2048, 4096)
+    assert L3["ffn"]["experts"]["w2"].shape == (256, 4096, 2048)
     assert p["embed"].shape == (129280, 4096) and p["hc_head"]["fn"].shape == (4, 16384)
     assert "compressor" not in p["layers"][0]["attn"] and "indexer" not in L3["attn"]
 

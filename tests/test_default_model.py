@@ -18,6 +18,7 @@ from dinfer_jax import LLM, SamplingParams
 from dinfer_jax.checkpoints import REGISTRY
 from dinfer_jax.engine.runner import Buckets
 from dinfer_jax.models import forward_logits, load_config, load_model
+from provision import missing
 
 DEFAULT_DIR = REGISTRY["default"]
 
@@ -51,7 +52,13 @@ PROMPTS = [
     "Names refer to objects.",
 ]
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_DIR / "config.json").is_file(), reason="bundled model missing")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bundled_model_present() -> None:
+    if not (DEFAULT_DIR / "config.json").is_file():
+        missing(f"the bundled default model ({DEFAULT_DIR})", "it ships in the package; restore it with "
+                "`git checkout -- dinfer_jax/bundled` or retrain it with scripts/train_tiny.py")
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +104,10 @@ def test_engine_greedy_equals_full_forward_argmax(llm):
     prompts = [tok.encode(p).ids for p in PROMPTS] + [tok.encode(PASSAGE).ids]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     model = load_model("default")  # the registered name goes through the release loader
-    seqs = [p + o.token_ids for p, o in zip(prompts, outs)]
+    seqs = [p + o.token_ids for p, o in zip(prompts, outs, strict=True)]
     S = max(len(s) for s in seqs)
     logits = forward_logits(model, np.array([s + [s[-1]] * (S - len(s)) for s in seqs]))
-    for i, (p, o) in enumerate(zip(prompts, outs)):
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
         ref = logits[i, len(p) - 1: len(p) + len(o.token_ids) - 1].argmax(-1).tolist()
         assert o.token_ids == ref, f"prompt {i}: engine {o.token_ids} vs full forward {ref}"
     # documentation-like text, not noise: mostly printable words

@@ -1,5 +1,5 @@
-"""DSpark drafter (``model-v41.md`` §3.8; DeepInfer ``DFlash``): DeepInfer's ``_ref`` twins, shapes, and independent
-checks of the draft formulas on the random tiny-v41 model.
+"""DSpark drafter (``docs/spec/model-v41.md`` §3.8; DeepInfer ``DFlash``): DeepInfer's ``_ref`` twins, shapes, and
+independent checks of the draft formulas on the random tiny-v41 model.
 
 Compile budget (2-core CPU): one target forward (collect=True, ~12 s) shared by every test through the module
 fixture, and a handful of draft-block compiles (~4 s each); every draft call below goes through ``_draft`` with the
@@ -20,8 +20,9 @@ from deepinfer_refs import load_ref, require_refs
 from dinfer_jax.models import abstract_params, load_config, random_model
 from dinfer_jax.models import dspark as ds
 from dinfer_jax.models.fake_quant import q8_fake
+from provision import require_module
 
-torch = pytest.importorskip("torch")
+torch = require_module("torch")
 
 OPS = "deepinfer/model_executor/layers/tilelang_ops/"
 S = 24
@@ -147,7 +148,7 @@ def test_tiny_shapes_and_prefix_draft(tiny):
     assert np.isfinite(np.asarray(d.logits)).all() and np.isfinite(np.asarray(d.confidences)).all()
     # The default block input [golden, noise × 4] is what _draft passes explicitly (and the same draft comes out).
     again = _draft(tiny)
-    for x, y in zip(d, again):
+    for x, y in zip(d, again, strict=True):
         np.testing.assert_array_equal(x, y)
 
 
@@ -277,7 +278,7 @@ def test_window_of_main_keys(tiny):
 
     ref_h = np.asarray(pd.draft.hidden)
     a0, a1 = LENGTHS[0] - 1, LENGTHS[1] - 1
-    h, lg = draft_with(0, list(range(0, a0 - W + 1)))
+    h, lg = draft_with(0, list(range(a0 - W + 1)))
     np.testing.assert_array_equal(h, ref_h)
     np.testing.assert_array_equal(lg, pd.draft.logits)
     h, _ = draft_with(1, list(range(a1 + 1, S)))

@@ -10,16 +10,14 @@ continuation of the growing sequence.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from dinfer_jax import LLM, SamplingParams
 from dinfer_jax.engine.runner import Buckets
 from dinfer_jax.models import forward_logits, load_config, load_model, random_model
+from provision import fixture_dir
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "v41-tiny"
 GEN = 32
 
 
@@ -29,12 +27,12 @@ def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 def _reference_continuations(model, prompts: list[list[int]], outputs: list[list[int]]) -> list[list[int]]:
-    seqs = [p + o for p, o in zip(prompts, outputs)]
+    seqs = [p + o for p, o in zip(prompts, outputs, strict=True)]
     S = max(len(s) for s in seqs)
     batch = np.array([s + [s[-1]] * (S - len(s)) for s in seqs])
     logits = forward_logits(model, batch)
     ref = []
-    for i, (p, o) in enumerate(zip(prompts, outputs)):
+    for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
         ref.append([int(t) for t in logits[i, len(p) - 1: len(p) + len(o) - 1].argmax(-1)])
     return ref
 
@@ -46,14 +44,12 @@ def _small_buckets(max_num_seqs: int, max_tokens: int) -> Buckets:
 MODELS = {
     "v4-random": lambda: random_model(load_config("tiny-v4"), seed=3, std=0.1, include_mtp=False),
     "v41-random": lambda: random_model(load_config("tiny-v41"), seed=3, std=0.1, include_mtp=False),
-    "v41-fixture": lambda: load_model(FIXTURE),
+    "v41-fixture": lambda: load_model(fixture_dir("v41-tiny")),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def model(request):
-    if request.param == "v41-fixture" and not FIXTURE.is_dir():
-        pytest.skip("fixture missing")
     return MODELS[request.param]()
 
 
@@ -81,7 +77,7 @@ def test_greedy_generation_equals_full_forward_argmax(model):
     assert llm.metrics()["compilations"] == compiled, "compiled outside warm-up"
     ref = _reference_continuations(model, prompts, results["async+chunked"])
     for name, toks in results.items():
-        for i, (got, want) in enumerate(zip(toks, ref)):
+        for i, (got, want) in enumerate(zip(toks, ref, strict=True)):
             assert got == want, f"{name}: prompt {i} (len {lengths[i]}) diverges from the full-forward argmax"
 
 
@@ -105,7 +101,7 @@ def test_stop_conditions_errors_and_isolation():
     assert outs[1].token_ids == clean[1].token_ids[:cut] and outs[1].finish_reason == "stop"
     assert outs[2].token_ids == clean[2].token_ids[:3] and outs[2].finish_reason == "length"
     assert outs[3].token_ids == clean[3].token_ids
-    for o, needle in zip(outs[4:], ["vocab", "max_model_len", "empty"]):
+    for o, needle in zip(outs[4:], ["vocab", "max_model_len", "empty"], strict=True):
         assert o.finish_reason == "error" and needle in o.error.lower(), o.error
         assert o.token_ids == []
 
@@ -123,7 +119,7 @@ def test_preemption_under_small_pool_does_not_corrupt_others():
     outs = tight.generate(prompts, greedy, use_tqdm=False)
     reasons = [o.finish_reason for o in outs]
     assert "preempted" in reasons, reasons
-    for o, w in zip(outs, want):
+    for o, w in zip(outs, want, strict=True):
         if o.finish_reason == "preempted":
             assert o.token_ids == w[: len(o.token_ids)]  # what it produced before preemption is still right
         else:
@@ -140,7 +136,8 @@ def test_no_compilation_after_warmup_over_50_varied_requests():
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(4, 500, size=int(n))] for n in rng.integers(1, 60, size=50)]
     params = [SamplingParams(temperature=float(t), max_tokens=int(m), seq_seed=int(s))
-              for t, m, s in zip(rng.uniform(0, 1.2, 50), rng.integers(1, 24, 50), rng.integers(0, 2**62, 50))]
+              for t, m, s in zip(rng.uniform(0, 1.2, 50), rng.integers(1, 24, 50), rng.integers(0, 2**62, 50),
+                                 strict=True)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(o.finish_reason in ("stop", "length") for o in outs)
     m = llm.metrics()
@@ -161,7 +158,7 @@ def test_logprobs_are_returned_per_generated_token():
                                   SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)], use_tqdm=False)
     lp = outs[0].logprobs
     assert lp is not None and len(lp) == len(outs[0].token_ids) == 6
-    for entry, tok in zip(lp, outs[0].token_ids):
+    for entry, tok in zip(lp, outs[0].token_ids, strict=True):
         top = entry["top"]
         assert entry["token"] == tok and top[0][0] == tok and len(top) == 3
         assert entry["logprob"] == pytest.approx(top[0][1]) and entry["logprob"] <= 0

@@ -95,7 +95,8 @@ def test_corrupt_files_fail_clearly(tiny_checkpoint, tmp_path):
     with pytest.raises(CheckpointError, match="truncated"):
         load_params(tmp_path / "tiny", cfg)
     (tmp_path / "index").mkdir()
-    (tmp_path / "index" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
+    index = tmp_path / "index" / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
     with pytest.raises(CheckpointError, match="missing"):
         load_params(tmp_path / "index", cfg)
     (tmp_path / "empty").mkdir()
@@ -113,7 +114,7 @@ def test_orbax_roundtrip(tiny_checkpoint, tmp_path):
     assert cfg2 == model.config and dtype2 == "float32"
     import jax
 
-    for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(params2)):
+    for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(params2), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -1,4 +1,4 @@
-"""MTP block (spec model-v4.md §3.10) against the formula, with transformers' own decoder layer, HC head and norm
+"""MTP block (``docs/spec/model-v4.md`` §3.10) against the formula, with transformers' own decoder layer, HC head, norm
 as the block reference (transformers does not build MTP, but the MTP block is a standard sliding-only V4 block
 with learned routing). The backbone streams fed to MTP are ours; their parity is covered by
 test_parity_transformers. Tolerance 1e-4 × max |reference logit| as for the backbone (fp32 both sides)."""
@@ -38,7 +38,10 @@ def test_mtp_block_matches_formula_with_transformers_block():
     torch = require_reference()
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
-        DeepseekV4DecoderLayer, DeepseekV4HyperHead, DeepseekV4RotaryEmbedding)
+        DeepseekV4DecoderLayer,
+        DeepseekV4HyperHead,
+        DeepseekV4RotaryEmbedding,
+    )
 
     from dinfer_jax.models import inspect, load_config, mtp_logits, random_model
     from dinfer_jax.reference.transformers_v4 import hf_config_kwargs

@@ -73,9 +73,9 @@ def test_indexer_ties_follow_lowest_index_rule(reference, tmp_path):
     """With 4 indexer heads many scores are exactly 0 (all ReLUs clamp), so top-k ties are common and torch.topk
     may order them differently. Compare selected sets with the tie rule: the sets may differ only in rows whose
     score equals the k-th largest score, and ours takes the lowest indices among those tied rows."""
-    from dinfer_jax.models import inspect, load_model
-
     import torch
+
+    from dinfer_jax.models import inspect, load_model
 
     kw = reference.hf_config_kwargs(layer_kinds=["sliding", "csa"], hash_layers=0, index_topk=4, index_n_heads=4)
     hf = reference.build_random_hf_model(kw, seed=7)

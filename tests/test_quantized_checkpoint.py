@@ -112,5 +112,6 @@ def test_fp8_scale_spellings(tmp_path, scale_kind):
     params = load_params(tmp_path, cfg)
     w = np.asarray(model.params["layers"][0]["attn"]["wq_b"])
     code, scale = quantize_fp8(w, (128, 128))
-    expect = code.astype(np.float32) * np.repeat(np.repeat(scale.astype(np.float32), 128, 0), 128, 1)[: w.shape[0], : w.shape[1]]
+    block_scale = np.repeat(np.repeat(scale.astype(np.float32), 128, 0), 128, 1)
+    expect = code.astype(np.float32) * block_scale[: w.shape[0], : w.shape[1]]
     np.testing.assert_array_equal(np.asarray(params["layers"][0]["attn"]["wq_b"]), expect)

@@ -1,4 +1,4 @@
-"""Deterministic sampling (engine.md §7) against DeepInfer's pure-PyTorch references.
+"""Deterministic sampling (docs/spec/engine.md §7) against DeepInfer's pure-PyTorch references.
 
 References (loaded from DeepInfer's source by ``deepinfer_refs``, never imported): ``random_sampling_ref`` and
 ``_hash_to_uniform`` (``tilelang_ops/random_sampling.py``), ``apply_top_p_top_k_ref`` and ``fused_sample_ref``
@@ -23,10 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from deepinfer_refs import load_refs, require_refs
 from dinfer_jax.sampling import (
     MTP_SEED_OFFSET,
     SamplingParams,
     SamplingTensors,
+    _f64,
     draft_positions,
     process_logits,
     random_sampling,
@@ -35,13 +37,12 @@ from dinfer_jax.sampling import (
     top_p_top_k_mask,
     uniform_u53,
 )
-from dinfer_jax.sampling import _f64
 from dinfer_jax.sampling._fastcdf import certified_search
 from dinfer_jax.sampling._u64 import U64
 from dinfer_jax.sampling.random import _sequential_cdf
-from deepinfer_refs import load_refs, require_refs
+from provision import require_module
 
-torch = pytest.importorskip("torch")
+torch = require_module("torch")
 
 OPS = "deepinfer/model_executor/layers/tilelang_ops/"
 M64 = (1 << 64) - 1

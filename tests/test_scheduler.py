@@ -19,9 +19,9 @@ import pytest
 
 from dinfer_jax.engine.block_manager import NULL_BLOCK, AllocStatus, BlockManager, StateSlots
 from dinfer_jax.engine.scheduler import (
+    ScheduledStep,
     Scheduler,
     SchedulerConfig,
-    ScheduledStep,
     Sequence,
     SequenceStatus,
 )
@@ -66,7 +66,7 @@ class FakeDevice:
 
     def run(self, step: ScheduledStep) -> list:
         out = []
-        for i, row in enumerate(step.rows):
+        for row in step.rows:
             seq, rid = row.seq, row.seq.request_id
             if row.token_ids is None:
                 assert step.kind == "decode" and row.input_src is not None
@@ -425,7 +425,7 @@ def test_recompute_victims_requeued_in_front_in_arrival_order():
     # all three start together; pool too small for all to grow: the two longest are preempted in one step
     sched = make(num_blocks=7, block_size=2, max_num_seqs=3, max_num_batched_tokens=16, preemption_mode="recompute")
     seqs = [sched.add_request(r, prompt_of(r, 2), SP(max_tokens=6)) for r in range(3)]
-    late = sched.add_request(9, prompt_of(9, 2), SP(max_tokens=2))
+    sched.add_request(9, prompt_of(9, 2), SP(max_tokens=2))  # arrives after the three, waits behind them
     seen = []
 
     def hook(s, step):
@@ -564,7 +564,7 @@ def test_async_matches_sync(kw):
         if mode == "sync":
             assert discarded == 0
     assert outs["async"][0] == outs["sync"][0]
-    for rid, (toks, reason) in outs["sync"][0].items():
+    for toks, reason in outs["sync"][0].values():
         assert reason in ("stop", "length")
         assert (reason == "stop") == (toks[-1] == EOS)
 
@@ -614,7 +614,6 @@ def test_length_limits_known_at_schedule_time():
     st1 = sched.schedule()  # decode, samples token 2 of 2
     assert st1.kind == "decode"
     assert sched.schedule() is None  # nothing left to plan until the in-flight steps are processed
-    dev = FakeDevice(sched)
     sched.process_step(st0, [tok(0, 4)])
     assert sched.process_step(st1, [tok(0, 5)]) == [s] and s.finish_reason == "length"
     assert_no_leaks(sched)
@@ -648,6 +647,53 @@ def test_abort_and_processing_order():
     assert_no_leaks(sched)
 
 
+def _random_workload(mode: str, seed: int, kw: dict, num_slots: int) -> tuple[dict, int]:
+    """One run of test_randomized_invariants' workload in ``mode`` ("sync" / "async"), its invariants checked;
+    returns (results, number of preemptions)."""
+    sched = make(num_slots=num_slots, **kw)
+    rng2 = random.Random(seed + 1000)
+    overrides, reported, nreq = {}, [], [0]
+
+    def add():
+        rid = nreq[0]
+        nreq[0] += 1
+        plen = rng2.randint(0, 30)
+        if rng2.random() < 0.3:
+            overrides[(rid, plen + rng2.randint(0, 5))] = EOS
+        sp = SP(max_tokens=rng2.choice([1, 3, 8, None]), ignore_eos=rng2.random() < 0.1)
+        seq = sched.add_request(rid, prompt_of(rid, plen), sp, EOS)
+        if seq.finished:
+            reported.append(seq)
+
+    def hook(s, step):
+        if rng2.random() < 0.2 and nreq[0] < 25:
+            add()
+        if rng2.random() < 0.05:
+            seq = s.abort(rng2.randrange(nreq[0]))
+            if seq is not None:
+                reported.append(seq)
+
+    for _ in range(10):
+        add()
+    _, finished, _ = drive(sched, FakeDevice(sched, overrides=overrides), mode, hook=hook)
+    reported += finished
+    assert sorted(s.request_id for s in reported) == list(range(nreq[0])), "each request reported exactly once"
+    assert_no_leaks(sched)
+    for s in reported:
+        n = len(s.output_token_ids)
+        assert s.output_token_ids == [overrides.get((s.request_id, s.prompt_len + k),
+                                                    tok(s.request_id, s.prompt_len + k)) for k in range(n)]
+        if s.finish_reason != "error":
+            assert s.num_tokens <= kw["max_model_len"]
+        if s.finish_reason == "length":
+            assert s.num_tokens == kw["max_model_len"] or n == s.max_tokens
+        elif s.finish_reason == "stop":
+            assert s.output_token_ids[-1] == EOS and not s.ignore_eos
+        elif s.finish_reason == "error":
+            assert n == 0 and s.error
+    return results(reported), sched.num_preemptions
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_randomized_invariants(seed):
     """Random configs and workloads, with requests added and aborted while steps are in flight. The fake device checks
@@ -662,48 +708,7 @@ def test_randomized_invariants(seed):
     num_slots = rng.randint(2, 8)
     outs = {}
     for mode in ("sync", "async"):
-        sched = make(num_slots=num_slots, **kw)
-        rng2 = random.Random(seed + 1000)
-        overrides, reported, nreq = {}, [], [0]
-
-        def add():
-            rid = nreq[0]
-            nreq[0] += 1
-            plen = rng2.randint(0, 30)
-            if rng2.random() < 0.3:
-                overrides[(rid, plen + rng2.randint(0, 5))] = EOS
-            sp = SP(max_tokens=rng2.choice([1, 3, 8, None]), ignore_eos=rng2.random() < 0.1)
-            seq = sched.add_request(rid, prompt_of(rid, plen), sp, EOS)
-            if seq.finished:
-                reported.append(seq)
-
-        def hook(s, step):
-            if rng2.random() < 0.2 and nreq[0] < 25:
-                add()
-            if rng2.random() < 0.05:
-                seq = s.abort(rng2.randrange(nreq[0]))
-                if seq is not None:
-                    reported.append(seq)
-
-        for _ in range(10):
-            add()
-        _, finished, _ = drive(sched, FakeDevice(sched, overrides=overrides), mode, hook=hook)
-        reported += finished
-        assert sorted(s.request_id for s in reported) == list(range(nreq[0])), "each request reported exactly once"
-        assert_no_leaks(sched)
-        for s in reported:
-            n = len(s.output_token_ids)
-            assert s.output_token_ids == [overrides.get((s.request_id, s.prompt_len + k),
-                                                        tok(s.request_id, s.prompt_len + k)) for k in range(n)]
-            if s.finish_reason != "error":
-                assert s.num_tokens <= kw["max_model_len"]
-            if s.finish_reason == "length":
-                assert s.num_tokens == kw["max_model_len"] or n == s.max_tokens
-            elif s.finish_reason == "stop":
-                assert s.output_token_ids[-1] == EOS and not s.ignore_eos
-            elif s.finish_reason == "error":
-                assert n == 0 and s.error
-        outs[mode] = (results(reported), sched.num_preemptions)
+        outs[mode] = _random_workload(mode, seed, kw, num_slots)
     (res_s, pre_s), (res_a, pre_a) = outs["sync"], outs["async"]
     aborted = any(r == "abort" for res in (res_s, res_a) for _, r in res.values())
     if pre_s == pre_a == 0 and not aborted:  # the first 10 requests are the same in both runs
@@ -711,7 +716,7 @@ def test_randomized_invariants(seed):
 
 
 def test_numpy_inputs_and_snapshot():
-    np = pytest.importorskip("numpy")
+    import numpy as np
     sched = make()
     seq = sched.add_request(3, np.asarray(prompt_of(3, 5), dtype=np.int32), SP(max_tokens=np.int64(2)),
                             eos_token_ids=np.asarray([EOS]))

@@ -21,7 +21,7 @@ def test_flash_preset_layer_roles():
     assert c.is_v41 and c.hc_shifted and not c.use_qnorm and c.kv_fake_quant
     assert c.attn_kinds[:2] == (ATTN_SLIDING, ATTN_SLIDING) and set(c.attn_kinds[2:]) == {ATTN_SHARED}
     assert c.n_prefill_layer == 20 and c.mtp_compress_ratios == (0, 0, 0)
-    # model-v41.md §1.2 role table
+    # docs/spec/model-v41.md §1.2 role table
     assert [c.kv_source(i) for i in (2, 7, 8, 13, 14, 19, 20, 39)] == [2, 2, 8, 8, 14, 14, 20, 20]
     assert [c.index_source(i) for i in (3, 20, 23, 24, 27, 36, 39)] == [2, 20, 20, 24, 24, 36, 36]
     assert [c.uses_candidates(i) for i in (20, 21, 24, 28, 36)] == [False, False, True, True, True]
@@ -43,7 +43,8 @@ def test_flash_param_count_matches_published():
     assert "wgate" not in p["layers"][20]["attn"]["compressor"]  # ratio-1 source has no gate
     assert p["layers"][20]["attn"]["indexer"]["wk"].shape == (128, 512)
     assert "compressor" not in p["layers"][21]["attn"] and "indexer" not in p["layers"][21]["attn"]
-    assert p["layers"][24]["attn"]["indexer"]["wq_b"].shape == (4096, 1280) and "wk" not in p["layers"][24]["attn"]["indexer"]
+    assert p["layers"][24]["attn"]["indexer"]["wq_b"].shape == (4096, 1280)
+    assert "wk" not in p["layers"][24]["attn"]["indexer"]
     assert p["layers"][1]["engram"]["wkv"].shape == (25600, 6144)
     assert p["layers"][5]["ffn"]["gate"]["bias_vl"].shape == (384,)
     assert p["mtp"][0]["main_proj"].shape == (5120, 15360) and p["mtp"][0]["ffn"]["experts"]["w1"].shape[0] == 128

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 against the golden fixtures of the HF reference (``../shared/fixtures/v41-tiny*``).
+"""DeepSeek-V4.1 against the golden fixtures of the HF reference (``tests/data/fixtures/v41-tiny*``).
 
 Tolerance (the issue's bound): max |error| ≤ 1e-2 × max |reference logit| and argmax agreement ≥ 99%. The model
 fake-quantises SWA KV (FP8), compressed KV (FP4, e4m3 scales) and indexer Q/K (FP4): a rounding-order difference
@@ -9,17 +9,19 @@ an exact tie (their README's audit), so selections must match.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from helpers import rel_err
+from provision import FIXTURES_DIR, fixture_dir
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-TINY, QUANT = FIXTURES / "v41-tiny", FIXTURES / "v41-tiny-quant"
+TINY, QUANT = FIXTURES_DIR / "v41-tiny", FIXTURES_DIR / "v41-tiny-quant"
 
-pytestmark = pytest.mark.skipif(not TINY.is_dir(), reason=f"fixtures not found at {FIXTURES}")
+
+@pytest.fixture(autouse=True, scope="module")
+def _fixtures_present() -> None:
+    fixture_dir("v41-tiny")
+    fixture_dir("v41-tiny-quant")
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dinfer_jax.models import csa2, fake_quant as fq
 from deepinfer_refs import load_refs, require_refs
+from dinfer_jax.models import csa2
+from dinfer_jax.models import fake_quant as fq
+from provision import require_module
 
-torch = pytest.importorskip("torch")
+torch = require_module("torch")
 
 OPS = "deepinfer/model_executor/layers/tilelang_ops/"
 BF16 = ml_dtypes.bfloat16
@@ -80,7 +82,7 @@ def _quant_inputs(seed: int, width: int, tie_rows: np.ndarray) -> np.ndarray:
     return np.concatenate([rand, mixed, special, tie_rows])
 
 
-def _as(x: np.ndarray, dtype: str) -> tuple[jax.Array, "torch.Tensor"]:
+def _as(x: np.ndarray, dtype: str) -> tuple[jax.Array, torch.Tensor]:
     """The same values as a JAX array and a torch tensor of ``dtype`` (rounded once, by ml_dtypes)."""
     xn = x.astype(np.float32).astype(BF16) if dtype == "bfloat16" else x.astype(np.float32)
     t = torch.from_numpy(xn.astype(np.float32))
@@ -107,7 +109,7 @@ def test_e4m3_rne_matches_ml_dtypes_cast():
 
 
 def test_e2m1_rne_ties_follow_spec():
-    """The spec's tie table (model-v41.md §2), clamping at ±6 and the sign."""
+    """The spec's tie table (docs/spec/model-v41.md §2), clamping at ±6 and the sign."""
     x = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 7, 0.2499, 5.01, -0.75, -5, -1e9])
     want = np.float32([0, 1, 1, 2, 2, 4, 4, 6, 0, 6, -1, -4, -6])
     np.testing.assert_array_equal(np.asarray(fq.e2m1_rne(x)), want)
@@ -170,7 +172,7 @@ def test_q4u_matches_tile_kernels_cast(refs, dtype):
     np.testing.assert_array_equal(_np(jax.jit(fq.q4u_fake)(xj))[keep], back[keep])
 
 
-def _q4e_inputs() -> tuple[jax.Array, "torch.Tensor", int]:
+def _q4e_inputs() -> tuple[jax.Array, torch.Tensor, int]:
     """bf16 rows of 512 (the V41 FP4 cache width; DeepInfer's ref takes bf16 only) and the first tie row."""
     # e4m3 scales, not powers of two. With mantissa 1.875 the ties 1.25, 2.5, 5 (× s) are where x · fp32(1/s)
     # lands one fp32 ulp above the tie while x / s is exact (found by brute force over all bf16 x and e4m3 s).
@@ -274,7 +276,7 @@ def _index_scores(seed: int, b: int, s: int, t: int, visible: np.ndarray, ties: 
     return np.where(np.arange(t) < visible[..., None], x, -np.inf).astype(np.float32)
 
 
-def _ref_topk_sorted(scores: "torch.Tensor", k: int) -> "torch.Tensor":
+def _ref_topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Top-k with ties to the lowest index (stable descending sort), −inf dropped; ascending ids, −1 fill."""
     k = min(k, scores.shape[-1])
     vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)

@@ -1,9 +1,10 @@
 """Host-side pools for paged KV blocks and per-sequence state slots.
 
-Semantics follow DeepInfer's ``csrc/engine/block_manager.hpp`` (``Blocks`` / ``BlockManager``) and engine spec
-§12: a fixed pool whose id 0 is reserved (the *null* block / slot that padding rows point at and that is never
-handed out), reference counts (``pin`` / ``fork`` for sharing), and a FIFO free list: ``allocate`` pops from the
-front, and an id is pushed to the back when its reference count drops to 0, so recently freed ids are reused last.
+Semantics follow DeepInfer's ``csrc/engine/block_manager.hpp`` (``Blocks`` / ``BlockManager``) and
+``docs/spec/engine.md`` §12: a fixed pool whose id 0 is reserved (the *null* block / slot that padding rows point at
+and that is never handed out), reference counts (``pin`` / ``fork`` for sharing), and a FIFO free list: ``allocate``
+pops from the front, and an id is pushed to the back when its reference count drops to 0, so recently freed ids are
+reused last.
 
 Both pools are pure Python bookkeeping; no device memory is touched here.
 

@@ -1,131 +1,23 @@
-"""Host-side request scheduler: FCFS prefill admission, chunked prefill, decode, preemption, and one-step-late
-("ZOS") output processing.
+"""Host-side request scheduler (the policy): FCFS prefill admission, chunked prefill, decode, preemption, and
+one-step-late ("ZOS") output processing over the records of :mod:`dinfer_jax.engine.records`.
 
 Ports the semantics (not the code) of DeepInfer's ``csrc/engine/scheduler.hpp`` / ``sequence.hpp`` / ``zos.cpp``
-and ``deepinfer/engine/llm_engine.py`` (engine spec §2, §3, §4, §12, §14). Pure Python; no jax.
-
-Step loop contract
-==================
-The host loop alternates ``schedule()`` and ``process_step()``::
-
-    inflight = collections.deque()
-    while sched.has_unfinished() or inflight:
-        step = sched.schedule()                     # may be None (nothing runnable until a step is processed)
-        if step is not None:
-            inflight.append((step, device.dispatch(step)))   # async dispatch: device futures
-        # asynchronous ("ZOS") mode keeps one step in flight; synchronous mode uses `while inflight:`
-        while inflight and (step is None or len(inflight) > 1):
-            old, out = inflight.popleft()
-            for seq in sched.process_step(old, host_tokens(out)):   # blocks on step `old` only
-                emit(seq.snapshot())
-    for seq in sched.take_finished():               # finishes inside a final schedule() call
-        emit(seq.snapshot())
-
-* Steps must be processed once each, in the order they were scheduled (``process_step`` raises otherwise).
-* ``schedule()`` returns None only if nothing is unfinished, or some step is in flight (it raises RuntimeError
-  otherwise, which would be a scheduler bug).
-* Each finished sequence is reported exactly once: an invalid request as the (already FINISHED) return value of
-  ``add_request()``, an aborted one as the return value of ``abort()``, every other finish (in ``process_step``, or
-  in ``schedule()``: preemption, a request that can never be admitted) through an outbox that ``process_step``
-  returns and drains and ``take_finished()`` drains explicitly.
-* ``row.accepted_token`` (set by ``process_step``) tells which rows' sampled tokens were appended to an output, for
-  keeping per-token side outputs (logprobs) aligned with ``output_token_ids``.
-* Synchronous and asynchronous orders give the same per-request tokens and finish reasons when the device's token at a
-  position does not depend on batching and no preemption happens. Under preemption they usually agree too (in
-  randomized runs with recompute they differed only when a victim ended "preempted"), but KV pressure can make the lag
-  change which request is preempted and when: the async scheduler must reserve a block for a row of a sequence whose
-  EOS is still in flight (DeepInfer has the same property).
-
-Lengths under the lag (spec §4 "optimistic reservation")
-=========================================================
-``Sequence.num_computed_tokens`` counts positions whose KV is in the cache *or will be written by an in-flight step*;
-``Sequence.num_inflight`` counts sampled tokens not yet processed; ``num_tokens_total = prompt_len +
-len(output_token_ids) + num_inflight``. For a decoding sequence ``num_computed_tokens == num_tokens_total - 1``: its
-next decode row feeds the token at position ``num_computed_tokens`` and samples position ``num_computed_tokens + 1``
-(``row.end_pos``). The input token is host-known (``row.token_ids == [tok]``) or in flight (``row.token_ids is
-None``); then ``row.input_src = (step_id, row_index)`` names the row whose sampled token it is (with one step of lag
-always a row of step ``step_id - 1``), and the device takes it from that step's device outputs (DeepInfer
-``prepare_zos_inputs`` remap). This includes the first decode after a prefill, so the device must keep the previous
-step's per-row sampled tokens for prefill steps too.
-
-Stop conditions that depend only on lengths (``max_tokens``, ``max_model_len``) are known at schedule time, so a
-sequence whose in-flight tokens already reach such a limit is not scheduled again; only an EOS / stop token sampled by
-an in-flight step can put a sequence into one more step after its finish (DeepInfer: "one extra forward after EOS").
-That row's result is discarded (``Scheduler.num_discarded_rows``).
-
-Resource release
-================
-* Finished (stop / length / abort / error): blocks and state slot are freed when the last in-flight step that holds a
-  row of the sequence has been processed (``Sequence.num_inflight_steps == 0``); with nothing in flight (synchronous
-  mode), at once. (DeepInfer likewise defers the release of finished sequences to the next step's
-  ``pre_sampler_sync`` / ``DeferredRelease``; spec §4, §14.) A decode row that needs a block which such lagging
-  releases (or sequences whose in-flight tokens reach a length limit) will certainly return sits the step out
-  instead of preempting anyone, so the lag itself does not cause preemptions.
-* Preempted: freed immediately inside ``schedule()`` (DeepInfer ``_preempt`` -> ``free_seq_nolock``), so the step
-  that needed the room can use it. This is safe because every step runs after all earlier-dispatched steps on the
-  device (the cache is threaded through the jitted steps), so an in-flight row's writes into the victim's blocks /
-  slot land before the new owner's (spec §4 invariant 3). Device contract this relies on: a row never reads a KV
-  position of its block table that its own sequence has not written (positions ``>= row.end_pos`` are masked), and a
-  row with ``start_pos == 0`` (``row.is_first_chunk``) initialises its state slot instead of reading it.
-* Tokens of a preempted sequence's in-flight rows: a sampled token that is exactly the victim's next token is kept
-  while the victim is not re-admitted (it was computed from a complete, correct context); anything else is
-  discarded. A "stop"-mode victim with rows in flight finishes "preempted" once they are processed (or "stop" /
-  "length" if one of those tokens ends it), so it keeps the same tokens as in synchronous mode. A "recompute" victim's
-  kept tokens become part of its recompute prefill, so every admission yields at least one token (progress).
-
-Policies (see ``SchedulerConfig`` for knobs)
-============================================
-* Step type: a step is all-prefill or all-decode, never mixed (DeepInfer ``prepare_sample.cpp``). Prefill is
-  *attempted* when the number of decode steps since the last prefill step is a multiple of
-  ``prefill_attempt_interval`` (DeepInfer ``_schedule``: every ``DEEPINFER_PREFILL_ATTEMPT_INTERVAL`` = 70 decode
-  steps, and again right after a prefill step; our default 1 = attempt before every step) and fewer than
-  ``max_consecutive_prefill_steps`` prefill steps ran in a row (None = no cap, as DeepInfer). An attempt that schedules
-  nothing falls back to decode; when nothing is decodable, prefill is always attempted. Prefill cannot starve (it is
-  attempted at least every ``prefill_attempt_interval`` steps and admission is FCFS); decode cannot starve (with the
-  cap, at most ``max_consecutive_prefill_steps`` prefill steps in a row; without it, a prefill streak is bounded by
-  admissions (``max_num_seqs``) plus the chunks of one prompt, since running sequences only leave through decode).
-* Prefill (DeepInfer ``_schedule_prefill``): the partially prefilled (chunked) sequence, if any, continues first; then
-  FCFS over ``waiting`` with head-of-line blocking: stop at the first request that does not fit now (LATER), error
-  out a request that can never fit (NEVER). Admission needs ``len(running) + partial < max_num_seqs``, the token
-  budget, and a joint allocation of ``blocks_for(prefill_len)`` blocks for the whole prompt plus one state slot
-  (DeepInfer ``_can_allocate_with_state`` / ``allocate_seq``). Optionally (``prefill_kv_watermark`` < 1, DeepInfer
-  0.9) new admissions pause while KV usage is above the watermark and a decode step is possible.
-  Chunked prefill: a prompt longer than the remaining budget is cut to the remaining budget (any length, no
-  alignment); the chunked sequence ends the batch, so at most one partial sequence exists; only the final chunk
-  samples (DeepInfer ``last_output_token = -1`` for non-final chunks). Without chunked prefill, a prompt longer than
-  ``max_num_batched_tokens`` is an error (DeepInfer ``prompt_limit``).
-* Decode (DeepInfer ``_schedule_decode``): every RUNNING, fully prefilled sequence not already at a length limit gets
-  one row. Block tables grow to exactly ``blocks_for(num_computed_tokens + 1)``. Candidates are ordered by output
-  length (including in-flight tokens), ties by arrival; rows are granted from the shortest-output end and, when a
-  block is missing, victims are preempted from the longest-output end (DeepInfer: the code and its finish reason
-  "the task using the most kvcache" agree); the sequence itself is preempted if nothing else is left (except the
-  sit-out case above). Rows are emitted in arrival order.
-* Preemption mode ``"stop"`` (DeepInfer default ``stop_preempted_request=True``): the victim finishes with
-  finish_reason ``"preempted"``. ``"recompute"``: the victim goes back to the front of ``waiting`` (several victims
-  of one step: in arrival order) and later re-prefills prompt + generated tokens, keeping its outputs. A victim that
-  could not take even one decode step after re-prefilling when alone in the pool finishes ``"preempted"`` instead.
-* Stop checks after each appended token, in order: token in ``stop_token_ids`` -> "stop"; token in
-  ``eos_token_ids`` unless ``ignore_eos`` -> "stop" (``ignore_eos`` disables EOS only, as vLLM); ``max_tokens``
-  reached -> "length"; ``prompt_len + len(output_token_ids) == max_model_len`` -> "length". The stop/EOS token is
-  kept as the last entry of ``output_token_ids`` (as DeepInfer and vLLM's token ids).
-* Request validation (``add_request``): the request finishes at once with finish_reason "error" and a message, never
-  entering a queue, when: prompt empty / not a sequence of ints; an id outside ``[0, vocab_size)``;
-  ``prompt_len > max_model_len - 1`` (a prompt must leave room for >= 1 generated token, so the sequence never
-  exceeds ``max_model_len`` tokens); without chunked prefill, ``prompt_len > max_num_batched_tokens``;
-  ``blocks_for(prompt_len) > usable blocks`` (can never be admitted); bad ``max_tokens`` (must be None = unlimited,
-  or an int >= 1); a request id equal to a live request's.
+and ``deepinfer/engine/llm_engine.py`` (``docs/spec/engine.md`` §2, §3, §4, §12, §14). Pure Python; no jax.
+The step-loop contract, the lengths under the one-step lag, resource release and every policy are described in
+``docs/architecture.md`` ("Scheduler").
 """
 
 from __future__ import annotations
 
-import enum
 import operator
 from collections import deque
-from collections.abc import Iterable, Sequence as SequenceABC
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+from typing import Any
 
 from .block_manager import BlockManager, StateSlots
+from .records import FINISH_REASONS, RequestOutput, ScheduledRow, ScheduledStep, Sequence, SequenceStatus
 
 __all__ = [
     "FINISH_REASONS",
@@ -138,7 +30,6 @@ __all__ = [
     "SequenceStatus",
 ]
 
-FINISH_REASONS = ("stop", "length", "preempted", "error", "abort")
 PREEMPTION_MODES = ("stop", "recompute")
 
 
@@ -225,161 +116,6 @@ class SchedulerConfig:
         """Longest prompt accepted: room for one generated token, and the whole budget if prompts cannot be split."""
         limit = self.max_model_len - 1
         return limit if self.enable_chunked_prefill else min(limit, self.max_num_batched_tokens)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Sequence record
-# ---------------------------------------------------------------------------------------------------------------------
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"  # in the waiting queue, holds no blocks / slot (new, or preempted for recompute)
-    RUNNING = "running"  # admitted: holds blocks + a slot; prefill may still be in progress (`is_prefilling`)
-    FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """Immutable snapshot of a request's state (spec §14; a copy, valid forever, unlike DeepInfer's pooled records)."""
-
-    request_id: Any
-    prompt_len: int
-    output_token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None
-    error: str | None
-    num_preemptions: int
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request. Mutated only by the Scheduler; read freely.
-
-    num_computed_tokens: positions whose KV is in the cache or will be written by an in-flight step.
-    num_inflight: sampled tokens scheduled but not yet processed (current admission only).
-    num_inflight_steps: unprocessed scheduled steps holding a row of this sequence (any admission); resources of a
-        finished sequence are released when this reaches 0.
-    prefill_len: tokens prefilled by the current admission (prompt + outputs known at admission; 0 while waiting).
-    num_preemptions: times preempted; also the "epoch" stamped on rows to recognise stale ones.
-    state_slot: -1 when none is held.
-    """
-
-    request_id: Any
-    prompt_token_ids: list[int]
-    sampling_params: Any
-    eos_token_ids: tuple[int, ...]
-    arrival_index: int
-    max_tokens: int | None = None
-    stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    output_token_ids: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None
-    error: str | None = None
-    num_computed_tokens: int = 0
-    num_inflight: int = 0
-    num_inflight_steps: int = 0
-    prefill_len: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    state_slot: int = -1
-    num_preemptions: int = 0
-    # (step_id, row_index) of the row that samples the newest in-flight token
-    last_sample_src: tuple[int, int] | None = None
-
-    # ---------------------------------------------------------------- derived
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        """Host-known tokens: prompt + processed outputs."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_tokens_total(self) -> int:
-        """Known tokens plus sampled tokens still in flight."""
-        return self.num_tokens + self.num_inflight
-
-    @property
-    def num_output_tokens_total(self) -> int:
-        return len(self.output_token_ids) + self.num_inflight
-
-    @property
-    def finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
-    @property
-    def is_prefilling(self) -> bool:
-        """Admitted but the prefill is not fully scheduled yet (a chunked prompt)."""
-        return self.status is SequenceStatus.RUNNING and self.num_computed_tokens < self.prefill_len
-
-    def token_at(self, pos: int) -> int:
-        p = self.prompt_len
-        return self.prompt_token_ids[pos] if pos < p else self.output_token_ids[pos - p]
-
-    def known_tokens(self, start: int, stop: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
-
-    def snapshot(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt_len, tuple(self.output_token_ids), self.finished,
-                             self.finish_reason, self.error, self.num_preemptions)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Scheduled step
-# ---------------------------------------------------------------------------------------------------------------------
-@dataclass(eq=False)
-class ScheduledRow:
-    """One sequence's slice of a step.
-
-    start_pos: absolute position of the row's first query token; num_tokens: query tokens (1 for decode).
-    token_ids: prefill -> the chunk's tokens; decode -> [known input token], or None when the input token is the
-        in-flight sampled token of row ``input_src = (step_id, row_index)`` of an earlier step.
-    sample: the row's last token produces a sampled token (final prefill chunk, or decode); its position is
-        ``end_pos``.
-    block_ids: snapshot of the block table covering positions < end_pos (exactly blocks_for(end_pos) entries).
-    state_slot: the sequence's state slot (never 0). epoch: the sequence's num_preemptions at schedule time.
-    accepted_token: set by process_step to the sampled token when it was appended to the sequence's output; None for
-        non-sampling and discarded rows (use it to keep per-token side outputs such as logprobs aligned).
-    """
-
-    seq: Sequence
-    start_pos: int
-    num_tokens: int
-    token_ids: list[int] | None
-    sample: bool
-    block_ids: list[int]
-    state_slot: int
-    input_src: tuple[int, int] | None = None
-    epoch: int = 0
-    accepted_token: int | None = None
-
-    @property
-    def request_id(self) -> Any:
-        return self.seq.request_id
-
-    @property
-    def end_pos(self) -> int:
-        return self.start_pos + self.num_tokens
-
-    @property
-    def is_first_chunk(self) -> bool:
-        """start_pos == 0: the state slot must be (re)initialised, not read."""
-        return self.start_pos == 0
-
-
-@dataclass(eq=False)
-class ScheduledStep:
-    step_id: int
-    kind: Literal["prefill", "decode"]
-    rows: list[ScheduledRow]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
-
-    @property
-    def num_sampling_rows(self) -> int:
-        return sum(1 for r in self.rows if r.sample)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

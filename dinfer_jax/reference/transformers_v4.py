@@ -19,7 +19,7 @@ _KIND_TO_HF = {"sliding": "sliding_attention", "csa": "compressed_sparse_attenti
 
 def hf_config_kwargs(*, layer_kinds: list[str], hash_layers: int = 2, csa_ratio: int = 4, hca_ratio: int = 16,
                      yarn: bool = True, **overrides: Any) -> dict[str, Any]:
-    """Keyword arguments of a tiny ``DeepseekV4Config`` (spec ``model-v4.md`` §7.2) with an explicit pattern."""
+    """Keyword arguments of a tiny ``DeepseekV4Config`` (``docs/spec/model-v4.md`` §7.2) with an explicit pattern."""
     n = len(layer_kinds)
     kw: dict[str, Any] = dict(
         vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=n,
@@ -111,7 +111,8 @@ def hf_logits_and_layers(model, token_ids: np.ndarray) -> tuple[np.ndarray, list
 
 
 def hf_tensor_name(release_name: str) -> str:
-    """Spelling that transformers' ``save_pretrained`` uses for a release tensor name (spec §6.2, third column)."""
+    """Spelling that transformers' ``save_pretrained`` uses for a release tensor name (third column of the table
+    in ``docs/spec/model-v4.md`` §6.2)."""
     import re
 
     if release_name == "head.weight":
@@ -130,7 +131,7 @@ def hf_tensor_name(release_name: str) -> str:
 def hf_config_dict(cfg) -> dict[str, Any]:
     """transformers ``DeepseekV4Config`` keyword arguments equivalent to a :class:`ModelConfig`."""
     rates: dict[str, int] = {}
-    for kind, ratio in zip(cfg.attn_kinds, cfg.compress_ratios):
+    for kind, ratio in zip(cfg.attn_kinds, cfg.compress_ratios, strict=True):
         if kind == "sliding":
             continue
         key = _KIND_TO_HF[kind]

@@ -1,4 +1,4 @@
-"""Deterministic, batch-invariant sampling (engine.md §7), ported from DeepInfer.
+"""Deterministic, batch-invariant sampling (docs/spec/engine.md §7), ported from DeepInfer.
 
 * :class:`SamplingParams` — per-request options (validated, frozen).
 * :class:`SamplingTensors` — their per-row device form (a pytree), built by ``SamplingTensors.from_params``.

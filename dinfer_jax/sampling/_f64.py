@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
-from ._u64 import U32, U64, add64, clz_limbs, gt64, mul32_wide, add_limbs, shr_limbs_sticky, shl32, shr32, u32
+from ._u64 import U32, U64, add64, add_limbs, clz_limbs, gt64, mul32_wide, shl32, shr32, shr_limbs_sticky, u32
 
 ZERO_X = -(1 << 20)
 """Exponent that encodes the value 0 (``m`` is then 0 as well)."""

@@ -129,7 +129,7 @@ class SamplingTensors:
         top_p: f32 in (0, 1]; 1 disables. top_k: int32, -1 disables. min_p: f32, 0 disables.
         greedy: bool, the request asked for temperature < 1e-5.
         seed_hi, seed_lo: uint32 halves of the row's uint64 seed.
-        position: int32 sample position (RNG counter, see engine.md §7).
+        position: int32 sample position (RNG counter, see docs/spec/engine.md §7).
         valid: bool; False marks padding rows (their outputs are zeros).
     Static (part of the jit cache key):
         num_top_logprobs: n of the top-n logprobs output (max requested over the rows, or the caller's bucket).

@@ -1,7 +1,7 @@
 """Deterministic, batch-invariant categorical sampling: DeepInfer's ``random_sampling_ref``, token for token.
 
 Spec (``deepinfer/model_executor/layers/tilelang_ops/random_sampling.py``: ``random_sampling_ref``,
-``_hash_to_uniform``; engine.md §7), all integer arithmetic mod 2**64 with logical shifts::
+``_hash_to_uniform``; docs/spec/engine.md §7), all integer arithmetic mod 2**64 with logical shifts::
 
     seq      = (sample_position * 3 + case) * 0x9E3779B97F4A7C15      # case 0: ordinary, 1: is_nextn_predict
     z        = seq_seed + (seq ^ (seq << 13))
