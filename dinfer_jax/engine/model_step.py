@@ -341,6 +341,6 @@ def model_step(params: Mapping[str, Any], cache: dict[str, Any], inp: Mapping[st
     else:
         h = rms_norm(hc_head(last, params["hc_head"], hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps), params["norm"],
                      cfg.norm_eps, out_dtype=F32)
-    logits = linear(h, params["head"].astype(F32))
+    logits = linear(h, params["head"])
     cache["layers"] = layers
     return logits, cache

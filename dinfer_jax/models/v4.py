@@ -18,6 +18,7 @@ from dinfer_jax.models.config import ATTN_SLIDING, ModelConfig
 from dinfer_jax.models.mhc import hc_head, hc_post, hc_pre
 from dinfer_jax.models.moe import moe
 from dinfer_jax.models.ops import F32, linear, rms_norm
+from dinfer_jax.models.qweights import take_rows
 from dinfer_jax.models.v41 import forward_v41
 from sharding.rules import Sharder, constrain
 
@@ -77,7 +78,7 @@ def logits_head(params: Mapping[str, Any], head_params: Mapping[str, Any], norm_
     """HC head collapse, final RMSNorm and the vocabulary head, all in fp32. Returns ``(logits, normed hidden)``."""
     h = hc_head(streams, head_params, hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
     h = rms_norm(h, norm_w, cfg.norm_eps, out_dtype=F32)
-    return linear(h, params["head"].astype(F32)), h
+    return linear(h, params["head"]), h
 
 
 def forward(params: Mapping[str, Any], token_ids: jax.Array, *, cfg: ModelConfig, dtype: str = "float32",
@@ -96,7 +97,7 @@ def forward(params: Mapping[str, Any], token_ids: jax.Array, *, cfg: ModelConfig
     dt = jnp.dtype(dtype)
     B, S = token_ids.shape
     ropes = rope_tables(cfg, jnp.arange(S))
-    x = params["embed"][token_ids].astype(dt)
+    x = take_rows(params["embed"], token_ids, dt)
     streams = jnp.broadcast_to(x[:, :, None, :], (B, S, cfg.hc_mult, cfg.hidden_size))
     streams = constrain(options.sharder, streams, ("act_batch", "act_seq", None, None))
     hidden = [streams]
@@ -130,7 +131,7 @@ def mtp_forward(params: Mapping[str, Any], streams: jax.Array, next_ids: jax.Arr
     dt = jnp.dtype(dtype)
     B, S = next_ids.shape
     ropes = rope_tables(cfg, jnp.arange(S))
-    e = rms_norm(params["embed"][next_ids].astype(dt), p["enorm"], cfg.norm_eps)
+    e = rms_norm(take_rows(params["embed"], next_ids, dt), p["enorm"], cfg.norm_eps)
     hn = rms_norm(streams.astype(dt), p["hnorm"], cfg.norm_eps)
     x = linear(e, p["e_proj"])[:, :, None, :] + linear(hn, p["h_proj"])
     x, _ = block_forward(p, x.astype(dt), next_ids, cfg=cfg, kind=ATTN_SLIDING, ratio=0, hash_routed=False,

@@ -22,6 +22,7 @@ from dinfer_jax.models.fake_quant import maybe_fake_quant, q4e_fake, q4u_fake, q
 from dinfer_jax.models.mhc import hc_collapse, hc_mixes, hc_post
 from dinfer_jax.models.moe import moe
 from dinfer_jax.models.ops import F32, apply_rope_tail, linear, rms_norm, rope_cos_sin
+from dinfer_jax.models.qweights import take_rows
 from sharding.rules import constrain
 
 YOCO_MODES = ("off", "mask", "compact")
@@ -149,7 +150,7 @@ def embed_tokens(params: Mapping[str, Any], token_ids: jax.Array, dt: jnp.dtype,
     ``image_embeds``."""
     V = params["embed"].shape[0]
     inside = (token_ids >= 0) & (token_ids < V)
-    x = jnp.where(inside[..., None], params["embed"][jnp.clip(token_ids, 0, V - 1)], 0).astype(dt)
+    x = jnp.where(inside[..., None], take_rows(params["embed"], jnp.clip(token_ids, 0, V - 1), dt), 0).astype(dt)
     if image_mask is not None and image_embeds is not None:
         x = jnp.where(image_mask[..., None], image_embeds.astype(dt), x)
     return x
@@ -211,7 +212,7 @@ def forward_v41(params: Mapping[str, Any], token_ids: jax.Array, *, cfg: ModelCo
                 if key in aux:
                     inter[key][layer] = aux[key]
     h = rms_norm(hc_collapse(streams, premix), params["norm"], cfg.norm_eps, out_dtype=F32)
-    logits = linear(h, params["head"].astype(F32))
+    logits = linear(h, params["head"])
     out: dict[str, Any] = {"positions": pos}
     if targets:
         out["dspark_features"] = jnp.concatenate(targets, axis=-1)  # [B,S',n_targets·D]
