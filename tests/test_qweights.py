@@ -7,10 +7,7 @@ safetensors JSON headers, and V4-Flash's released size is a closed form over the
 
 from __future__ import annotations
 
-import json
 import math
-import re
-import struct
 from pathlib import Path
 
 import jax
@@ -20,6 +17,7 @@ import numpy as np
 import pytest
 
 from dinfer_jax.models.qweights import QuantizedWeight, abstract_quantized, dequantize, tree_nbytes
+from helpers import check_resident_bytes
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 
@@ -182,66 +180,6 @@ def test_consumers_decode_exactly():
 
 # ---- checkpoints ------------------------------------------------------------------------------------------------
 
-def _header(path: Path) -> dict:
-    """The safetensors JSON header of ``path``, parsed here (u64 little-endian length, then JSON)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        h = json.loads(f.read(n))
-    h.pop("__metadata__", None)
-    return h
-
-
-def _stored_tensors(directory: Path) -> dict[str, tuple[str, int, int]]:
-    """name → (dtype string, element count, bytes) over all shards, from the headers alone."""
-    out = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        for name, info in _header(f).items():
-            start, end = info["data_offsets"]
-            out[re.sub(r"^model\.", "", name)] = (info["dtype"], math.prod(info["shape"]), end - start)
-    return out
-
-
-def _named_leaves(model) -> dict[str, object]:
-    """Release name → device leaf (stacked experts under their ``{e}`` pattern)."""
-    from dinfer_jax.models.params import is_spec, param_specs
-    from dinfer_jax.models.qweights import is_quantized
-
-    specs = jax.tree_util.tree_leaves(param_specs(model.config, include_mtp=bool(model.params.get("mtp"))),
-                                      is_leaf=is_spec)
-    leaves = jax.tree_util.tree_leaves(model.params, is_leaf=is_quantized)
-    assert len(specs) == len(leaves)
-    return {s.ckpt: leaf for s, leaf in zip(specs, leaves)}
-
-
-def _check_resident_bytes(model, directory: Path, host_only: str | None = None) -> None:
-    """FP8/FP4 tensors stay resident as stored: every F8_E4M3/I8 weight is a QuantizedWeight of float8_e4m3fn /
-    uint8 codes; param_bytes = the checkpoint's bytes except the 2 extra bytes per element of BF16 tensors the model
-    keeps in fp32 (bf16 models: only those the spec promotes at load, compressor / gate / indexer weights_proj /
-    norms)."""
-    stored = _stored_tensors(directory)
-    if host_only:
-        stored = {k: v for k, v in stored.items() if not re.search(host_only, k)}
-    leaves = _named_leaves(model)
-    upcast_bytes, upcast_names = 0, []
-    for pattern, leaf in leaves.items():
-        names = [k for k in stored if re.fullmatch(re.escape(pattern).replace(r"\{e\}", r"\d+"), k)]
-        assert names, pattern
-        dtypes = {stored[n][0] for n in names}
-        if dtypes <= {"F8_E4M3", "I8", "U8"}:
-            assert isinstance(leaf, QuantizedWeight), f"{pattern} was materialised densely"
-            assert leaf.data.dtype == (jnp.uint8 if dtypes != {"F8_E4M3"} else jnp.float8_e4m3fn)
-        elif dtypes == {"BF16"} and leaf.dtype == jnp.float32:
-            upcast_bytes += 2 * sum(stored[n][1] for n in names)
-            upcast_names.append(pattern)
-    promoted = re.compile(r"(compressor\.(wkv|wgate)|gate|weights_proj|norm|q_weight|k_weight)\.weight$|"
-                          r"engram\.(q|k)_weight$")
-    if model.dtype == "bfloat16":  # an fp32 model widens every BF16 tensor by choice
-        assert all(promoted.search(n) for n in upcast_names), [n for n in upcast_names if not promoted.search(n)]
-    scale_names = {k for k in stored if k.endswith(".scale")}
-    assert scale_names, "the checkpoint should hold quantised tensors"
-    assert model.param_bytes == sum(b for _, _, b in stored.values()) + upcast_bytes
-
-
 @pytest.fixture(scope="module")
 def tiny_release(tmp_path_factory):
     from dinfer_jax.loading.writer import write_release_checkpoint
@@ -258,7 +196,7 @@ def test_native_load_keeps_release_bytes_and_matches_dequantized(tiny_release, d
     from dinfer_jax.models import forward_logits, load_model, mtp_logits
 
     native = load_model(tiny_release, dtype=dtype)  # quantization_config present: native by default
-    _check_resident_bytes(native, tiny_release)
+    check_resident_bytes(native, tiny_release)
     dense = load_model(tiny_release, dtype=dtype, weights="dequantized")
     assert not any(isinstance(x, QuantizedWeight) for x in
                    jax.tree_util.tree_leaves(dense.params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
@@ -302,7 +240,7 @@ def test_v41_release_fixture_is_resident_native():
 
     d = FIXTURES / "v41-tiny-quant"
     model = load_model(d, dtype="bfloat16")
-    _check_resident_bytes(model, d, host_only=r"\.engram\.embed\.")  # Engram tables stay memory-mapped on host
+    check_resident_bytes(model, d, host_only=r"\.engram\.embed\.")  # Engram tables stay memory-mapped on host
     assert model.params["layers"][1]["engram"]["wkv"].block == (32, 32)
 
 
