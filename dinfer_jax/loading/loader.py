@@ -126,7 +126,8 @@ def _read_quantized(idx: _TensorIndex, spec: ParamSpec, name: str, shape: tuple[
     dt = idx.dtype(name)
     if dt not in _STORED_AS[fmt]:
         raise CheckpointError(f"tensor {name!r} is stored as {dt} but the config's quantization_config declares it "
-                              f"{fmt} (expected {' or '.join(_STORED_AS[fmt])}); load with weights='dense'")
+                              f"{fmt} (expected {' or '.join(_STORED_AS[fmt])}); load it dequantized instead "
+                              "(load_model(..., weights='dequantized'))")
     sname = _scale_name(name)
     if not idx.has(sname):
         raise CheckpointError(f"{fmt} tensor {name!r} has no scale tensor {sname!r}")
