@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -74,6 +75,12 @@ class Sharder:
                 if ax is not None and shape[i] % self.mesh.shape[ax] != 0:
                     spec[i] = None
         return NamedSharding(self.mesh, PartitionSpec(*spec))
+
+    def named_tree(self, logical_axes: Sequence[str | None], x: Any) -> Any:
+        """Shardings for a parameter ``x`` with ``logical_axes``: one NamedSharding per array leaf, in ``x``'s
+        structure. A quantised weight's codes and block scales both take the dense weight's logical axes; each
+        axis is sharded only where that leaf's dimension divides evenly (scale grids are smaller)."""
+        return jax.tree_util.tree_map(lambda leaf: self.named(logical_axes, leaf.shape), x)
 
     def constrain(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, self.named(logical_axes, x.shape))

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import math
+import re
+import struct
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -29,3 +34,71 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     scale = float(np.abs(ref).max())
     err = np.abs(np.asarray(ours, np.float64) - np.asarray(ref, np.float64))
     return float(err.max()) / scale, float(err.mean()) / scale
+
+
+# ---- device bytes of quantised weights vs the checkpoint's own headers ----
+
+def _header(path: Path) -> dict:
+    """The safetensors JSON header of ``path``, parsed here (u64 little-endian length, then JSON)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        h = json.loads(f.read(n))
+    h.pop("__metadata__", None)
+    return h
+
+
+def _stored_tensors(directory: Path) -> dict[str, tuple[str, int, int]]:
+    """name → (dtype string, element count, bytes) over all shards, from the headers alone."""
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        for name, info in _header(f).items():
+            start, end = info["data_offsets"]
+            out[re.sub(r"^model\.", "", name)] = (info["dtype"], math.prod(info["shape"]), end - start)
+    return out
+
+
+def _named_leaves(model) -> dict[str, object]:
+    """Release name → device leaf (stacked experts under their ``{e}`` pattern)."""
+    import jax
+
+    from dinfer_jax.models.params import is_spec, param_specs
+    from dinfer_jax.models.qweights import is_quantized
+
+    specs = jax.tree_util.tree_leaves(param_specs(model.config, include_mtp=bool(model.params.get("mtp"))),
+                                      is_leaf=is_spec)
+    leaves = jax.tree_util.tree_leaves(model.params, is_leaf=is_quantized)
+    assert len(specs) == len(leaves)
+    return {s.ckpt: leaf for s, leaf in zip(specs, leaves)}
+
+
+def check_resident_bytes(model, directory: Path, host_only: str | None = None) -> None:
+    """FP8/FP4 tensors stay resident as stored: every F8_E4M3/I8 weight is a QuantizedWeight of float8_e4m3fn /
+    uint8 codes; param_bytes = the checkpoint's bytes except the 2 extra bytes per element of BF16 tensors the model
+    keeps in fp32 (bf16 models: only those the spec promotes at load, compressor / gate / indexer weights_proj /
+    norms)."""
+    import jax.numpy as jnp
+
+    from dinfer_jax.models.qweights import QuantizedWeight
+
+    stored = _stored_tensors(directory)
+    if host_only:
+        stored = {k: v for k, v in stored.items() if not re.search(host_only, k)}
+    leaves = _named_leaves(model)
+    upcast_bytes, upcast_names = 0, []
+    for pattern, leaf in leaves.items():
+        names = [k for k in stored if re.fullmatch(re.escape(pattern).replace(r"\{e\}", r"\d+"), k)]
+        assert names, pattern
+        dtypes = {stored[n][0] for n in names}
+        if dtypes <= {"F8_E4M3", "I8", "U8"}:
+            assert isinstance(leaf, QuantizedWeight), f"{pattern} was materialised densely"
+            assert leaf.data.dtype == (jnp.uint8 if dtypes != {"F8_E4M3"} else jnp.float8_e4m3fn)
+        elif dtypes == {"BF16"} and leaf.dtype == jnp.float32:
+            upcast_bytes += 2 * sum(stored[n][1] for n in names)
+            upcast_names.append(pattern)
+    promoted = re.compile(r"(compressor\.(wkv|wgate)|gate|weights_proj|norm|q_weight|k_weight)\.weight$|"
+                          r"engram\.(q|k)_weight$")
+    if model.dtype == "bfloat16":  # an fp32 model widens every BF16 tensor by choice
+        assert all(promoted.search(n) for n in upcast_names), [n for n in upcast_names if not promoted.search(n)]
+    scale_names = {k for k in stored if k.endswith(".scale")}
+    assert scale_names, "the checkpoint should hold quantised tensors"
+    assert model.param_bytes == sum(b for _, _, b in stored.values()) + upcast_bytes

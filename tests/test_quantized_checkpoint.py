@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import rel_err, require_reference
+from helpers import check_resident_bytes, rel_err, require_reference
 
 
 def test_quantizers_roundtrip_exactly():
@@ -82,7 +82,9 @@ def test_release_quantized_checkpoint_matches_reference_on_dequantized_weights(t
 
     ids = np.random.default_rng(4).integers(0, kw["vocab_size"], size=(2, 29))
     ref_logits = ref.hf_logits(hf_deq, ids)
-    ours = forward_logits(load_model(rel_dir), ids)
+    native = load_model(rel_dir)  # the release carries quantization_config: FP8/FP4 stay resident by default
+    check_resident_bytes(native, rel_dir)
+    ours = forward_logits(native, ids)
     max_rel, mean_rel = rel_err(ours, ref_logits)
     print(f"quantized release checkpoint: max rel err {max_rel:.2e}, mean {mean_rel:.2e}")
     assert max_rel <= 1e-4

@@ -4,6 +4,10 @@ Each parameter is read from its memory-mapped shard, dequantised if stored as FP
 placed on device before the next one is read, so the host never holds a second copy of the model (peak extra host
 memory: one parameter, or one layer's stack of experts). Missing, unexpected, mis-shaped and wrongly typed tensors
 raise :class:`CheckpointError` with the tensor's name.
+
+``weights="native"`` keeps the tensors the parameter specs declare quantised (``ParamSpec.quant``) in their stored
+FP8/FP4 form: codes and scales go to the device as a :class:`QuantizedWeight`, decoded inside the model's jitted
+computation. ``weights="dense"`` dequantises exactly on the host (fp32, then cast to the model dtype).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from dinfer_jax.loading.names import normalize_name
 from dinfer_jax.loading.quant import dequant_fp4, dequant_fp8
 from dinfer_jax.loading.safetensors_io import CheckpointError, CheckpointFiles
 from dinfer_jax.models.config import ModelConfig
-from dinfer_jax.models.params import ParamSpec, map_specs, param_specs
+from dinfer_jax.models.params import ParamSpec, check_weights_mode, map_specs, param_specs
+from dinfer_jax.models.qweights import QuantizedWeight, expected_scale_shape
 from sharding.rules import Sharder
 
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
@@ -55,12 +60,16 @@ class _TensorIndex:
         return self.files.file_of(raw).get(raw)
 
 
+def _scale_name(name: str) -> str:
+    return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
+
+
 def _read_float(idx: _TensorIndex, name: str, shape: tuple[int, ...], block: tuple[int, int]) -> np.ndarray:
     """One float parameter as fp32 (a view when already fp32), dequantising FP8/FP4 storage."""
     if not idx.has(name):
         raise CheckpointError(f"missing tensor {name!r} (expected shape {list(shape)})")
     dt = idx.dtype(name)
-    scale_name = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
+    scale_name = _scale_name(name)
     try:
         if dt == "F8_E4M3":
             if not idx.has(scale_name):
@@ -104,6 +113,57 @@ def _host_value(spec: ParamSpec, idx: _TensorIndex, dtype: Any, block: tuple[int
     return _read_float(idx, spec.ckpt, spec.shape, block).astype(target)
 
 
+_STORED_AS = {"fp8": ("F8_E4M3",), "fp4": ("I8", "U8")}
+_SCALE_DTYPES = {"fp8": ("F8_E8M0", "F32"), "fp4": ("F8_E8M0",)}
+
+
+def _read_quantized(idx: _TensorIndex, spec: ParamSpec, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Stored codes (float8_e4m3fn, or uint8 packed e2m1) and scales of one weight, as host views, checked against
+    the format ``spec`` declares."""
+    fmt, block = spec.quant, spec.block
+    if not idx.has(name):
+        raise CheckpointError(f"missing tensor {name!r} (expected {fmt} codes of logical shape {list(shape)})")
+    dt = idx.dtype(name)
+    if dt not in _STORED_AS[fmt]:
+        raise CheckpointError(f"tensor {name!r} is stored as {dt} but the config's quantization_config declares it "
+                              f"{fmt} (expected {' or '.join(_STORED_AS[fmt])}); load it dequantized instead "
+                              "(load_model(..., weights='dequantized'))")
+    sname = _scale_name(name)
+    if not idx.has(sname):
+        raise CheckpointError(f"{fmt} tensor {name!r} has no scale tensor {sname!r}")
+    sdt = idx.dtype(sname)
+    if sdt not in _SCALE_DTYPES[fmt]:
+        raise CheckpointError(f"scale {sname!r} has dtype {sdt}, expected one of {_SCALE_DTYPES[fmt]}")
+    data = idx.read(name)
+    if fmt == "fp4":
+        data = data.view(np.uint8)
+    want = tuple(shape[:-1]) + ((shape[-1] // 2,) if fmt == "fp4" else (shape[-1],))
+    if tuple(data.shape) != want:
+        raise CheckpointError(f"tensor {name!r} has shape {list(data.shape)}, expected {list(want)} "
+                              f"({fmt} codes of logical shape {list(shape)})")
+    scale = idx.read(sname)
+    want_s = expected_scale_shape(fmt, want, block)
+    if tuple(scale.shape) != want_s:
+        raise CheckpointError(f"{fmt} scale shape {list(scale.shape)} of {sname!r} does not match the weight "
+                              f"{list(data.shape)} with block {list(block)} (expected {list(want_s)})")
+    return data, scale
+
+
+def _native_host_value(spec: ParamSpec, idx: _TensorIndex) -> tuple[np.ndarray, np.ndarray]:
+    """Codes and scales of a quantised parameter; per-expert tensors are stacked (one layer's stack on the host)."""
+    if not spec.stacked_experts:
+        return _read_quantized(idx, spec, spec.ckpt, spec.shape)
+    parts = [_read_quantized(idx, spec, spec.ckpt.format(e=e), spec.shape[1:]) for e in range(spec.shape[0])]
+    sdts = {p[1].dtype for p in parts}
+    if len(sdts) > 1:
+        raise CheckpointError(f"experts of {spec.ckpt!r} mix scale dtypes {sorted(map(str, sdts))}")
+    data = np.empty((spec.shape[0], *parts[0][0].shape), parts[0][0].dtype)
+    scale = np.empty((spec.shape[0], *parts[0][1].shape), parts[0][1].dtype)
+    for e, (d, sc) in enumerate(parts):
+        data[e], scale[e] = d, sc
+    return data, scale
+
+
 _HOST_TABLE = re.compile(r"^layers\.\d+\.engram\.embed\.(weight|scale)$")
 _OUT_OF_SCOPE = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 
@@ -121,11 +181,14 @@ def checkpoint_has_mtp(directory: str | Path) -> bool:
 
 
 def load_params(directory: str | Path, cfg: ModelConfig, dtype: Any = "float32", sharder: Sharder | None = None,
-                include_mtp: bool | None = None) -> Any:
+                include_mtp: bool | None = None, weights: str = "dense") -> Any:
     """Parameters of ``cfg`` read from ``directory``; ``include_mtp=None`` loads MTP blocks iff the files have them.
 
-    Returns the pytree of ``jax.Array`` (sharded by ``sharder``'s rules when given).
+    Returns the pytree of ``jax.Array`` (sharded by ``sharder``'s rules when given). ``weights="native"`` keeps
+    the weights ``cfg``'s specs declare quantised as :class:`QuantizedWeight` (stored codes and scales, never a
+    dense copy); ``"dense"`` dequantises them exactly.
     """
+    check_weights_mode(weights)
     files = CheckpointFiles(directory)
     idx = _TensorIndex(files)
     if include_mtp is None:
@@ -133,11 +196,13 @@ def load_params(directory: str | Path, cfg: ModelConfig, dtype: Any = "float32",
     block = cfg.quantization.weight_block_size if cfg.quantization else (128, 128)
     specs = param_specs(cfg, include_mtp=include_mtp)
 
-    def load_one(spec: ParamSpec) -> jax.Array:
-        host = _host_value(spec, idx, dtype, block, cfg)
-        if sharder is not None:
-            return jax.device_put(host, sharder.named(spec.axes, spec.shape))
-        return jax.device_put(host)
+    def load_one(spec: ParamSpec) -> jax.Array | QuantizedWeight:
+        if weights == "native" and spec.quant is not None:
+            data, scale = _native_host_value(spec, idx)
+            host: Any = QuantizedWeight(data, scale, spec.quant, spec.block)
+        else:
+            host = _host_value(spec, idx, dtype, block, cfg)
+        return jax.device_put(host, None if sharder is None else sharder.named_tree(spec.axes, host))
 
     try:
         params = map_specs(load_one, specs)

@@ -1,8 +1,9 @@
 """Write parameters as a checkpoint in DeepSeek's released V4 layout (names, dtypes and quantised formats).
 
-Release dtypes (spec ``model-v4.md`` §6.1): attention projections, the indexer's ``wq_b``, shared experts and MTP
-``e_proj``/``h_proj`` in FP8 e4m3 with UE8M0 block scales; routed experts in MXFP4 (or FP8); mHC tensors, sinks,
-``ape`` and router bias in F32; ``tid2eid`` as I32; everything else BF16.
+Release dtypes (spec ``model-v4.md`` §6.1, ``model-v41.md`` §5): the weights ``ParamSpec.quant`` declares quantised
+(attention projections, the indexer's ``wq_b``, shared experts, MTP ``e_proj``/``h_proj``, V4.1 Engram ``wkv`` and
+DSpark ``main_proj``) in FP8 e4m3 with UE8M0 block scales; routed experts in MXFP4 (or FP8, or BF16); mHC tensors,
+sinks, ``ape`` and router bias in F32; ``tid2eid`` as I32; everything else BF16.
 """
 
 from __future__ import annotations
@@ -19,38 +20,42 @@ from dinfer_jax.loading.quant import dequant_fp4, dequant_fp8, quantize_fp4, qua
 from dinfer_jax.loading.safetensors_io import save_file
 from dinfer_jax.models.config import ModelConfig, QuantConfig
 from dinfer_jax.models.params import ParamSpec, is_spec, param_specs
+from dinfer_jax.models.qweights import dequantize, is_quantized
 
-_FP8 = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123]|e_proj|h_proj)\.weight$")
-_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 _F32 = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|\.ape|gate\.bias)$")
 
 
 def iter_release_tensors(cfg: ModelConfig, params: Any) -> Iterator[tuple[str, np.ndarray]]:
-    """``(release name, host array)`` for every parameter; stacked experts are split per expert."""
+    """``(release name, host array)`` for every parameter; stacked experts are split per expert; quantised
+    weights are dequantised (exactly)."""
+    for spec, name, value in _iter_spec_tensors(cfg, params):
+        yield name, value
+
+
+def _iter_spec_tensors(cfg: ModelConfig, params: Any) -> Iterator[tuple[ParamSpec, str, np.ndarray]]:
     import jax
 
     specs = param_specs(cfg, include_mtp=bool(params.get("mtp")))
     flat_specs = jax.tree_util.tree_leaves(specs, is_leaf=is_spec)
-    flat_vals = jax.tree_util.tree_leaves(params)
+    flat_vals = jax.tree_util.tree_leaves(params, is_leaf=is_quantized)
     assert len(flat_specs) == len(flat_vals)
     for spec, val in zip(flat_specs, flat_vals):
-        arr = np.asarray(val)
-        if isinstance(spec, ParamSpec) and spec.stacked_experts:
+        arr = np.asarray(dequantize(val) if is_quantized(val) else val)
+        if spec.stacked_experts:
             for e in range(spec.shape[0]):
-                yield spec.ckpt.format(e=e), arr[e]
+                yield spec, spec.ckpt.format(e=e), arr[e]
         else:
-            yield spec.ckpt, arr
+            yield spec, spec.ckpt, arr
 
 
-def release_format(name: str, expert_dtype: str = "fp4") -> str:
-    """The released storage format of tensor ``name``: ``fp8`` | ``fp4`` | ``f32`` | ``i32`` | ``bf16``."""
-    if name.endswith("tid2eid"):
+def release_format(spec: ParamSpec) -> str:
+    """Released storage of a parameter: its declared quantisation (``fp8`` | ``fp4``), else ``i32`` | ``f32`` |
+    ``bf16`` by name (spec ``model-v4.md`` §6.1)."""
+    if spec.quant is not None:
+        return spec.quant
+    if spec.integer:
         return "i32"
-    if _EXPERT.search(name):
-        return expert_dtype
-    if _FP8.search(name):
-        return "fp8"
-    if _F32.search(name):
+    if _F32.search(spec.ckpt):
         return "f32"
     return "bf16"
 
@@ -85,6 +90,7 @@ def write_release_checkpoint(cfg: ModelConfig, params: Any, directory: str | Pat
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     qcfg = cfg.replace(quantization=QuantConfig(weight_block_size=block, scale_fmt="ue8m0", expert_dtype=expert_dtype))
+    fp4_block = (1, 32)
     config = qcfg.to_dict()
     config["architectures"] = ["DeepseekV4ForCausalLM"]
     config.update(extra_config or {})
@@ -93,8 +99,11 @@ def write_release_checkpoint(cfg: ModelConfig, params: Any, directory: str | Pat
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     recovered: dict[str, np.ndarray] = {}
-    for name, value in iter_release_tensors(cfg, params):
-        stored, exact = encode(name, value, release_format(name, expert_dtype), block)
+    for spec, name, value in _iter_spec_tensors(qcfg, params):
+        fmt = release_format(spec)
+        if fmt == "fp4" and spec.block != fp4_block:
+            raise ValueError(f"{name}: fp4 storage needs block {fp4_block}, the spec declares {spec.block}")
+        stored, exact = encode(name, value, fmt, block)
         recovered[name] = exact
         nbytes = sum(a.nbytes for a in stored.values())
         if shard_bytes is not None and size and size + nbytes > shard_bytes:

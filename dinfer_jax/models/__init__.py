@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax.models.config import ConfigError, ModelConfig, load_config
-from dinfer_jax.models.params import abstract_params, count_params, init_params, param_specs
+from dinfer_jax.models.params import abstract_params, check_weights_mode, count_params, init_params, param_specs
+from dinfer_jax.models.qweights import QuantizedWeight, dequantize, tree_nbytes
 from dinfer_jax.models.v4 import ForwardOptions, ForwardOutput, forward, forward_jit, mtp_forward_jit
 from sharding.rules import Sharder
 
@@ -46,7 +47,13 @@ class Model:
 
     @property
     def num_params(self) -> int:
+        """Logical parameter count (a quantised weight counts its dense shape)."""
         return count_params(self.params)
+
+    @property
+    def param_bytes(self) -> int:
+        """Device bytes of the parameters: every array leaf, quantised codes and scales included."""
+        return tree_nbytes(self.params)
 
 
 def _check_dtype(dtype: str) -> str:
@@ -57,11 +64,13 @@ def _check_dtype(dtype: str) -> str:
 
 
 def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None = None,
-               moe_impl: str | None = None) -> Model:
+               moe_impl: str | None = None, weights: str | None = None) -> Model:
     """Load a Hugging Face checkpoint directory (DeepSeek release or transformers ``save_pretrained`` layout), or a
     registered name such as ``"default"`` (the bundled model, see :mod:`dinfer_jax.checkpoints`).
 
-    FP8/FP4 weights are dequantised exactly at load. With a ``sharder`` the parameters are placed by its rules
+    ``weights``: ``"native"`` (the default for checkpoints with a ``quantization_config``) keeps FP8/FP4 weights in
+    their stored form on the device, decoded exactly inside the forward; ``"dequantized"`` (the default otherwise)
+    dequantises them exactly at load into ``dtype``. With a ``sharder`` the parameters are placed by its rules
     (experts over ``ep``) and the forward uses the mesh-friendly dense MoE.
     """
     from dinfer_jax.checkpoints import resolve_checkpoint
@@ -72,9 +81,22 @@ def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None
     cfg = load_config(path)
     if not Path(path).is_dir():
         raise ConfigError(f"{path} is not a checkpoint directory (a preset has no weights; use random_model)")
-    params = load_params(path, cfg, dtype=dtype, sharder=sharder)
+    mode = _load_mode(weights, cfg)
+    params = load_params(path, cfg, dtype=dtype, sharder=sharder, weights=mode)
     impl = moe_impl or ("dense" if sharder is not None else "ragged")
     return Model(cfg, params, dtype, sharder, impl, _load_engram(cfg, Path(path)))
+
+
+LOAD_MODES = ("native", "dequantized")
+
+
+def _load_mode(weights: str | None, cfg: ModelConfig) -> str:
+    """``load_model``'s ``weights`` argument → the loader's mode (``"native"`` / ``"dense"``)."""
+    if weights is None:
+        weights = "native" if cfg.quantization is not None else "dequantized"
+    if weights not in LOAD_MODES:
+        raise ValueError(f"weights must be one of {LOAD_MODES}, got {weights!r}")
+    return "native" if weights == "native" else "dense"
 
 
 def _load_engram(cfg: ModelConfig, path: Path) -> EngramRuntime | None:
@@ -101,12 +123,22 @@ def _random_engram(cfg: ModelConfig, seed: int) -> EngramRuntime | None:
 
 
 def random_model(config: ModelConfig | str, seed: int = 0, dtype: str = "float32", include_mtp: bool = True,
-                 sharder: Sharder | None = None, std: float = 0.02) -> Model:
-    """A model with random parameters (see :func:`init_params`) for experiments and tests."""
+                 sharder: Sharder | None = None, std: float = 0.02, weights: str = "dense") -> Model:
+    """A model with random parameters for experiments and tests.
+
+    ``weights="dense"``: :func:`init_params` (host numpy RNG, every weight dense). ``weights="native"``: built on
+    the device with ``jax.random`` (:func:`~dinfer_jax.models.random_init.init_params_native`), the weights the
+    config's ``quantization_config`` declares FP8/FP4 in those formats.
+    """
     cfg = load_config(config) if isinstance(config, (str, Path)) else config
     dtype = _check_dtype(dtype)
-    params = init_params(cfg, seed=seed, dtype=dtype, include_mtp=include_mtp, std=std)
-    if sharder is not None:
+    if check_weights_mode(weights) == "native":
+        from dinfer_jax.models.random_init import init_params_native
+
+        params = init_params_native(cfg, seed=seed, dtype=dtype, include_mtp=include_mtp, std=std, sharder=sharder)
+    else:
+        params = init_params(cfg, seed=seed, dtype=dtype, include_mtp=include_mtp, std=std)
+    if sharder is not None and weights == "dense":
         from dinfer_jax.models.params import map_specs
 
         shardings = map_specs(lambda s: sharder.named(s.axes, s.shape), param_specs(cfg, include_mtp))
@@ -194,7 +226,7 @@ def mtp_logits(model: Model, token_ids: Any, depth: int = 0) -> np.ndarray:
 
 
 __all__ = [
-    "ConfigError", "ForwardOptions", "ForwardOutput", "Model", "ModelConfig", "abstract_params", "count_params",
-    "forward", "forward_logits", "init_params", "inspect", "load_config", "load_model", "mtp_logits", "param_specs",
-    "random_model", "run",
+    "ConfigError", "ForwardOptions", "ForwardOutput", "Model", "ModelConfig", "QuantizedWeight", "abstract_params",
+    "count_params", "dequantize", "forward", "forward_logits", "init_params", "inspect", "load_config", "load_model",
+    "mtp_logits", "param_specs", "random_model", "run",
 ]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from dinfer_jax.models.config import ATTN_CSA, ATTN_SLIDING, ModelConfig
 from dinfer_jax.models.ops import F32, apply_rope_tail, linear, matmul, rms_norm, rope_cos_sin, rope_inv_freq
+from dinfer_jax.models.qweights import as_dense
 from sharding.rules import Sharder, constrain
 
 
@@ -107,6 +108,6 @@ def output_projection(p: Mapping[str, Any], o: jax.Array, *, cfg: ModelConfig, r
     G, R = cfg.o_groups, cfg.o_lora_rank
     dt = o.dtype
     o = apply_rope_tail(o, rope.cos[..., None, :], rope.sin[..., None, :], inverse=True)
-    wo_a = p["wo_a"].astype(dt).reshape(G, R, H * d // G)
+    wo_a = as_dense(p["wo_a"], dt).reshape(G, R, H * d // G)
     z = matmul("bsgi,gri->bsgr", o.reshape(B, S, G, H * d // G), wo_a).astype(dt)
     return linear(z.reshape(B, S, G * R), p["wo_b"])

@@ -21,6 +21,7 @@ from dinfer_jax.models.layer_plan import LayerGroup, layer_info, plan_layers, st
 from dinfer_jax.models.layers import Carry, LayerOptions, StepContext, layer_v4, layer_v41
 from dinfer_jax.models.mhc import hc_collapse, hc_head
 from dinfer_jax.models.ops import F32, linear, rms_norm, rope_cos_sin, rope_inv_freq
+from dinfer_jax.models.qweights import as_dense
 from dinfer_jax.models.step_state import ModelCache, StepInput
 from dinfer_jax.models.v41 import embed_tokens
 from sharding.rules import constrain
@@ -125,4 +126,4 @@ def head_logits(params: Any, carry: Carry, cfg: ModelConfig) -> tuple[jax.Array,
     else:
         h = hc_head(streams, params["hc_head"], hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
     h = rms_norm(h, params["norm"], cfg.norm_eps, out_dtype=F32)
-    return linear(h, params["head"].astype(F32)), h
+    return linear(h, as_dense(params["head"], F32)), h

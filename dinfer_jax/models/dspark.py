@@ -236,7 +236,7 @@ def dspark_heads(params: Mapping[str, Any], cfg: ModelConfig, h: jax.Array, gold
     last = params["mtp"][-1]
     sample = sample_fn or greedy
     y = rms_norm(h, last["norm"], cfg.norm_eps, out_dtype=F32)
-    base = linear(y, params["head"].astype(F32))  # [B,blk,V]
+    base = linear(y, params["head"])  # [B,blk,V]
     prev = jnp.asarray(golden, jnp.int32)
     logits, confs, toks = [], [], []
     for i in range(h.shape[1]):

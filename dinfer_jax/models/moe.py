@@ -18,9 +18,11 @@ import jax.numpy as jnp
 
 from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.ops import F32, f32_accumulating, linear, matmul, matmul_precision
+from dinfer_jax.models.qweights import QuantizedWeight, as_dense
 from sharding.rules import Sharder, constrain
 
 MOE_IMPLS = ("ragged", "dense")
+Weight = jax.Array | QuantizedWeight
 
 
 def route(gate: Mapping[str, jax.Array], x: jax.Array, token_ids: jax.Array | None, *, cfg: ModelConfig,
@@ -54,37 +56,50 @@ def _swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
     return jax.nn.silu(g) * u
 
 
-def _experts_dense(ex: Mapping[str, jax.Array], x: jax.Array, idx: jax.Array, w: jax.Array, *, cfg: ModelConfig,
+def _experts_dense(ex: Mapping[str, Weight], x: jax.Array, idx: jax.Array, w: jax.Array, *, cfg: ModelConfig,
                    sharder: Sharder | None) -> jax.Array:
     N = x.shape[0]
     dt = x.dtype
     combine = jnp.zeros((N, ex["w1"].shape[0]), F32).at[jnp.arange(N)[:, None], idx].add(w)
     combine = constrain(sharder, combine, (None, "act_experts"))
-    g = matmul("nd,eid->nei", x, ex["w1"].astype(dt))
-    u = matmul("nd,eid->nei", x, ex["w3"].astype(dt))
+    g = matmul("nd,eid->nei", x, as_dense(ex["w1"], dt))
+    u = matmul("nd,eid->nei", x, as_dense(ex["w3"], dt))
     a = (_swiglu(g, u, cfg.swiglu_limit) * combine[..., None]).astype(dt)
     a = constrain(sharder, a, (None, "act_experts", None))
-    return matmul("nei,edi->nd", a, ex["w2"].astype(dt))
+    return matmul("nei,edi->nd", a, as_dense(ex["w2"], dt))
 
 
-def _experts_ragged(ex: Mapping[str, jax.Array], x: jax.Array, idx: jax.Array, w: jax.Array, *,
+def grouped_expert_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w1: Weight, w3: Weight, w2: Weight,
+                       row_weights: jax.Array, *, swiglu_limit: float) -> jax.Array:
+    """Routed-expert FFN over rows sorted by expert: the one entry point a GPU grouped-GEMM kernel replaces.
+
+    x_sorted ``[M, D]`` (activation dtype; rows of expert 0 first, then expert 1, ...), group_sizes ``[E]`` int32
+    (rows per expert, summing to at most M), w1/w3 ``[E, I, D]`` and w2 ``[E, D, I]`` (dense, or
+    :class:`QuantizedWeight` decoded here to the activation dtype), row_weights ``[M]`` fp32 (router weight of each
+    row, applied between the SwiGLU and the down projection). Returns ``[M, D]`` fp32. CPU path:
+    ``jax.lax.ragged_dot`` with fp32 accumulation.
+    """
+    dt = x_sorted.dtype
+    prec = matmul_precision(dt)
+
+    def gemm(a: jax.Array, w: Weight) -> jax.Array:
+        wt = jnp.swapaxes(as_dense(w, dt), 1, 2)  # [E, in, out]
+        return jax.lax.ragged_dot(*f32_accumulating(a, wt), group_sizes, precision=prec, preferred_element_type=F32)
+
+    a = (_swiglu(gemm(x_sorted, w1), gemm(x_sorted, w3), swiglu_limit) * row_weights[:, None]).astype(dt)
+    return gemm(a, w2)
+
+
+def _experts_ragged(ex: Mapping[str, Weight], x: jax.Array, idx: jax.Array, w: jax.Array, *,
                     cfg: ModelConfig) -> jax.Array:
     N, k = idx.shape
     E = ex["w1"].shape[0]
-    dt = x.dtype
-    prec = matmul_precision(dt)
     flat_e = idx.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     token_of = order // k
-    xs = x[token_of]  # [N·k, D] sorted by expert
     sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-    w1 = jnp.swapaxes(ex["w1"].astype(dt), 1, 2)  # [E,D,I]
-    w3 = jnp.swapaxes(ex["w3"].astype(dt), 1, 2)
-    w2 = jnp.swapaxes(ex["w2"].astype(dt), 1, 2)  # [E,I,D]
-    g = jax.lax.ragged_dot(*f32_accumulating(xs, w1), sizes, precision=prec, preferred_element_type=F32)
-    u = jax.lax.ragged_dot(*f32_accumulating(xs, w3), sizes, precision=prec, preferred_element_type=F32)
-    a = (_swiglu(g, u, cfg.swiglu_limit) * w.reshape(-1)[order][:, None]).astype(dt)
-    y = jax.lax.ragged_dot(*f32_accumulating(a, w2), sizes, precision=prec, preferred_element_type=F32)  # [N·k, D]
+    y = grouped_expert_ffn(x[token_of], sizes, ex["w1"], ex["w3"], ex["w2"], w.reshape(-1)[order],
+                           swiglu_limit=cfg.swiglu_limit)  # [N·k, D] sorted by expert
     return jnp.zeros((N, x.shape[1]), F32).at[token_of].add(y)
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax.models.config import YarnConfig
+from dinfer_jax.models.qweights import QuantizedWeight, as_dense
 
 F32 = jnp.float32
 
@@ -36,9 +37,10 @@ def matmul(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(eq, a, b, preferred_element_type=F32, precision=prec)
 
 
-def linear(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
-    """``x · wᵀ`` for a weight stored ``[out, in]``; computed in ``x``'s dtype with fp32 accumulation."""
-    y = matmul("...i,oi->...o", x, w.astype(x.dtype))
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight, out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """``x · wᵀ`` for a weight stored ``[out, in]`` (dense, or quantised and decoded here, inside the computation);
+    computed in ``x``'s dtype with fp32 accumulation."""
+    y = matmul("...i,oi->...o", x, as_dense(w, x.dtype))
     return y.astype(out_dtype or x.dtype)
 
 

@@ -21,6 +21,7 @@ from dinfer_jax.models.layer_plan import SLIDING_INFO
 from dinfer_jax.models.layers import LayerOptions, StepContext, layer_v4
 from dinfer_jax.models.ops import F32, linear, rms_norm
 from dinfer_jax.models.step_state import CacheConfig, ModelCache, StepInput, cache_shapes, single_layer_cache, zeros_like_shapes
+from dinfer_jax.models.qweights import take_rows
 from dinfer_jax.models.v41 import YOCO_MODES, embed_tokens
 from sharding.rules import Sharder
 
@@ -158,7 +159,7 @@ def mtp_forward(params: Mapping[str, Any], streams: jax.Array, next_ids: jax.Arr
     p = params["mtp"][depth]
     dt = jnp.dtype(dtype)
     B, S = next_ids.shape
-    e = rms_norm(params["embed"][next_ids].astype(dt), p["enorm"], cfg.norm_eps)
+    e = rms_norm(take_rows(params["embed"], next_ids, dt), p["enorm"], cfg.norm_eps)
     hn = rms_norm(streams.astype(dt), p["hnorm"], cfg.norm_eps)
     x = (linear(e, p["e_proj"])[:, :, None, :] + linear(hn, p["h_proj"])).astype(dt)
     pages = jnp.arange(1, B + 1, dtype=jnp.int32)[:, None]

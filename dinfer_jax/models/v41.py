@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.fake_quant import maybe_fake_quant, q4e_fake, q4u_fake
 from dinfer_jax.models.ops import F32, apply_rope_tail, linear, rms_norm, rope_cos_sin
+from dinfer_jax.models.qweights import take_rows
 
 YOCO_MODES = ("off", "mask", "compact")
 
@@ -43,7 +44,7 @@ def embed_tokens(params: Mapping[str, Any], token_ids: jax.Array, dt: jnp.dtype,
     ``image_embeds``."""
     V = params["embed"].shape[0]
     inside = (token_ids >= 0) & (token_ids < V)
-    x = jnp.where(inside[..., None], params["embed"][jnp.clip(token_ids, 0, V - 1)], 0).astype(dt)
+    x = jnp.where(inside[..., None], take_rows(params["embed"], jnp.clip(token_ids, 0, V - 1), dt), 0).astype(dt)
     if image_mask is not None and image_embeds is not None:
         x = jnp.where(image_mask[..., None], image_embeds.astype(dt), x)
     return x
