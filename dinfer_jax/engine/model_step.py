@@ -45,7 +45,7 @@ def _engram_rows_device(hist_all: jax.Array, inp: StepInput, cfg: ModelConfig,
 
 
 def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, cfg: ModelConfig, dtype: str,
-               moe_impl: str = "ragged", engram_fn: Callable[[jax.Array], jax.Array] | None = None,
+               moe_impl: str = "auto", engram_fn: Callable[[jax.Array], jax.Array] | None = None,
                cmap: jax.Array | None = None) -> tuple[jax.Array, ModelCache]:
     """Run the model on one step's rows.
 

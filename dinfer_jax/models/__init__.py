@@ -38,7 +38,7 @@ class Model:
     params: Any
     dtype: str = "float32"
     sharder: Sharder | None = None
-    moe_impl: str = "ragged"
+    moe_impl: str = "auto"
     engram: EngramRuntime | None = None
 
     def options(self, collect: bool = False, yoco: str = "off", yoco_keep: int = 140) -> ForwardOptions:
@@ -83,7 +83,7 @@ def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None
         raise ConfigError(f"{path} is not a checkpoint directory (a preset has no weights; use random_model)")
     mode = _load_mode(weights, cfg)
     params = load_params(path, cfg, dtype=dtype, sharder=sharder, weights=mode)
-    impl = moe_impl or ("dense" if sharder is not None else "ragged")
+    impl = moe_impl or ("dense" if sharder is not None else "auto")
     return Model(cfg, params, dtype, sharder, impl, _load_engram(cfg, Path(path)))
 
 
@@ -143,7 +143,7 @@ def random_model(config: ModelConfig | str, seed: int = 0, dtype: str = "float32
 
         shardings = map_specs(lambda s: sharder.named(s.axes, s.shape), param_specs(cfg, include_mtp))
         params = jax.device_put(params, shardings)
-    return Model(cfg, params, dtype, sharder, "dense" if sharder is not None else "ragged",
+    return Model(cfg, params, dtype, sharder, "dense" if sharder is not None else "auto",
                  _random_engram(cfg, seed))
 
 

@@ -160,7 +160,7 @@ def block_input_ids(cfg: ModelConfig, golden: jax.Array) -> jax.Array:
 
 def draft_hidden(params: Mapping[str, Any], cfg: ModelConfig, keys: jax.Array, anchor_pos: jax.Array,
                  golden: jax.Array, *, dtype: Any = None, block_tokens: jax.Array | None = None,
-                 moe_impl: str = "ragged") -> jax.Array:
+                 moe_impl: str = "auto") -> jax.Array:
     """The draft layers: ``h [B,blk,D]`` (model dtype) before the heads' norm.
 
     keys ``[n_draft,B,P,d]`` from :func:`main_keys` (indexed by absolute position; entries after ``a`` are never
@@ -252,7 +252,7 @@ def dspark_heads(params: Mapping[str, Any], cfg: ModelConfig, h: jax.Array, gold
 def draft_block(params: Mapping[str, Any], cfg: ModelConfig, main_keys: jax.Array, anchor_pos: jax.Array,
                 golden: jax.Array, *, dtype: Any = None, temperature: float | Sequence[float] = 1.0,
                 sample_fn: SampleFn | None = None, block_tokens: jax.Array | None = None,
-                moe_impl: str = "ragged") -> DraftOutput:
+                moe_impl: str = "auto") -> DraftOutput:
     """One DSpark draft block after the last accepted position ``a`` (see the module docstring).
 
     main_keys ``[n_draft,B,P,d]`` (:func:`main_keys` at positions 0…P−1, P > max a); anchor_pos ``[B]`` int;

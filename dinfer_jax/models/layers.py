@@ -44,7 +44,7 @@ Carry = dict[str, jax.Array]
 class LayerOptions:
     """Static switches: MoE implementation, mesh sharder, whether layers emit per-layer intermediates."""
 
-    moe_impl: str = "ragged"
+    moe_impl: str = "auto"
     sharder: Sharder | None = None
     collect: bool = False
 

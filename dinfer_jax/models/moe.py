@@ -3,7 +3,9 @@ renormalised and scaled weights, SwiGLU with clamp, shared expert.
 
 Two expert implementations compute the same function:
 
-* ``"ragged"`` (default): tokens sorted by expert, grouped GEMM with ``jax.lax.ragged_dot``; work ∝ tokens·k.
+* ``"ragged"``: tokens sorted by expert, grouped GEMM with ``jax.lax.ragged_dot``; work ∝ tokens·k.
+* ``"pallas"``: the Mosaic GPU kernel of ``pallas_kernels.moe`` (MXFP4 experts, bf16 activations, GPU only).
+* ``"auto"`` (default): ``"pallas"`` where it can run (see :func:`pallas_supported`), else ``"ragged"``.
 * ``"dense"``: every expert on every token, combined with a dense ``[N, E]`` weight matrix; work ∝ tokens·E. With
   experts sharded over the ``ep`` mesh axis each device computes its own experts and XLA reduces the sum; this is
   the mesh-friendly reference.
@@ -18,10 +20,10 @@ import jax.numpy as jnp
 
 from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.ops import F32, f32_accumulating, linear, matmul, matmul_precision
-from dinfer_jax.models.qweights import QuantizedWeight, as_dense
+from dinfer_jax.models.qweights import QuantizedWeight, as_dense, is_quantized
 from sharding.rules import Sharder, constrain
 
-MOE_IMPLS = ("ragged", "dense")
+MOE_IMPLS = ("auto", "ragged", "dense", "pallas")
 Weight = jax.Array | QuantizedWeight
 
 
@@ -109,8 +111,41 @@ def shared_expert(p: Mapping[str, jax.Array], x: jax.Array, cfg: ModelConfig) ->
     return linear(a, p["w2"], F32)
 
 
+def pallas_supported(ex: Mapping[str, Any], dtype: Any) -> str | None:
+    """Why the Mosaic GPU expert kernel cannot run these experts (None when it can): it needs a GPU backend,
+    bf16 activations, MXFP4 expert weights and widths that fit its tiles."""
+    if jax.default_backend() != "gpu":
+        return f"backend is {jax.default_backend()!r}, the kernel needs a GPU"
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return f"activations are {jnp.dtype(dtype).name}, the kernel computes in bfloat16"
+    for name in ("w1", "w3", "w2"):
+        w = ex[name]
+        if not (is_quantized(w) and w.fmt == "fp4"):
+            return f"expert weight {name} is not MXFP4"
+        if w.shape[-2] % 64 or w.shape[-1] % 128:
+            return f"expert weight {name} of shape {w.shape} does not fit the kernel's 64×128 tiles"
+    return None
+
+
+def _experts_pallas(ex: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.Array, *,
+                    cfg: ModelConfig) -> jax.Array:
+    """Routed experts through the Mosaic GPU kernel (``pallas_kernels.moe``): FP4 weights dequantised in
+    registers, SwiGLU fused after the gate/up GEMM, the router weight applied in fp32 after the down projection
+    (the ``jnp`` path applies it before; the two differ only by rounding). fp32 ``[N, D]``."""
+    from pallas_kernels.moe.kernel_sm90 import experts_sm90
+    from pallas_kernels.moe.reference import ExpertWeight
+    from pallas_kernels.moe.tuning import configs_for
+
+    why = pallas_supported(ex, x.dtype)
+    if why is not None:
+        raise ValueError(f"moe_impl='pallas' cannot run here: {why}")
+    w1, w3, w2 = (ExpertWeight(ex[n].data, ex[n].scale, "fp4") for n in ("w1", "w3", "w2"))
+    up, down = configs_for(idx.shape[0] * idx.shape[1])
+    return experts_sm90(x, idx, w, w1, w3, w2, swiglu_limit=float(cfg.swiglu_limit), up_config=up, down_config=down)
+
+
 def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg: ModelConfig, hash_routed: bool,
-        impl: str = "ragged", sharder: Sharder | None = None, top_k: int | None = None,
+        impl: str = "auto", sharder: Sharder | None = None, top_k: int | None = None,
         image_mask: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """MoE sublayer. x: ``[B,S,D]`` (normalised), token_ids ``[B,S]``, image_mask ``[B,S]`` bool (V4.1).
     Returns ``(y [B,S,D] in x's dtype, aux)``, aux = ``{"router_indices": [B,S,k] int32,
@@ -120,8 +155,12 @@ def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg:
     tid = None if token_ids is None else token_ids.reshape(B * S)
     img = None if image_mask is None else image_mask.reshape(B * S)
     idx, w = route(p["gate"], xf, tid, cfg=cfg, hash_routed=hash_routed, top_k=top_k, image_mask=img)
+    if impl == "auto":
+        impl = "pallas" if pallas_supported(p["experts"], xf.dtype) is None else "ragged"
     if impl == "dense":
         y = _experts_dense(p["experts"], xf, idx, w, cfg=cfg, sharder=sharder)
+    elif impl == "pallas":
+        y = _experts_pallas(p["experts"], xf, idx, w, cfg=cfg)
     elif impl == "ragged":
         y = _experts_ragged(p["experts"], xf, idx, w, cfg=cfg)
     else:

@@ -31,12 +31,13 @@ class ForwardOptions:
     """Static switches of the forward.
 
     collect: return per-layer intermediates (hidden streams, indexer picks and scores, router choices).
-    moe_impl: ``"ragged"`` (grouped GEMM) or ``"dense"`` (all experts, mesh-friendly); same function.
+    moe_impl: ``"auto"`` (the GPU kernel where it can run, else ``"ragged"``), ``"ragged"`` (grouped GEMM),
+      ``"pallas"`` (GPU kernel) or ``"dense"`` (all experts, mesh-friendly); same function.
     sharder: mesh + rules for activation sharding constraints, or None on one device.
     """
 
     collect: bool = False
-    moe_impl: str = "ragged"
+    moe_impl: str = "auto"
     sharder: Sharder | None = None
     yoco: str = "off"  # V4.1 prefill truncation: "off" (exact), "mask", "compact"
     yoco_keep: int = 140  # rows kept from the first ratio-1 layer on; must cover window + backtracking
