@@ -94,7 +94,8 @@ def main() -> None:
     args = ap.parse_args()
     base = load_config(args.preset)
     layout = load_config(args.layout) if args.layout else None
-    print(f"preset {args.preset}, layout {args.layout or args.preset}, {args.dtype}, step [{args.batch},{args.q}], forward [{args.batch},{args.seq}], "
+    print(f"preset {args.preset}, layout {args.layout or args.preset}, {args.dtype}, step [{args.batch},{args.q}], "
+          f"forward [{args.batch},{args.seq}], "
           f"jax {jax.__version__} on {jax.devices()[0].platform}\n")
     print("| layers | scan plan (start×period×repeats) | step compile s | forward compile s |")
     print("|---:|---|---:|---:|")

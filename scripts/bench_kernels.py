@@ -1,4 +1,5 @@
-"""Kernel benchmarks on the accelerator: ``python scripts/bench_kernels.py moe [--tokens N ...] [--sweep N ...] [--out DIR]``.
+"""Kernel benchmarks on the accelerator: ``python scripts/bench_kernels.py moe [--tokens N ...] [--sweep N ...]
+[--out DIR]``.
 
 ``moe``: the routed-expert kernel (``pallas_kernels.moe``) at V4-Flash expert shapes (256 experts, hidden 4096,
 expert width 2048, top-6, MXFP4 weights):
@@ -91,7 +92,8 @@ def ceilings() -> dict[str, float]:
     b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
     mm = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
     ms_mm, _ = device_times(mm, a, b)
-    return {"copy_GBps": bw / 1e9, "xla_elementwise_GBps": bw_xla / 1e9, "torch_copy_GBps": bw_copy / 1e9, "bf16_TFLOPs": 2 * 8192 ** 3 / (ms_mm * 1e-3) / 1e12}
+    return {"copy_GBps": bw / 1e9, "xla_elementwise_GBps": bw_xla / 1e9, "torch_copy_GBps": bw_copy / 1e9,
+            "bf16_TFLOPs": 2 * 8192 ** 3 / (ms_mm * 1e-3) / 1e12}
 
 
 def random_fp4(key, g: int, out: int, inn: int) -> reference.ExpertWeight:
@@ -168,7 +170,8 @@ def bench_moe(args) -> list[dict]:
         if n in args.ablate:
             variants += [(pick_configs(n * K, sweep=False)[0], a) for a in ("scale", "decode")]
         for (up_cfg, down_cfg), ablate in variants:
-            name = f"pallas fp4 ({args.decode}) up{_c(up_cfg)} down{_c(down_cfg)}" + (f" ablate={ablate}" if ablate else "")
+            name = (f"pallas fp4 ({args.decode}) up{_c(up_cfg)} down{_c(down_cfg)}"
+                    + (f" ablate={ablate}" if ablate else ""))
             try:
                 f = jax.jit(functools.partial(experts_sm90, swiglu_limit=limit, up_config=up_cfg,
                                               down_config=down_cfg, decode=args.decode, ablate=ablate))
@@ -213,11 +216,13 @@ def _c(c: TileConfig) -> str:
 
 
 def table(rows: list[dict], ceil: dict[str, float]) -> str:
-    lines = [f"ceilings measured in this run: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s",
+    lines = [f"ceilings measured in this run: copy {ceil['copy_GBps']:.0f} GB/s, "
+             f"bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s",
              "", "time = all device kernels of the call (routing layout, gathers, both GEMMs, combine); "
              "GEMM = the two Mosaic GPU kernels alone. Errors: max / mean |kernel − reference| over max|reference|, "
              "against the XLA reference on the GPU (first ≤512 tokens) and the fp32 CPU reference (first 8 tokens).",
-             "", "| tokens | variant | time ms | GEMM ms | GB/s touched (GEMM) | % copy BW | TFLOP/s (GEMM) | % bf16 peak "
+             "", "| tokens | variant | time ms | GEMM ms | GB/s touched (GEMM) | % copy BW | TFLOP/s (GEMM) "
+             "| % bf16 peak "
              "| err vs GPU ref max / mean | err vs CPU fp32 max / mean |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

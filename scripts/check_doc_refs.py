@@ -6,7 +6,7 @@ file a reference with no file name before it means the file itself. A reference 
 repository (path from the repository root, or relative to the referring file) and has a heading with that number
 (``## 7.`` / ``### 3.10``). Everything else is reported:
 
-* ``outside``: the named document is not in the repository (a bare ``engine.md`` once meant a file beside the
+* ``outside``: the named document is not in the repository (a bare ``docs/spec/engine.md`` once meant a file beside the
   repository);
 * ``no-section``: the document exists but has no heading with that number;
 * ``unqualified``: a reference in a non-Markdown file with no document named before it on its line.

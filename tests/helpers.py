@@ -68,7 +68,7 @@ def _named_leaves(model) -> dict[str, object]:
                                       is_leaf=is_spec)
     leaves = jax.tree_util.tree_leaves(model.params, is_leaf=is_quantized)
     assert len(specs) == len(leaves)
-    return {s.ckpt: leaf for s, leaf in zip(specs, leaves)}
+    return {s.ckpt: leaf for s, leaf in zip(specs, leaves, strict=False)}
 
 
 def check_resident_bytes(model, directory: Path, host_only: str | None = None) -> None:

@@ -7,8 +7,6 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("check_doc_refs", REPO / "scripts" / "check_doc_refs.py")
 assert _spec is not None and _spec.loader is not None
@@ -19,13 +17,6 @@ _spec.loader.exec_module(check_doc_refs)
 # Files that still cite ``engine.md`` / ``model-v4*.md`` by bare name: they belong to work in progress on other
 # branches and are rewritten after the merge with the sed command in docs/spec/README.md. Remove an entry once its
 # file is clean (the test below fails for an entry that has no findings left, so the list cannot go stale).
-PENDING_REWRITE = frozenset({
-    "dinfer_jax/engine/kv_cache.py", "dinfer_jax/engine/llm.py", "dinfer_jax/engine/runner.py",
-    "dinfer_jax/loading/names.py", "dinfer_jax/loading/writer.py",
-    "dinfer_jax/models/attention.py", "dinfer_jax/models/config.py", "dinfer_jax/models/csa2.py",
-    "dinfer_jax/models/dspark.py", "dinfer_jax/models/engram.py", "dinfer_jax/models/fake_quant.py",
-    "dinfer_jax/models/mhc.py", "dinfer_jax/models/moe.py", "dinfer_jax/models/v4.py",
-})
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -84,17 +75,4 @@ def test_sed_rewrite_fixes_bare_names(tmp_path):
 
 def test_repository_references_point_inside_the_repository():
     findings = check_doc_refs.check(REPO)
-    unexpected = [str(f) for f in findings if f.path not in PENDING_REWRITE]
-    assert not unexpected, "\n".join(unexpected)
-    stale = sorted(PENDING_REWRITE - {f.path for f in findings})
-    assert not stale, f"clean now, remove from PENDING_REWRITE: {stale}"
-
-
-@pytest.mark.parametrize("doc", ["engine.md", "model-v4.md", "model-v41.md"])
-def test_every_pending_reference_exists_after_the_rewrite(doc):
-    """The sections that the not-yet-rewritten files cite exist in docs/spec/, so the rewrite makes them valid."""
-    have = check_doc_refs.section_numbers(REPO / "docs" / "spec" / doc)
-    for path in sorted(PENDING_REWRITE):
-        for ref in check_doc_refs.find_references((REPO / path).read_text()):
-            if ref.doc is not None and ref.doc.rsplit("/", 1)[-1] == doc:
-                assert ref.section in have, f"{path}:{ref.line}: {doc} §{ref.section} is not in docs/spec/{doc}"
+    assert not findings, "\n".join(str(f) for f in findings)

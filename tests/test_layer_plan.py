@@ -24,9 +24,9 @@ def test_stack_unstack_roundtrip_and_cache_layout():
     model = random_model(cfg, seed=0, include_mtp=False)
     stacked = stack_layers(cfg, model.params["layers"])
     back = unstack_layers(cfg, stacked)
-    for a, b in zip(jax.tree_util.tree_leaves(model.params["layers"]), jax.tree_util.tree_leaves(back)):
+    for a, b in zip(jax.tree_util.tree_leaves(model.params["layers"]), jax.tree_util.tree_leaves(back), strict=False):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     cache = cache_shapes(cfg, CacheConfig(3, 5, 4), "float32")
-    for g, group in zip(plan_layers(cfg), cache.layers):
+    for g, group in zip(plan_layers(cfg), cache.layers, strict=False):
         assert len(group) == g.period
         assert all(x.shape[0] == g.repeats for x in jax.tree_util.tree_leaves(group))

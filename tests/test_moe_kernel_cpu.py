@@ -130,7 +130,8 @@ def test_kernel_lowers_for_cuda(assignments):
     g, d, i, k = 16, 1024, 512, 6
     n = assignments // k
     s = jax.ShapeDtypeStruct
-    fp4w = lambda o, inn: reference.ExpertWeight(s((g, o, inn // 2), jnp.uint8), s((g, o, inn // 32), jnp.uint8), "fp4")
+    def fp4w(o, inn):
+        return reference.ExpertWeight(s((g, o, inn // 2), jnp.uint8), s((g, o, inn // 32), jnp.uint8), "fp4")
     up, down = configs_for(assignments)
     traced = jax.jit(experts_sm90, static_argnames=("swiglu_limit", "up_config", "down_config")).trace(
         s((n, d), jnp.bfloat16), s((n, k), jnp.int32), s((n, k), jnp.float32), fp4w(i, d), fp4w(i, d), fp4w(d, i),

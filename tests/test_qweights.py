@@ -1,7 +1,7 @@
 """Quantised weights resident on the device (``QuantizedWeight``): exact decode, native loading, device bytes.
 
 References are independent of the code under test: FP8/FP4/E8M0 values are decoded here from the bit-field
-definitions of the formats (OCP MX / FP8 specs, ``model-v4.md`` §6.1), checkpoint bytes are summed from the
+definitions of the formats (OCP MX / FP8 specs, ``docs/spec/model-v4.md`` §6.1), checkpoint bytes are summed from the
 safetensors JSON headers, and V4-Flash's released size is a closed form over the config's dimensions.
 """
 
@@ -217,7 +217,8 @@ def test_native_load_rejects_mismatched_storage(tiny_release, tmp_path):
     for label, edit, message in [
         ("dense", lambda t: (t.__setitem__("layers.0.attn.wq_a.weight", np.zeros((32, 64), np.float32)),
                              t.pop("layers.0.attn.wq_a.scale")), "stored as F32 but .* declares it fp8"),
-        ("scale", lambda t: t.__setitem__("layers.0.ffn.experts.1.w2.scale", np.ones((64, 2), ml_dtypes.float8_e8m0fnu)),
+        ("scale", lambda t: t.__setitem__("layers.0.ffn.experts.1.w2.scale",
+                                          np.ones((64, 2), ml_dtypes.float8_e8m0fnu)),
          r"fp4 scale shape \[64, 2\] .*\(expected \[64, 1\]\)"),
     ]:
         d = tmp_path / label
@@ -252,7 +253,7 @@ def test_orbax_roundtrip_native(tiny_release, tmp_path):
     save_params(tmp_path / "o", model.config, model.params, model.dtype)
     _, params, _ = restore_params(tmp_path / "o")
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(model.params)
-    for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(params)):
+    for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(params), strict=False):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1 else np.asarray(a),
                                       np.asarray(b).view(np.uint8) if b.dtype.itemsize == 1 else np.asarray(b))
@@ -311,7 +312,8 @@ def test_sharded_native_weights_match_single_device():
 
 
 def _released_flash_bytes(c) -> int:
-    """Closed-form bytes of DeepSeek-V4-Flash as released (model-v4.md §1.1 shapes, §6.1 storage): FP8 = 1 B per
+    """Closed-form bytes of DeepSeek-V4-Flash as released (docs/spec/model-v4.md §1.1 shapes, §6.1 storage): FP8 = 1
+    B per
     weight + 1 B per 128×128 block; MXFP4 experts = 0.5 B per weight + 1 B per 32; F32 = 4 B; BF16 = 2 B;
     tid2eid taken as I32."""
     D, H, d, ql, G, R = c.hidden_size, c.num_heads, c.head_dim, c.q_lora_rank, c.o_groups, c.o_lora_rank

@@ -1,7 +1,7 @@
 """Offline batch inference: ``LLM(model=...).generate(prompts, sampling_params)``, named as in DeepInfer.
 
 The host loop keeps one step in flight (``async_scheduling=True``, DeepInfer's zero-overhead scheduling,
-``engine.md`` §4): it dispatches step N+1 — whose decode inputs come from step N's device outputs — before it
+``docs/spec/engine.md`` §4): it dispatches step N+1 — whose decode inputs come from step N's device outputs — before it
 reads step N's tokens, so the device never waits for host bookkeeping. ``async_scheduling=False`` processes every
 step before scheduling the next; both produce the same tokens.
 """
@@ -12,8 +12,9 @@ import collections
 import dataclasses
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from dinfer_jax.engine.block_manager import BlockManager, StateSlots
 from dinfer_jax.engine.kv_cache import CacheConfig, size_pools
 from dinfer_jax.engine.runner import Buckets, ModelRunner, StepOutput
-from dinfer_jax.engine.scheduler import Scheduler, SchedulerConfig, ScheduledStep
+from dinfer_jax.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from dinfer_jax.models import Model, load_config, load_model, random_model
 from dinfer_jax.sampling import SamplingParams
 
@@ -119,7 +120,8 @@ class LLM:
         lcm = int(np.lcm.reduce(ratios))
         self.block_size = int(block_size or lcm * max(1, -(-16 // lcm)))
         if num_kv_blocks is not None:
-            cache_cfg = CacheConfig(num_slots=max_num_seqs + 1, num_blocks=num_kv_blocks + 1, block_size=self.block_size)
+            cache_cfg = CacheConfig(num_slots=max_num_seqs + 1, num_blocks=num_kv_blocks + 1,
+                                    block_size=self.block_size)
         else:
             cache_cfg = size_pools(cfg, memory_bytes=kv_cache_memory_bytes, block_size=self.block_size,
                                    max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, dtype=self.model.dtype)
@@ -158,14 +160,15 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         t0 = time.perf_counter()
         sched = Scheduler(self.sched_config, BlockManager(self.cache_config.num_blocks, self.block_size),
                           StateSlots(self.cache_config.num_slots), vocab_size=self.config.vocab_size)
         records: list[dict[str, Any]] = []
-        for prompt, sp in zip(prompts, params):
+        for prompt, sp in zip(prompts, params, strict=False):
             records.append(self._add(sched, prompt, sp))
         self._run(sched, records, use_tqdm)
         self._metrics.generate_seconds += time.perf_counter() - t0
@@ -294,7 +297,7 @@ class LLM:
             entry = {"token": tok, "logprob": float(logprobs.token_logprobs[i])}
             if n:
                 entry["top"] = [(int(t), float(v)) for t, v in
-                                zip(logprobs.top_token_ids[i][:n], logprobs.top_logprobs[i][:n])]
+                                zip(logprobs.top_token_ids[i][:n], logprobs.top_logprobs[i][:n], strict=False)]
             rec["logprobs"].append(entry)
 
     def _output(self, rec: dict[str, Any]) -> RequestOutput:

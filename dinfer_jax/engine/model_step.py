@@ -10,7 +10,8 @@ full-sequence forward runs); this module adds the on-device Engram n-gram rows a
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp

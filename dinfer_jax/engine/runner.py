@@ -1,10 +1,13 @@
 """Device side of the engine: the serving cache, the jitted step per shape bucket, and dispatch of scheduled steps.
 
 A scheduled step becomes a padded ``[B, Q]`` batch (B and Q from the bucket lists, the JAX analogue of DeepInfer's
-CUDA-graph sizes, ``engine.md`` §13): padding rows have ``n = 0``, slot 0 and null pages, so they write nowhere.
+CUDA-graph sizes, ``docs/spec/engine.md`` §13): padding rows have ``n = 0``, slot 0 and null pages, so they write
+nowhere.
 The cache (a :class:`ModelCache`) is donated to the step. The runner holds the layer weights stacked in scan layout
-(:func:`stack_params`, done once here), a second copy next to the model's checkpoint-layout parameters. A decode row whose input token is still in flight reads it from the previous
-step's device output (``engine.md`` §4), so step N+1 can be dispatched before the host has seen step N's tokens.
+(:func:`stack_params`, done once here), a second copy next to the model's checkpoint-layout parameters. A decode row
+whose input token is still in flight reads it from the previous
+step's device output (``docs/spec/engine.md`` §4), so step N+1 can be dispatched before the host has seen step N's
+tokens.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class Buckets:
 
     @classmethod
     def default(cls, max_num_seqs: int, max_num_batched_tokens: int, max_prefill_batch: int = 4,
-                short_prefill: int = 64) -> "Buckets":
+                short_prefill: int = 64) -> Buckets:
         """Lean defaults (each shape is one compilation): decode batches in powers of two up to ``max_num_seqs``;
         prefill batches {1, min(max_num_seqs, max_prefill_batch)}; prefill lengths {short, budget}."""
         pb = min(max_num_seqs, max_prefill_batch)

@@ -117,7 +117,8 @@ _STORED_AS = {"fp8": ("F8_E4M3",), "fp4": ("I8", "U8")}
 _SCALE_DTYPES = {"fp8": ("F8_E8M0", "F32"), "fp4": ("F8_E8M0",)}
 
 
-def _read_quantized(idx: _TensorIndex, spec: ParamSpec, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+def _read_quantized(idx: _TensorIndex, spec: ParamSpec, name: str,
+                    shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """Stored codes (float8_e4m3fn, or uint8 packed e2m1) and scales of one weight, as host views, checked against
     the format ``spec`` declares."""
     fmt, block = spec.quant, spec.block

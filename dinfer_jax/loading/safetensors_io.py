@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -69,7 +69,8 @@ class SafetensorsFile:
         self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
             try:
-                dtype_name, shape, (start, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+                dtype_name, shape = info["dtype"], tuple(int(s) for s in info["shape"])
+                start, end = info["data_offsets"]
             except (KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{self.path}: corrupt header entry for tensor {name!r}: {info!r}") from e
             if dtype_name not in DTYPES:
@@ -77,7 +78,8 @@ class SafetensorsFile:
             dt = DTYPES[dtype_name]
             if not (0 <= start <= end <= data_len) or end - start != math.prod(shape) * dt.itemsize:
                 raise CheckpointError(
-                    f"{self.path}: corrupt tensor {name!r}: offsets [{start}, {end}) do not hold {dtype_name}{list(shape)} "
+                    f"{self.path}: corrupt tensor {name!r}: offsets [{start}, {end}) do not hold "
+                    f"{dtype_name}{list(shape)} "
                     f"inside a data section of {data_len} bytes")
             self._entries[name] = (dt, shape, start, end)
         self._mmap: np.memmap | None = None

@@ -1,6 +1,7 @@
 """Write parameters as a checkpoint in DeepSeek's released V4 layout (names, dtypes and quantised formats).
 
-Release dtypes (spec ``model-v4.md`` §6.1, ``model-v41.md`` §5): the weights ``ParamSpec.quant`` declares quantised
+Release dtypes (spec ``docs/spec/model-v4.md`` §6.1, ``docs/spec/model-v41.md`` §5): the weights ``ParamSpec.quant``
+declares quantised
 (attention projections, the indexer's ``wq_b``, shared experts, MTP ``e_proj``/``h_proj``, V4.1 Engram ``wkv`` and
 DSpark ``main_proj``) in FP8 e4m3 with UE8M0 block scales; routed experts in MXFP4 (or FP8, or BF16); mHC tensors,
 sinks, ``ape`` and router bias in F32; ``tid2eid`` as I32; everything else BF16.
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -28,7 +30,7 @@ _F32 = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|\.ape|gate\.bi
 def iter_release_tensors(cfg: ModelConfig, params: Any) -> Iterator[tuple[str, np.ndarray]]:
     """``(release name, host array)`` for every parameter; stacked experts are split per expert; quantised
     weights are dequantised (exactly)."""
-    for spec, name, value in _iter_spec_tensors(cfg, params):
+    for _spec, name, value in _iter_spec_tensors(cfg, params):
         yield name, value
 
 
@@ -39,7 +41,7 @@ def _iter_spec_tensors(cfg: ModelConfig, params: Any) -> Iterator[tuple[ParamSpe
     flat_specs = jax.tree_util.tree_leaves(specs, is_leaf=is_spec)
     flat_vals = jax.tree_util.tree_leaves(params, is_leaf=is_quantized)
     assert len(flat_specs) == len(flat_vals)
-    for spec, val in zip(flat_specs, flat_vals):
+    for spec, val in zip(flat_specs, flat_vals, strict=False):
         arr = np.asarray(dequantize(val) if is_quantized(val) else val)
         if spec.stacked_experts:
             for e in range(spec.shape[0]):
@@ -50,7 +52,7 @@ def _iter_spec_tensors(cfg: ModelConfig, params: Any) -> Iterator[tuple[ParamSpe
 
 def release_format(spec: ParamSpec) -> str:
     """Released storage of a parameter: its declared quantisation (``fp8`` | ``fp4``), else ``i32`` | ``f32`` |
-    ``bf16`` by name (spec ``model-v4.md`` §6.1)."""
+    ``bf16`` by name (spec ``docs/spec/model-v4.md`` §6.1)."""
     if spec.quant is not None:
         return spec.quant
     if spec.integer:

@@ -118,7 +118,7 @@ def _random_engram(cfg: ModelConfig, seed: int) -> EngramRuntime | None:
 
     rng = np.random.default_rng(seed + 99)
     tables = [EngramTable(rng.standard_normal((rows, cfg.engram_head_dim)).astype(np.float32), name=f"layer {l}")
-              for l, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings)]
+              for l, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings, strict=False)]
     return EngramRuntime(tables, np.arange(cfg.vocab_size, dtype=np.int64) % cfg.engram_compressed_vocab_size)
 
 
@@ -160,7 +160,8 @@ def _validate_ids(model: Model, token_ids: Any, image_mask: np.ndarray | None = 
         bad &= ~image_mask
     if bad.any():
         b, s = np.argwhere(bad)[0]
-        raise ValueError(f"token id {int(ids[b, s])} at [{b}, {s}] is outside the vocabulary [0, {model.config.vocab_size})")
+        raise ValueError(f"token id {int(ids[b, s])} at [{b}, {s}] is outside the vocabulary "
+                         f"[0, {model.config.vocab_size})")
     if ids.shape[1] > model.config.max_position_embeddings:
         raise ValueError(f"sequence length {ids.shape[1]} exceeds max_position_embeddings "
                          f"{model.config.max_position_embeddings}")

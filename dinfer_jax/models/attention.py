@@ -1,4 +1,4 @@
-"""V4 attention building blocks (spec ``model-v4.md`` §3.4–3.7); the sublayers over cached state are in
+"""V4 attention building blocks (spec ``docs/spec/model-v4.md`` §3.4–3.7); the sublayers over cached state are in
 :mod:`dinfer_jax.models.layers`.
 
 Every layer attends to a sliding window of raw KV rows; CSA layers (m = 4, overlapping compressor + lightning
@@ -9,15 +9,15 @@ shared by all heads, learned per-head sink, inverse RoPE on the output, grouped 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.models.config import ATTN_CSA, ATTN_SLIDING, ModelConfig
+from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.ops import F32, apply_rope_tail, linear, matmul, rms_norm, rope_cos_sin, rope_inv_freq
 from dinfer_jax.models.qweights import as_dense
-from sharding.rules import Sharder, constrain
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,7 +108,7 @@ def run_backbone(params: Any, cache: ModelCache, inp: StepInput, *, cfg: ModelCo
     layers = stack_params(cfg, params)["layers"]
     plan = plan_layers(cfg)
     new_cache, per_layer = [], [None] * cfg.num_layers
-    for g, gp, gc in zip(plan, layers.groups, cache.layers):
+    for g, gp, gc in zip(plan, layers.groups, cache.layers, strict=False):
         carry, gc, aux = _run_group(g, gp, gc, carry, ctx, cfg=cfg, opts=opts)
         new_cache.append(gc)
         for j in range(g.period):

@@ -1,6 +1,6 @@
 """Typed configuration of the DeepSeek-V4 family, read from a checkpoint's ``config.json``.
 
-Two spellings of the same model exist (spec ``model-v4.md`` §1):
+Two spellings of the same model exist (spec ``docs/spec/model-v4.md`` §1):
 
 * DeepSeek's release: ``compress_ratios`` (one entry per layer plus one per MTP block), ``num_hash_layers``,
   ``qk_rope_head_dim``, ``rope_scaling`` (or the ``inference/config.json`` names ``dim``, ``n_layers``, ...).
@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 ATTN_SLIDING = "sliding"
 ATTN_CSA = "csa"
@@ -61,7 +62,7 @@ class QuantConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """One DeepSeek-V4 model. Notation follows ``model-v4.md``: D, H, d, r, n, m, W, G, R, E, k, I."""
+    """One DeepSeek-V4 model. Notation follows ``docs/spec/model-v4.md``: D, H, d, r, n, m, W, G, R, E, k, I."""
 
     vocab_size: int
     hidden_size: int  # D
@@ -99,7 +100,7 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = (1,)
     quantization: QuantConfig | None = None
     model_type: str = MODEL_V4
-    # ---- DeepSeek-V4.1 (model-v41.md); V4 keeps the defaults ----
+    # ---- DeepSeek-V4.1 (docs/spec/model-v41.md); V4 keeps the defaults ----
     hc_shifted: bool = False  # shifted single-pass mHC, no HC head
     use_qnorm: bool = True  # per-head unweighted RMSNorm of q (V4 only)
     kv_fake_quant: bool = False  # Q8 SWA KV, Q4e compressed KV, Q4u indexer Q/K (V4.1 reference numerics)
@@ -173,7 +174,7 @@ class ModelConfig:
     def layer_kind(self, layer: int) -> str:
         return self.attn_kinds[layer]
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
@@ -288,7 +289,7 @@ def validate(c: ModelConfig) -> None:
            f"has {len(c.compress_ratios)} backbone entries for num_hidden_layers={c.num_layers}")
     _check(len(c.hash_layers) == c.num_layers, "mlp_layer_types",
            f"has {len(c.hash_layers)} entries for num_hidden_layers={c.num_layers}")
-    for i, (kind, ratio) in enumerate(zip(c.attn_kinds, c.compress_ratios)):
+    for i, (kind, ratio) in enumerate(zip(c.attn_kinds, c.compress_ratios, strict=False)):
         _check(kind in ATTENTION_KINDS, "layer_types", f"layer {i}: unknown attention kind {kind!r}")
         if c.is_v41:
             _check(ratio in (0, 1, 2), "compress_ratios", f"layer {i}: V4.1 supports ratios 0, 1, 2, got {ratio}")
@@ -324,7 +325,7 @@ def validate(c: ModelConfig) -> None:
 
 
 def _validate_v41(c: ModelConfig) -> None:
-    """Constraints DeepInfer asserts for V4.1's cross-layer sharing, Engram and DSpark (model-v41.md §1)."""
+    """Constraints DeepInfer asserts for V4.1's cross-layer sharing, Engram and DSpark (docs/spec/model-v41.md §1)."""
     L = c.num_layers
     for f in ("kv_source_layer_ids", "index_source_layer_ids", "index_k_source_layer_ids", "engram_layer_ids",
               "dspark_target_layer_ids"):
@@ -346,7 +347,8 @@ def _validate_v41(c: ModelConfig) -> None:
     for i in c.index_source_layer_ids:
         _check(c.compress_ratios[i] > 0, "index_source_layer_ids", f"layer {i} has ratio 0")
         ks = c.index_k_source(i)
-        _check(ks >= 0 and ks in (c.index_k_source_layer_ids or c.kv_source_layer_ids) and c.kv_source(ks) == c.kv_source(i),
+        k_sources = c.index_k_source_layer_ids or c.kv_source_layer_ids
+        _check(ks >= 0 and ks in k_sources and c.kv_source(ks) == c.kv_source(i),
                "index_k_source_layer_ids", f"index source {i} has no index-K source in its KV segment")
     for i in c.index_k_source_layer_ids:
         _check(i in c.kv_source_layer_ids, "index_k_source_layer_ids",
@@ -403,8 +405,10 @@ def _float(d: Mapping[str, Any], *names: str, default: Any = KeyError) -> float:
     return float(v)
 
 
-def _parse_layers(d: Mapping[str, Any], n_layers: int, n_mtp: int) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
-    """Per-layer attention kinds and ratios from ``layer_kinds``/``layer_types``+``compress_rates`` or ``compress_ratios``."""
+def _parse_layers(d: Mapping[str, Any], n_layers: int,
+                  n_mtp: int) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+    """Per-layer attention kinds and ratios from ``layer_kinds``/``layer_types``+``compress_rates`` or
+    ``compress_ratios``."""
     if "layer_types" in d and d["layer_types"] is not None:
         rates = d.get("compress_rates") or {}
         rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, **rates}
@@ -422,7 +426,8 @@ def _parse_layers(d: Mapping[str, Any], n_layers: int, n_mtp: int) -> tuple[tupl
             raise ConfigError(f"invalid config field `layer_types`: {len(kinds)} entries for {n_layers} layers")
         return tuple(kinds[:n_layers]), tuple(ratios[:n_layers]), (0,) * n_mtp
     if "compress_ratios" not in d:
-        raise ConfigError("missing config field `compress_ratios` (or `layer_types`): the layer pattern must be explicit")
+        raise ConfigError("missing config field `compress_ratios` (or `layer_types`): "
+                          "the layer pattern must be explicit")
     all_ratios = d["compress_ratios"]
     if not isinstance(all_ratios, (list, tuple)) or not all(isinstance(r, int) for r in all_ratios):
         raise ConfigError(f"invalid config field `compress_ratios`: expected a list of integers, got {all_ratios!r}")

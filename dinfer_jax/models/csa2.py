@@ -1,11 +1,12 @@
-"""V4.1 compressed branch pooling and candidate two-level top-k, full-sequence form (``model-v41.md`` §3.4).
+"""V4.1 compressed branch pooling and candidate two-level top-k, full-sequence form (``docs/spec/model-v41.md`` §3.4).
 
 Positions are 0..S−1 of every sequence (prefill from position 0); the batch dimension comes first. Compressed
 entry ``j`` of a ratio-``r`` layer pools tokens ``r·j … r·j + r − 1`` and is visible to the query at position
 ``p`` iff ``j < (p + 1) // r``.
 
 Top-k tie rule: equal scores are taken lowest index first (``jax.lax.top_k``). DeepInfer's DeepSelect leaves the
-order of exact ties unspecified (``engine.md`` §15.2), so selections can differ from DeepInfer only on exact ties.
+order of exact ties unspecified (``docs/spec/engine.md`` §15.2), so selections can differ from DeepInfer only on
+exact ties.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def pool_groups(score: jax.Array, latent: jax.Array, ratio: int) -> jax.Array:
     ``[B, S // ratio, dim]`` fp32 with row ``j = Σ_i softmax_i(score[r·j + i]) ⊙ latent[r·j + i]``; a trailing
     partial group is dropped. ``ratio == 1`` returns ``latent`` unchanged (softmax of one token is exactly 1).
     The caller rounds to bf16 where the spec does (``lat_j = bf16(…)``). Exact exp as in HF and DeepInfer's
-    ``_ref``; DeepInfer's TileLang kernel uses fast-math exp (``model-v41.md`` §6.1 row 8).
+    ``_ref``; DeepInfer's TileLang kernel uses fast-math exp (``docs/spec/model-v41.md`` §6.1 row 8).
     """
     if ratio == 1:
         return latent.astype(F32)

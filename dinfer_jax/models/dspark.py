@@ -1,4 +1,5 @@
-"""DeepSeek-V4.1 DSpark drafter (``model-v41.md`` §3.8; DeepInfer class ``DFlash``): the ``mtp.0..2`` draft layers.
+"""DeepSeek-V4.1 DSpark drafter (``docs/spec/model-v41.md`` §3.8; DeepInfer class ``DFlash``): the ``mtp.0..2`` draft
+layers.
 
 Two stages, as in DeepInfer's ``DFlash.update_main_cache`` and ``DFlash.run_drafts``:
 
@@ -28,7 +29,8 @@ compiled entry points. :func:`draft_after_prefix` runs the target on a prompt an
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""V4.1 Engram: compressed tokenizer, n-gram hashing, host-side tables and the gate (model-v41.md §3.3, §3.9).
+"""V4.1 Engram: compressed tokenizer, n-gram hashing, host-side tables and the gate (docs/spec/model-v41.md §3.3, §3.9).
 
 Host side (numpy): raw ids → compressed ids → n-gram rows ``[..., S, M]`` (M = ``engram_max_ngram_size``, row r =
 token at p−r) → table row ids ``[L, ..., S, H]`` (H = (M−1)·n_heads, flat column (n−1)·n_heads + j for n-gram size
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import functools
 import mmap
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -338,7 +339,7 @@ class EngramTable:
 
     @classmethod
     def from_checkpoint(cls, files: CheckpointFiles | str | Path, layer_id: int,
-                        config: ModelConfig | None = None) -> "EngramTable":
+                        config: ModelConfig | None = None) -> EngramTable:
         """The table ``layers.{layer_id}.engram.embed.weight`` (optional ``model.`` prefix) of a checkpoint.
 
         With ``config``, the shape is checked against ``engram_num_embeddings`` and ``engram_head_dim``.
@@ -388,7 +389,7 @@ def engram_embeddings(config: ModelConfig, tables: Sequence[EngramTable], token_
     if len(tables) != len(config.engram_layer_ids):
         raise ValueError(f"need one table per Engram layer {config.engram_layer_ids}, got {len(tables)}")
     sizes = engram_table_sizes(config)
-    for table, rows, lid in zip(tables, sizes, config.engram_layer_ids):
+    for table, rows, lid in zip(tables, sizes, config.engram_layer_ids, strict=False):
         if (table.rows, table.head_dim) != (rows, config.engram_head_dim):
             raise ValueError(f"{table.name}: shape [{table.rows}, {table.head_dim}] but layer {lid}'s hash layout "
                              f"needs [{rows}, {config.engram_head_dim}]")

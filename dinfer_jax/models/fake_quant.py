@@ -1,4 +1,4 @@
-"""V4.1 fake quantisers (``model-v41.md`` §2): Q8, Q4u and Q4e over contiguous blocks of the last axis.
+"""V4.1 fake quantisers (``docs/spec/model-v41.md`` §2): Q8, Q4u and Q4e over contiguous blocks of the last axis.
 
 Each ``*_quantize`` returns ``(q, s)``: ``q [..., D]`` fp32 grid values (the e4m3 / e2m1 value of each code, sign
 included) and ``s [..., D // block]`` fp32 block scales, with ``dequant = q · s``. Each ``*_fake`` returns the
@@ -132,7 +132,8 @@ def q4e_quantize(x: jax.Array, block: int = 16, *, reciprocal: bool = False) -> 
     ``reciprocal=False`` (HF and DeepSeek's reference, the spec): ``q = e2m1_RNE(clamp(x / s, ±6))``.
     ``reciprocal=True`` (DeepInfer's kernels and ``ref_cast_from_bf16``): ``s = e4m3_RNE(min(a · fp32(1/6), 448))``
     and ``q = e2m1_RNE(clamp(x · fp32(1/s), ±6))``. ``s`` is not a power of two, so ``x · (1/s)`` can land on the
-    other side of an e2m1 tie than ``x / s`` (spec §6.1 row 9; for bf16 ``x`` a brute force over all bf16 values
+    other side of an e2m1 tie than ``x / s`` (``docs/spec/model-v41.md`` §6.1 row 9; for bf16 ``x`` a brute force
+    over all bf16 values
     and e4m3 scales finds it only at the exact ties ``x = {1.25, 2.5, 5}·s`` with ``s = 1.875·2^k``, where
     ``x · (1/s)`` is one fp32 ulp above the tie and rounds up). ``a · (1/6)`` vs ``a / 6`` never changes
     ``s`` for bf16 inputs (checked exhaustively in the tests) but can for arbitrary fp32 ``a``.

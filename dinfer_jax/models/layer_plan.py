@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -152,7 +153,7 @@ def stack_params(cfg: ModelConfig, params: Any) -> Any:
 def unstack_layers(cfg: ModelConfig, stacked: StackedLayers) -> list[Any]:
     """Inverse of :func:`stack_layers`: one parameter pytree per layer, in layer order."""
     out: list[Any] = [None] * cfg.num_layers
-    for g, group in zip(plan_layers(cfg), stacked.groups):
+    for g, group in zip(plan_layers(cfg), stacked.groups, strict=False):
         for j, tree in enumerate(group):
             for r in range(g.repeats):
                 out[g.layer(r, j)] = jax.tree.map(lambda x, r=r: x[r], tree)

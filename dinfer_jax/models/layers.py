@@ -22,8 +22,15 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.models.attention import RopeTable, attend, index_scores, output_projection, query_and_window_kv
-from dinfer_jax.models.cache_io import (buffer_take, closing_groups, pages_read, pages_write, ring_positions,
-                                        ring_read, ring_write)
+from dinfer_jax.models.cache_io import (
+    buffer_take,
+    closing_groups,
+    pages_read,
+    pages_write,
+    ring_positions,
+    ring_read,
+    ring_write,
+)
 from dinfer_jax.models.config import ATTN_CSA, ATTN_SLIDING, ModelConfig
 from dinfer_jax.models.csa2 import candidate_blocks, topk_select
 from dinfer_jax.models.engram import engram_gate

@@ -1,8 +1,8 @@
-"""Manifold-constrained hyper-connections (mHC): the n residual streams of V4 (spec ``model-v4.md`` §3.3)."""
+"""Manifold-constrained hyper-connections (mHC): the n residual streams of V4 (spec ``docs/spec/model-v4.md`` §3.3)."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""V4 mixture of experts (spec ``model-v4.md`` §3.8): sqrtsoftplus router, selection-only bias, hash routing,
+"""V4 mixture of experts (spec ``docs/spec/model-v4.md`` §3.8): sqrtsoftplus router, selection-only bias, hash routing,
 renormalised and scaled weights, SwiGLU with clamp, shared expert.
 
 Two expert implementations compute the same function:
@@ -13,7 +13,8 @@ Two expert implementations compute the same function:
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp

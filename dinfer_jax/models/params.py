@@ -14,7 +14,8 @@ weights="native")`` turns those into :class:`~dinfer_jax.models.qweights.Quantiz
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -84,7 +84,7 @@ class QuantizedWeight:
         """Device bytes of codes plus scales."""
         return _nbytes(self.data) + _nbytes(self.scale)
 
-    def __getitem__(self, index: int | slice) -> "QuantizedWeight":
+    def __getitem__(self, index: int | slice) -> QuantizedWeight:
         """Index the leading (stacking) axis, e.g. one expert or one layer; the format is unchanged."""
         if self.ndim < 3:
             raise IndexError("only stacked quantised weights ([..., out, in] with leading axes) can be indexed")

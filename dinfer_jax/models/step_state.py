@@ -1,6 +1,7 @@
 """Pytrees at the model step's jit boundary: the step input and the per-layer cache.
 
-Layout of the cache (``model-v4.md`` §4, ``model-v41.md`` §4, ``engine.md`` §12), per layer:
+Layout of the cache (``docs/spec/model-v4.md`` §4, ``docs/spec/model-v41.md`` §4, ``docs/spec/engine.md`` §12), per
+layer:
 
 * **SWA ring** (every layer): ``swa [num_slots, W, d]``; position p of the sequence in slot s lives at
   ``swa[s, p % W]``. Slot 0 is the null slot of padding rows.

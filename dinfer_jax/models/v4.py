@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +21,15 @@ from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.layer_plan import SLIDING_INFO
 from dinfer_jax.models.layers import LayerOptions, StepContext, layer_v4
 from dinfer_jax.models.ops import F32, linear, rms_norm
-from dinfer_jax.models.step_state import CacheConfig, ModelCache, StepInput, cache_shapes, single_layer_cache, zeros_like_shapes
 from dinfer_jax.models.qweights import take_rows
+from dinfer_jax.models.step_state import (
+    CacheConfig,
+    ModelCache,
+    StepInput,
+    cache_shapes,
+    single_layer_cache,
+    zeros_like_shapes,
+)
 from dinfer_jax.models.v41 import YOCO_MODES, embed_tokens
 from sharding.rules import Sharder
 
@@ -150,7 +158,8 @@ def forward(params: Mapping[str, Any], token_ids: jax.Array, *, cfg: ModelConfig
 def mtp_forward(params: Mapping[str, Any], streams: jax.Array, next_ids: jax.Array, *, cfg: ModelConfig,
                 depth: int = 0, dtype: str = "float32",
                 options: ForwardOptions = ForwardOptions()) -> tuple[jax.Array, jax.Array]:
-    """MTP block ``mtp.{depth}`` (spec §3.10), full sequence from position 0: a sliding-only V4 layer
+    """MTP block ``mtp.{depth}`` (``docs/spec/model-v4.md`` §3.10), full sequence from position 0: a sliding-only V4
+    layer
     (:func:`layers.layer_v4` on a fresh cache).
 
     streams: the main model's pre-HC-head streams ``[B,S,n,D]`` (``hidden_states[-1]`` of a collected forward);

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 forward (``model-v41.md``) on the V4 core: shifted single-pass mHC, CSA2 compressed KV shared
+"""DeepSeek-V4.1 forward (``docs/spec/model-v41.md``) on the V4 core: shifted single-pass mHC, CSA2 compressed KV shared
 across layers, index keys projected from the compressed latent, candidate two-level top-k, FP8/FP4 KV fake-quant,
 Engram, image rows, YOCO bounded replay, and the DSpark drafter's target features.
 
@@ -8,7 +8,8 @@ This module holds the V4.1-specific building blocks (source rows, embedding); th
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp

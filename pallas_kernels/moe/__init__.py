@@ -1,1 +1,2 @@
-"""Routed-expert kernel: padded expert-sorted layout, Mosaic GPU grouped GEMM with in-register FP4 dequantisation, jnp reference."""
+"""Routed-expert kernel: padded expert-sorted layout, Mosaic GPU grouped GEMM with in-register FP4 dequantisation,
+jnp reference."""

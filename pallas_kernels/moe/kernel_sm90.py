@@ -31,8 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.moe.fp4 import (decode_signed_codes, packed_to_int4, scale_bits,
-                                    signed_codes_to_scaled_bf16_bits)
+from pallas_kernels.moe.fp4 import decode_signed_codes, packed_to_int4, scale_bits, signed_codes_to_scaled_bf16_bits
 from pallas_kernels.moe.reference import ExpertWeight
 
 
@@ -105,7 +104,8 @@ def grouped_matmul_t(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, *, 
     """Grouped GEMM over the padded layout (see module docstring).
 
     ``decode``: "bits" (default: integer bit placement, see :mod:`pallas_kernels.moe.fp4`) or "float" (the
-    piecewise-linear float formula). ``ablate`` is for benchmarking only: "scale" skips the scale multiply, "decode" also the e2m1 decode (wrong
+    piecewise-linear float formula). ``ablate`` is for benchmarking only: "scale" skips the scale multiply, "decode"
+    also the e2m1 decode (wrong
     results; the stages are timed by difference).
 
     Args:
@@ -170,7 +170,7 @@ def grouped_matmul_t(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, *, 
             @pl.when(g >= 0)
             def _():
                 if fmt == "fp4":
-                    for s_gmem, s_smem in zip(s_gmems, s_smems):
+                    for s_gmem, s_smem in zip(s_gmems, s_smems, strict=False):
                         plgpu.copy_gmem_to_smem(s_gmem.at[g, pl.ds(ni * bn, bn)], s_smem, s_barrier)
                         plgpu.barrier_wait(s_barrier)
 
@@ -181,7 +181,7 @@ def grouped_matmul_t(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, *, 
                     if fmt == "fp4":
                         regs = [ws[...] for ws in w_smems]
                         plgpu.wgmma_wait(0)   # the previous step's MMAs still read their A registers
-                        for r, s_smem, acc in zip(regs, s_smems, accs):
+                        for r, s_smem, acc in zip(regs, s_smems, accs, strict=False):
                             s_chunk = s_smem.at[:, pl.ds(kk * (bk // 32), bk // 32)]
                             if decode == "bits" and ablate != "decode":
                                 bits = signed_codes_to_scaled_bf16_bits(r.astype(jnp.int16))
@@ -198,7 +198,7 @@ def grouped_matmul_t(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, *, 
                                 a = plgpu.layout_cast(a, plgpu.Layout.WGMMA)
                             plgpu.wgmma(acc, a, x_smem)
                     else:
-                        for ws, acc in zip(w_smems, accs):
+                        for ws, acc in zip(w_smems, accs, strict=False):
                             plgpu.wgmma(acc, ws, x_smem)
 
                 def acc_scope(*accs):
