@@ -1,5 +1,6 @@
-"""Normalise the three spellings of a V4 tensor name to DeepSeek's release names (spec ``docs/spec/model-v4.md``
-§6.2)."""
+"""Normalise the three spellings of a V4 tensor name to DeepSeek's release names.
+
+See ``docs/spec/model-v4.md`` §6.2."""
 
 from __future__ import annotations
 
