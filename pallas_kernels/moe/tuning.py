@@ -11,7 +11,7 @@ from pallas_kernels.moe.kernel_sm90 import TileConfig
 # (max assignments, up-projection config, down-projection config); the first row that fits is used.
 TABLE: tuple[tuple[int, TileConfig, TileConfig], ...] = (
     (2048, TileConfig(16, 64, 128, 4), TileConfig(16, 64, 128, 4)),
-    (1 << 62, TileConfig(128, 64, 128, 3), TileConfig(128, 128, 128, 3)),
+    (1 << 62, TileConfig(128, 64, 128, 4), TileConfig(128, 64, 128, 4)),
 )
 
 
