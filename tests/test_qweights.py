@@ -8,7 +8,6 @@ safetensors JSON headers, and V4-Flash's released size is a closed form over the
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +17,7 @@ import pytest
 
 from dinfer_jax.models.qweights import QuantizedWeight, abstract_quantized, dequantize, tree_nbytes
 from helpers import check_resident_bytes
-
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-
+from provision import fixture_dir
 
 # ---- closed-form decoders, written from the format definitions -------------------------------------------------
 
@@ -234,12 +231,11 @@ def test_native_load_rejects_mismatched_storage(tiny_release, tmp_path):
             load_params(d, cfg, weights="native")
 
 
-@pytest.mark.skipif(not (FIXTURES / "v41-tiny-quant").is_dir(), reason="shared fixtures not found")
 def test_v41_release_fixture_is_resident_native():
     """The independently written V4.1 release fixture (32×32 FP8 blocks, MXFP4 experts, FP8 Engram ``wkv``)."""
     from dinfer_jax.models import load_model
 
-    d = FIXTURES / "v41-tiny-quant"
+    d = fixture_dir("v41-tiny-quant")
     model = load_model(d, dtype="bfloat16")
     check_resident_bytes(model, d, host_only=r"\.engram\.embed\.")  # Engram tables stay memory-mapped on host
     assert model.params["layers"][1]["engram"]["wkv"].block == (32, 32)
