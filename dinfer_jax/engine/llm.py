@@ -77,14 +77,15 @@ def _enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _resolve_model(model: str | Path | Model, dtype: str, seed: int) -> tuple[Model, Path | None]:
+def _resolve_model(model: str | Path | Model, dtype: str, seed: int,
+                   progress: bool) -> tuple[Model, Path | None]:
     if isinstance(model, Model):
         return model, None
     from dinfer_jax.checkpoints import resolve_checkpoint
 
     path = resolve_checkpoint(str(model))
     if path is not None:
-        return load_model(path, dtype=dtype), path
+        return load_model(path, dtype=dtype, progress=progress), path
     cfg = load_config(model)  # a preset: random weights (benchmarks, smoke tests)
     return random_model(cfg, seed=seed, dtype=dtype, include_mtp=False), None
 
@@ -103,6 +104,8 @@ class LLM:
         async_scheduling: keep one step in flight (default, zero overhead); False = synchronous.
         enable_chunked_prefill / preemption_mode: scheduler policies (``"stop"`` or ``"recompute"``).
         warmup: compile every shape bucket at start, so serving triggers no compilation.
+        progress: progress bars for checkpoint loading and bucket warm-up (``False`` silences them; see
+            :mod:`dinfer_jax.progress`). ``generate``'s own bar is ``use_tqdm``.
     """
 
     def __init__(self, model: str | Path | Model, dtype: str = "float32", max_num_seqs: int = 8,
@@ -110,9 +113,9 @@ class LLM:
                  kv_cache_memory_bytes: int = DEFAULT_KV_BYTES, block_size: int | None = None,
                  async_scheduling: bool = True, enable_chunked_prefill: bool = True, preemption_mode: str = "stop",
                  max_logprobs: int = 5, warmup: bool = True, seed: int = 0, buckets: Buckets | None = None,
-                 num_kv_blocks: int | None = None):
+                 num_kv_blocks: int | None = None, progress: bool = True):
         _enable_compilation_cache()
-        self.model, self.path = _resolve_model(model, dtype, seed)
+        self.model, self.path = _resolve_model(model, dtype, seed, progress)
         cfg = self.model.config
         self.config = cfg
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 4096))
@@ -144,7 +147,7 @@ class LLM:
         self._seed_rng = np.random.default_rng(seed)
         self._next_id = 0
         if warmup:
-            self._metrics.warmup_seconds = self.runner.warmup()
+            self._metrics.warmup_seconds = self.runner.warmup(progress=progress)
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dinfer_jax.progress import PhaseProgress
 from dinfer_jax.engine.kv_cache import CacheConfig, init_cache
 from dinfer_jax.engine.model_step import model_step
 from dinfer_jax.engine.scheduler import ScheduledStep
@@ -118,12 +119,16 @@ class ModelRunner:
         self._prev_step_id: int | None = None
 
     # ------------------------------------------------------------------ compile
-    def warmup(self) -> float:
-        """Compile every bucket by running an all-padding batch (writes nothing). Returns seconds spent."""
+    def warmup(self, progress: bool = False) -> float:
+        """Compile every bucket by running an all-padding batch (writes nothing). Returns seconds spent.
+        ``progress`` draws a bar over the buckets."""
         t0 = time.perf_counter()
-        for b, q in self.buckets.shapes():
-            toks, _, self.cache = self._call(*self._empty_inputs(b, q), self._sampling([], [], [], b), (b, q))
-            toks.block_until_ready()
+        shapes = list(self.buckets.shapes())
+        with PhaseProgress("compile buckets", len(shapes), enabled=progress) as bar:
+            for b, q in shapes:
+                toks, _, self.cache = self._call(*self._empty_inputs(b, q), self._sampling([], [], [], b), (b, q))
+                toks.block_until_ready()
+                bar.advance()
         return time.perf_counter() - t0
 
     def _call(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any, shape: tuple[int, int]):

@@ -24,8 +24,9 @@ from dinfer_jax.loading.names import normalize_name
 from dinfer_jax.loading.quant import dequant_fp4, dequant_fp8
 from dinfer_jax.loading.safetensors_io import CheckpointError, CheckpointFiles
 from dinfer_jax.models.config import ModelConfig
-from dinfer_jax.models.params import ParamSpec, check_weights_mode, map_specs, param_specs
-from dinfer_jax.models.qweights import QuantizedWeight, expected_scale_shape
+from dinfer_jax.models.params import ParamSpec, check_weights_mode, is_spec, map_specs, param_specs
+from dinfer_jax.models.qweights import QuantizedWeight, expected_scale_shape, tree_nbytes
+from dinfer_jax.progress import PhaseProgress
 from sharding.rules import Sharder
 
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
@@ -182,12 +183,12 @@ def checkpoint_has_mtp(directory: str | Path) -> bool:
 
 
 def load_params(directory: str | Path, cfg: ModelConfig, dtype: Any = "float32", sharder: Sharder | None = None,
-                include_mtp: bool | None = None, weights: str = "dense") -> Any:
+                include_mtp: bool | None = None, weights: str = "dense", progress: bool = False) -> Any:
     """Parameters of ``cfg`` read from ``directory``; ``include_mtp=None`` loads MTP blocks iff the files have them.
 
     Returns the pytree of ``jax.Array`` (sharded by ``sharder``'s rules when given). ``weights="native"`` keeps
     the weights ``cfg``'s specs declare quantised as :class:`QuantizedWeight` (stored codes and scales, never a
-    dense copy); ``"dense"`` dequantises them exactly.
+    dense copy); ``"dense"`` dequantises them exactly. ``progress`` draws a bar over parameters and bytes placed.
     """
     check_weights_mode(weights)
     files = CheckpointFiles(directory)
@@ -196,6 +197,8 @@ def load_params(directory: str | Path, cfg: ModelConfig, dtype: Any = "float32",
         include_mtp = any(n.startswith("mtp.") for n in idx.by_name)
     block = cfg.quantization.weight_block_size if cfg.quantization else (128, 128)
     specs = param_specs(cfg, include_mtp=include_mtp)
+    bar = PhaseProgress(f"load {Path(directory).name}", len(jax.tree_util.tree_leaves(specs, is_leaf=is_spec)),
+                        enabled=progress, unit_bytes=True)
 
     def load_one(spec: ParamSpec) -> jax.Array | QuantizedWeight:
         if weights == "native" and spec.quant is not None:
@@ -203,10 +206,13 @@ def load_params(directory: str | Path, cfg: ModelConfig, dtype: Any = "float32",
             host: Any = QuantizedWeight(data, scale, spec.quant, spec.block)
         else:
             host = _host_value(spec, idx, dtype, block, cfg)
-        return jax.device_put(host, None if sharder is None else sharder.named_tree(spec.axes, host))
+        placed = jax.device_put(host, None if sharder is None else sharder.named_tree(spec.axes, host))
+        bar.advance(nbytes=tree_nbytes(placed))
+        return placed
 
     try:
-        params = map_specs(load_one, specs)
+        with bar:
+            params = map_specs(load_one, specs)
         unexpected = sorted(n for n in set(idx.by_name) - idx.used if not _handled_elsewhere(n, cfg))
         if unexpected:
             more = f" (and {len(unexpected) - 8} more)" if len(unexpected) > 8 else ""

@@ -64,14 +64,15 @@ def _check_dtype(dtype: str) -> str:
 
 
 def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None = None,
-               moe_impl: str | None = None, weights: str | None = None) -> Model:
+               moe_impl: str | None = None, weights: str | None = None, progress: bool = True) -> Model:
     """Load a Hugging Face checkpoint directory (DeepSeek release or transformers ``save_pretrained`` layout), or a
     registered name such as ``"default"`` (the bundled model, see :mod:`dinfer_jax.checkpoints`).
 
     ``weights``: ``"native"`` (the default for checkpoints with a ``quantization_config``) keeps FP8/FP4 weights in
     their stored form on the device, decoded exactly inside the forward; ``"dequantized"`` (the default otherwise)
     dequantises them exactly at load into ``dtype``. With a ``sharder`` the parameters are placed by its rules
-    (experts over ``ep``) and the forward uses the mesh-friendly dense MoE.
+    (experts over ``ep``) and the forward uses the mesh-friendly dense MoE. ``progress`` draws a bar over the
+    parameters and bytes placed (:mod:`dinfer_jax.progress`; ``False`` or ``DINFER_JAX_PROGRESS=0`` silences it).
     """
     from dinfer_jax.checkpoints import resolve_checkpoint
     from dinfer_jax.loading import load_params
@@ -82,7 +83,7 @@ def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None
     if not Path(path).is_dir():
         raise ConfigError(f"{path} is not a checkpoint directory (a preset has no weights; use random_model)")
     mode = _load_mode(weights, cfg)
-    params = load_params(path, cfg, dtype=dtype, sharder=sharder, weights=mode)
+    params = load_params(path, cfg, dtype=dtype, sharder=sharder, weights=mode, progress=progress)
     impl = moe_impl or ("dense" if sharder is not None else "auto")
     return Model(cfg, params, dtype, sharder, impl, _load_engram(cfg, Path(path)))
 
