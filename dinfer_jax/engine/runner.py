@@ -22,13 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dinfer_jax.progress import PhaseProgress
 from dinfer_jax.engine.kv_cache import CacheConfig, init_cache
 from dinfer_jax.engine.model_step import model_step
 from dinfer_jax.engine.scheduler import ScheduledStep
 from dinfer_jax.models import Model
 from dinfer_jax.models.layer_plan import stack_params
 from dinfer_jax.models.step_state import StepInput
+from dinfer_jax.progress import PhaseProgress
 from dinfer_jax.sampling import SamplingTensors, sample
 
 
