@@ -113,7 +113,7 @@ def _np(x) -> np.ndarray:
 
 
 def test_release_row_bytes():
-    """engine.md §12.1: 528, 288, 68 and 584 bytes a row at the release widths."""
+    """docs/spec/engine.md §12.1: 528, 288, 68 and 584 bytes a row at the release widths."""
     got = {f: kf.layout(f, w) for f, w in (("v41", 512), ("v41_fp4", 512), ("fp4_index", 128), ("model1", 512))}
     assert {f: (lay.data_bytes, lay.scale_bytes) for f, lay in got.items()} == {
         "v41": (512, 16), "v41_fp4": (256, 32), "fp4_index": (64, 4), "model1": (448 + 128, 7 + 1)}
