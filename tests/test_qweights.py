@@ -288,22 +288,24 @@ def test_random_native_weights_statistics():
 
 def test_sharded_native_weights_match_single_device():
     from dinfer_jax.models import forward_logits, random_model
-    from sharding import Sharder, ShardingRules, make_mesh
+    from sharding import DEFAULT_RULES, Sharder, ShardingRules, make_mesh
 
     cfg = _quant_cfg()
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 20))
     ref = forward_logits(random_model(cfg, seed=2, include_mtp=False, weights="native"), ids)
-    rules = ShardingRules.from_dict({"experts": "ep", "embed": "ep", "act_experts": "ep"})
-    sharder = Sharder(make_mesh(dp=1, cp=1, ep=8), rules)
+    # Experts over EP (4 CP ranks of an engine), embed over DP (2 engines): disjoint mesh axes. Every other logical
+    # axis keeps its declared default rule.
+    rules = ShardingRules.from_dict({**DEFAULT_RULES, "embed": "dp"})
+    sharder = Sharder(make_mesh(dp=2, cp=4, ep=4), rules)
     m = random_model(cfg, seed=2, include_mtp=False, weights="native", sharder=sharder)
     def axis(x, i):
         spec = tuple(x.sharding.spec)
         return spec[i] if i < len(spec) else None
 
     w1 = m.params["layers"][2]["ffn"]["experts"]["w1"]
-    assert axis(w1.data, 0) == "ep" and axis(w1.scale, 0) == "ep"
+    assert axis(w1.data, 0) == "cp_ep" and axis(w1.scale, 0) == "cp_ep"
     wq_a = m.params["layers"][2]["attn"]["wq_a"]  # [32, 64]: codes split along embed; the 1×1 scale grid cannot be
-    assert axis(wq_a.data, 1) == "ep" and axis(wq_a.scale, 1) is None
+    assert axis(wq_a.data, 1) == "dp_out" and axis(wq_a.scale, 1) is None
     assert np.abs(forward_logits(m, ids) - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
