@@ -100,6 +100,8 @@ def test_greedy_equals_full_forward_across_page_buckets(model):
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         assert all(o.finish_reason == "length" and len(o.token_ids) == GEN for o in outs), name
         results[name] = [o.token_ids for o in outs]
+    llm.configure(async_scheduling=True, max_num_batched_tokens=32)
+    results["one at a time"] = [llm.generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]
     assert llm.metrics()["compilations"] == compiled, "compiled outside warm-up"
     assert {p for _, (_, _, p) in seen} == {1, 2, 4, 8}, "steps should pass through every page bucket"
     seqs = [p + o for p, o in zip(prompts, results["async+chunked"], strict=True)]

@@ -1,9 +1,9 @@
 """Device side of the engine: the serving cache, the jitted step per shape bucket, and dispatch of scheduled steps.
 
 A scheduled step becomes a padded ``[B, Q]`` batch with a ``[B, P]`` page table (B, Q and P from the bucket lists
-of :mod:`dinfer_jax.engine.buckets`, the JAX analogue of DeepInfer's CUDA-graph sizes, ``docs/spec/engine.md``
-§13): padding rows have ``n = 0``, slot 0 and null pages, so they write nowhere. P is the smallest page bucket
-covering the batch's longest context after the step, so a step reads only pages that can exist.
+of :mod:`dinfer_jax.engine.buckets`, the JAX analogue of DeepInfer's CUDA-graph sizes,
+``docs/spec/engine.md`` §13): padding rows have ``n = 0``, slot 0 and null pages, so they write nowhere. P is the
+smallest page bucket covering the batch's longest context after the step, so a step reads only pages that exist.
 The cache (a :class:`ModelCache`) is donated to the step. The runner holds the layer weights stacked in scan layout
 (:func:`stack_params`, done once here), a second copy next to the model's checkpoint-layout parameters. A decode row
 whose input token is still in flight reads it from the previous
