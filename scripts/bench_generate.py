@@ -8,6 +8,10 @@ fp32, KV cache on). All prompts have one length so the PyTorch baseline needs no
 warm-up and is excluded; each configuration is timed over ``--repeats`` runs and the median is reported.
 
     python scripts/bench_generate.py --batch 8 --prompt-len 48 --max-tokens 64
+
+``--max-model-lens 256,8192`` instead measures how output tokens/s depends on ``max_model_len`` on the same short
+prompts (asynchronous scheduling, no transformers baseline): one row per model and length, with the ratio to the
+first length. A step should read only the pages its batch can need, so the ratio should stay near 1.
 """
 
 from __future__ import annotations
@@ -28,17 +32,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--max-model-lens", default=None,
+                    help="comma-separated max_model_len values: compare tokens/s across them instead")
     return ap.parse_args(argv)
 
 
-def bench_dinfer(model, prompts, max_tokens: int, async_scheduling: bool, repeats: int) -> dict[str, float]:
+def bench_dinfer(model, prompts, max_tokens: int, async_scheduling: bool, repeats: int,
+                 max_model_len: int | None = None) -> dict[str, float]:
     from dinfer_jax import LLM, SamplingParams
     from dinfer_jax.engine.runner import Buckets
 
     B = len(prompts)
-    llm = LLM(model, max_num_seqs=B, max_model_len=len(prompts[0]) + max_tokens + 1,
-              max_num_batched_tokens=B * len(prompts[0]), async_scheduling=async_scheduling,
-              buckets=Buckets(decode_batch=(B,), prefill_batch=(B,), prefill_len=(len(prompts[0]),)))
+    llm = LLM(model, max_num_seqs=B, max_model_len=max_model_len or len(prompts[0]) + max_tokens + 1,
+              max_num_batched_tokens=B * len(prompts[0]), async_scheduling=async_scheduling, progress=False,
+              buckets=Buckets(decode_batch=(B,), prefill_batch=(B,),
+                              prefill_len=(len(prompts[0]), B * len(prompts[0]))))
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)  # warm the host paths too
     rates, waits = [], []
@@ -52,7 +60,7 @@ def bench_dinfer(model, prompts, max_tokens: int, async_scheduling: bool, repeat
         waited = after["device_waited_for_host_seconds"] - before["device_waited_for_host_seconds"]
         waits.append(waited / dt)
     return {"tok_s": statistics.median(rates), "device_wait": statistics.median(waits),
-            "compilations": llm.metrics()["compilations"]}
+            "compilations": llm.metrics()["compilations"], "warmup_s": llm.metrics()["warmup_seconds"]}
 
 
 def bench_torch(model, prompts, max_tokens: int, repeats: int) -> dict[str, float]:
@@ -75,8 +83,38 @@ def bench_torch(model, prompts, max_tokens: int, repeats: int) -> dict[str, floa
     return {"tok_s": statistics.median(rates)}
 
 
+def bench_max_model_len(args: argparse.Namespace) -> int:
+    """Output tokens/s of ``LLM.generate`` (async) per model and ``max_model_len``, same short prompts."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from dinfer_jax.models import load_config, random_model
+
+    lens = [int(x) for x in args.max_model_lens.split(",")]
+    table = Table(title=f"LLM.generate on CPU vs max_model_len: batch {args.batch}, prompt {args.prompt_len}, "
+                        f"{args.max_tokens} new tokens, greedy fp32, async (median of {args.repeats})")
+    for col in ("model", "max_model_len", "output tok/s", f"vs max_model_len={lens[0]}", "compiled buckets",
+                "warm-up s"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    rng = np.random.default_rng(0)
+    for name in args.models.split(","):
+        cfg = load_config(name)
+        model = random_model(cfg, seed=0, std=0.1, include_mtp=False)
+        prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, args.prompt_len)] for _ in range(args.batch)]
+        base = None
+        for n in lens:
+            r = bench_dinfer(model, prompts, args.max_tokens, True, args.repeats, max_model_len=n)
+            base = base or r["tok_s"]
+            table.add_row(name, str(n), f"{r['tok_s']:.1f}", f"{r['tok_s'] / base:.2f}×", str(r["compilations"]),
+                          f"{r['warmup_s']:.1f}")
+    Console(width=140).print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.max_model_lens:
+        return bench_max_model_len(args)
     from rich.console import Console
     from rich.table import Table
 

@@ -104,6 +104,9 @@ class LLM:
         async_scheduling: keep one step in flight (default, zero overhead); False = synchronous.
         enable_chunked_prefill / preemption_mode: scheduler policies (``"stop"`` or ``"recompute"``).
         warmup: compile every shape bucket at start, so serving triggers no compilation.
+        buckets: compiled shapes (:class:`~dinfer_jax.engine.buckets.Buckets`); default from ``max_num_seqs``,
+            ``max_num_batched_tokens`` and, for page tables, ``max_model_len`` (a few geometric page counts, so a
+            step's cost follows its batch's context, not ``max_model_len``).
         progress: progress bars for checkpoint loading and bucket warm-up (``False`` silences them; see
             :mod:`dinfer_jax.progress`). ``generate``'s own bar is ``use_tqdm``.
     """
@@ -129,7 +132,8 @@ class LLM:
             cache_cfg = size_pools(cfg, memory_bytes=kv_cache_memory_bytes, block_size=self.block_size,
                                    max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, dtype=self.model.dtype)
         cache_cfg.validate(cfg)
-        self.buckets = buckets or Buckets.default(max_num_seqs, max_num_batched_tokens)
+        buckets = buckets or Buckets.default(max_num_seqs, max_num_batched_tokens)
+        self.buckets = buckets.resolve(-(-self.max_model_len // self.block_size), self.block_size)
         if max(self.buckets.decode_batch) < max_num_seqs or max(self.buckets.prefill_len) < max_num_batched_tokens:
             raise ValueError(f"buckets {self.buckets} must cover max_num_seqs={max_num_seqs} decode rows and "
                              f"max_num_batched_tokens={max_num_batched_tokens} prefill tokens")

@@ -1,8 +1,9 @@
 """Device side of the engine: the serving cache, the jitted step per shape bucket, and dispatch of scheduled steps.
 
-A scheduled step becomes a padded ``[B, Q]`` batch (B and Q from the bucket lists, the JAX analogue of DeepInfer's
-CUDA-graph sizes, ``docs/spec/engine.md`` §13): padding rows have ``n = 0``, slot 0 and null pages, so they write
-nowhere.
+A scheduled step becomes a padded ``[B, Q]`` batch with a ``[B, P]`` page table (B, Q and P from the bucket lists
+of :mod:`dinfer_jax.engine.buckets`, the JAX analogue of DeepInfer's CUDA-graph sizes,
+``docs/spec/engine.md`` §13): padding rows have ``n = 0``, slot 0 and null pages, so they write nowhere. P is the
+smallest page bucket covering the batch's longest context after the step, so a step reads only pages that exist.
 The cache (a :class:`ModelCache`) is donated to the step. The runner holds the layer weights stacked in scan layout
 (:func:`stack_params`, done once here), a second copy next to the model's checkpoint-layout parameters. A decode row
 whose input token is still in flight reads it from the previous
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dinfer_jax.engine.buckets import Buckets, pages_needed
 from dinfer_jax.engine.kv_cache import CacheConfig, init_cache
 from dinfer_jax.engine.model_step import model_step
 from dinfer_jax.engine.scheduler import ScheduledStep
@@ -31,43 +33,7 @@ from dinfer_jax.models.step_state import StepInput
 from dinfer_jax.progress import PhaseProgress
 from dinfer_jax.sampling import SamplingTensors, sample
 
-
-def _pow2_buckets(limit: int, start: int = 1) -> tuple[int, ...]:
-    out, b = [], start
-    while b < limit:
-        out.append(b)
-        b *= 2
-    out.append(limit)
-    return tuple(sorted(set(out)))
-
-
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-    """Padded shapes the step is compiled for: decode ``[B, 1]``, prefill ``[B, Q]``."""
-
-    decode_batch: tuple[int, ...]
-    prefill_batch: tuple[int, ...]
-    prefill_len: tuple[int, ...]
-
-    @classmethod
-    def default(cls, max_num_seqs: int, max_num_batched_tokens: int, max_prefill_batch: int = 4,
-                short_prefill: int = 64) -> Buckets:
-        """Lean defaults (each shape is one compilation): decode batches in powers of two up to ``max_num_seqs``;
-        prefill batches {1, min(max_num_seqs, max_prefill_batch)}; prefill lengths {short, budget}."""
-        pb = min(max_num_seqs, max_prefill_batch)
-        return cls(decode_batch=_pow2_buckets(max_num_seqs),
-                   prefill_batch=tuple(sorted({1, pb})),
-                   prefill_len=tuple(sorted({min(short_prefill, max_num_batched_tokens), max_num_batched_tokens})))
-
-    def shapes(self) -> list[tuple[int, int]]:
-        return [(b, 1) for b in self.decode_batch] + [(b, q) for b in self.prefill_batch for q in self.prefill_len]
-
-    @staticmethod
-    def pick(sizes: tuple[int, ...], n: int, what: str) -> int:
-        for s in sizes:
-            if s >= n:
-                return s
-        raise ValueError(f"{what} {n} exceeds the largest compiled bucket {sizes[-1]}")
+__all__ = ["Buckets", "InFlight", "ModelRunner", "StepOutput"]
 
 
 @jax.tree_util.register_dataclass
@@ -88,23 +54,27 @@ class StepOutput:
     tokens: jax.Array  # [max_rows] int32
     logprobs: Any
     dispatched_at: float
+    shape: tuple[int, int, int] = (0, 0, 0)  # the compiled bucket (B, Q, P) it ran in
 
 
 class ModelRunner:
-    """Owns the cache and the compiled steps; turns :class:`ScheduledStep` into device work."""
+    """Owns the cache and the compiled steps; turns :class:`ScheduledStep` into device work.
+
+    ``buckets`` with ``pages=None`` get the default page buckets for ``max_model_len`` (:meth:`Buckets.resolve`);
+    ``self.buckets`` holds the resolved set."""
 
     def __init__(self, model: Model, cache_config: CacheConfig, max_model_len: int, buckets: Buckets,
                  max_logprobs: int = 0):
         self.model = model
         self.cfg = model.config
         self.cache_config = cache_config
-        self.buckets = buckets
+        self.max_pages = math.ceil(max_model_len / cache_config.block_size)
+        self.buckets = buckets.resolve(self.max_pages, cache_config.block_size)
         self.max_rows = max(max(buckets.decode_batch), max(buckets.prefill_batch))
-        self.pages_per_seq = math.ceil(max_model_len / cache_config.block_size)
         self.max_logprobs = max_logprobs
         self.cache = init_cache(self.cfg, cache_config, model.dtype)
         self.params = stack_params(self.cfg, model.params)
-        self.compiled_shapes: set[tuple[int, int]] = set()
+        self.compiled_shapes: set[tuple[int, int, int]] = set()
         self.num_compilations = 0
         cmap = None
         efn = None
@@ -125,13 +95,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         shapes = list(self.buckets.shapes())
         with PhaseProgress("compile buckets", len(shapes), enabled=progress) as bar:
-            for b, q in shapes:
-                toks, _, self.cache = self._call(*self._empty_inputs(b, q), self._sampling([], [], [], b), (b, q))
+            for b, q, p in shapes:
+                toks, _, self.cache = self._call(*self._empty_inputs(b, q, p), self._sampling([], [], [], b),
+                                                 (b, q, p))
                 toks.block_until_ready()
                 bar.advance()
         return time.perf_counter() - t0
 
-    def _call(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any, shape: tuple[int, int]):
+    def _call(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any,
+              shape: tuple[int, int, int]):
         self.compiled_shapes.add(shape)
         out = self._step(self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
                          self._cmap)
@@ -140,13 +112,14 @@ class ModelRunner:
         self.num_compilations = cache_size() if callable(cache_size) else len(self.compiled_shapes)
         return out
 
-    def _empty_inputs(self, b: int, q: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Host buffers of an all-padding ``[b, q]`` step: the :class:`StepInput` fields and the in-flight feed."""
+    def _empty_inputs(self, b: int, q: int, p: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Host buffers of an all-padding ``[b, q]`` step with ``[b, p]`` page tables: the :class:`StepInput`
+        fields and the in-flight feed."""
         def z() -> np.ndarray:
             return np.zeros((b,), np.int32)
 
         inp = dict(tokens=np.zeros((b, q), np.int32), start=z(), n=z(), slot=z(), last=z(),
-                   pages=np.zeros((b, self.pages_per_seq), np.int32))
+                   pages=np.zeros((b, p), np.int32))
         return inp, dict(use_prev=np.zeros((b,), bool), prev_row=z())
 
     # ------------------------------------------------------------------ dispatch
@@ -159,18 +132,26 @@ class ModelRunner:
         """Build the padded inputs of ``step`` (``params``/``seeds``: one per row) and launch it asynchronously.
 
         Each row samples at its RNG position ``end_pos`` — the absolute position of the generated token
-        (DeepInfer's ``seqlen_k``) — so a request's draws never depend on its row or its batch."""
+        (DeepInfer's ``seqlen_k``) — so a request's draws never depend on its row or its batch. The page table
+        has the smallest page bucket covering the longest ``start + n`` of the rows; a row's block table is cut to
+        it (blocks past the step's context, e.g. those of a prompt's later chunks, cannot be read yet)."""
         rows = step.rows
         if step.kind == "decode":
             b, q = Buckets.pick(self.buckets.decode_batch, len(rows), "decode batch"), 1
         else:
             b = Buckets.pick(self.buckets.prefill_batch, len(rows), "prefill batch")
             q = Buckets.pick(self.buckets.prefill_len, max(r.num_tokens for r in rows), "prefill chunk")
-        inp, feed = self._empty_inputs(b, q)
+        bs = self.cache_config.block_size
+        p = self.buckets.pick_pages(pages_needed((r.start_pos + r.num_tokens for r in rows), bs))
+        inp, feed = self._empty_inputs(b, q, p)
         for i, r in enumerate(rows):
             inp["start"][i], inp["n"][i], inp["slot"][i] = r.start_pos, r.num_tokens, r.state_slot
             inp["last"][i] = r.num_tokens - 1
-            inp["pages"][i, : len(r.block_ids)] = r.block_ids
+            need = pages_needed([r.start_pos + r.num_tokens], bs)
+            if len(r.block_ids) < need:
+                raise RuntimeError(f"row of request {r.request_id} covers positions < {r.start_pos + r.num_tokens} "
+                                   f"but has {len(r.block_ids)} blocks of {bs} tokens")
+            inp["pages"][i, :need] = r.block_ids[:need]
             if r.token_ids is None:
                 src_step, src_row = r.input_src
                 if src_step != self._prev_step_id:
@@ -180,9 +161,9 @@ class ModelRunner:
             else:
                 inp["tokens"][i, : r.num_tokens] = r.token_ids
         sampling = self._sampling(params, seeds, [r.end_pos for r in rows], b)
-        toks, logprobs, self.cache = self._call(inp, feed, sampling, (b, q))
+        toks, logprobs, self.cache = self._call(inp, feed, sampling, (b, q, p))
         self._prev_tokens, self._prev_step_id = toks, step.step_id
-        return StepOutput(step, toks, logprobs, time.perf_counter())
+        return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p))
 
 
 def _engram_callback(cfg: Any, tables: list[Any], rows: jax.Array) -> jax.Array:
