@@ -8,6 +8,7 @@ import re
 import struct
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -102,3 +103,16 @@ def check_resident_bytes(model, directory: Path, host_only: str | None = None) -
     scale_names = {k for k in stored if k.endswith(".scale")}
     assert scale_names, "the checkpoint should hold quantised tensors"
     assert model.param_bytes == sum(b for _, _, b in stored.values()) + upcast_bytes
+
+
+def engine_models() -> dict[str, Any]:
+    """The three models the engine tests serve, by name: random tiny V4 and V4.1 (weights large enough that every
+    path matters) and the V4.1 golden fixture. Values are zero-argument builders (built once per test module)."""
+    from dinfer_jax.models import load_config, load_model, random_model
+    from provision import fixture_dir
+
+    return {
+        "v4-random": lambda: random_model(load_config("tiny-v4"), seed=3, std=0.1, include_mtp=False),
+        "v41-random": lambda: random_model(load_config("tiny-v41"), seed=3, std=0.1, include_mtp=False),
+        "v41-fixture": lambda: load_model(fixture_dir("v41-tiny")),
+    }

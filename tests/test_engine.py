@@ -15,8 +15,8 @@ import pytest
 
 from dinfer_jax import LLM, SamplingParams
 from dinfer_jax.engine.runner import Buckets
-from dinfer_jax.models import forward_logits, load_config, load_model, random_model
-from provision import fixture_dir
+from dinfer_jax.models import forward_logits, load_config, random_model
+from helpers import engine_models
 
 GEN = 32
 
@@ -41,11 +41,7 @@ def _small_buckets(max_num_seqs: int, max_tokens: int) -> Buckets:
     return Buckets(decode_batch=(max_num_seqs,), prefill_batch=(max_num_seqs,), prefill_len=(max_tokens,))
 
 
-MODELS = {
-    "v4-random": lambda: random_model(load_config("tiny-v4"), seed=3, std=0.1, include_mtp=False),
-    "v41-random": lambda: random_model(load_config("tiny-v41"), seed=3, std=0.1, include_mtp=False),
-    "v41-fixture": lambda: load_model(fixture_dir("v41-tiny")),
-}
+MODELS = engine_models()
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

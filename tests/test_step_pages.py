@@ -13,8 +13,8 @@ import pytest
 
 from dinfer_jax import LLM, SamplingParams
 from dinfer_jax.engine.buckets import Buckets, page_buckets, pages_needed
-from dinfer_jax.models import forward_logits, load_config, load_model, random_model
-from provision import fixture_dir
+from dinfer_jax.models import forward_logits, load_config, random_model
+from helpers import engine_models
 
 GEN = 24
 
@@ -69,11 +69,7 @@ def test_buckets_resolve_and_pick():
     assert Buckets((2,), (2,), (32,), pages=(2, 8)).resolve(max_pages=8, block_size=16).pages == (2, 8)
 
 
-MODELS = {
-    "v4-random": lambda: random_model(load_config("tiny-v4"), seed=3, std=0.1, include_mtp=False),
-    "v41-random": lambda: random_model(load_config("tiny-v41"), seed=3, std=0.1, include_mtp=False),
-    "v41-fixture": lambda: load_model(fixture_dir("v41-tiny")),
-}
+MODELS = engine_models()
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

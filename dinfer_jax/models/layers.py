@@ -151,6 +151,19 @@ def compress_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, inp: StepIn
 # attention sublayers
 
 
+def _compress_into_cache(params: Any, h: jax.Array, kv_ring: jax.Array, gate_ring: jax.Array,
+                         pool: jax.Array, k: jax.Array, inp: StepInput, pos: jax.Array, *, ratio: int, dim: int,
+                         overlap: bool, inv_freq: Any, norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """V4 compressor over this step's rows with its state ring, and the closed compressed rows written to the page
+    pool. Returns the updated ``(kv_ring, gate_ring, pool)`` of layer ``k`` (same shapes as given)."""
+    slot, start, n = inp.slot, inp.start, inp.n
+    rows, w, valid, kvp, gate = compress_v4(
+        params, h, ring_read(kv_ring, k, slot), ring_read(gate_ring, k, slot), start, n,
+        ratio=ratio, dim=dim, overlap=overlap, inv_freq=inv_freq, norm_eps=norm_eps)
+    return (ring_write(kv_ring, k, slot, pos, n, kvp), ring_write(gate_ring, k, slot, pos, n, gate),
+            pages_write(pool, k, inp.pages, w, valid, rows))
+
+
 def attention_v4(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, ctx: StepContext, *, cfg: ModelConfig,
                  info: LayerInfo, opts: LayerOptions) -> tuple[jax.Array, LayerCache, dict[str, jax.Array]]:
     """V4 attention sublayer (sliding / CSA / HCA). h ``[B,Q,D]`` normalised. Returns ``(out [B,Q,D], updated
@@ -164,24 +177,18 @@ def attention_v4(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, ctx: StepCo
     aux: dict[str, jax.Array] = {}
     ckv = cmask = None
     if info.kind != ATTN_SLIDING:
-        ratio, slot, start, n, pages = info.ratio, inp.slot, inp.start, inp.n, inp.pages
+        ratio, pages = info.ratio, inp.pages
         overlap = info.kind == ATTN_CSA
-        rows, w, valid, kvp, gate = compress_v4(
-            p["compressor"], h, ring_read(lc.cst_kv, k, slot), ring_read(lc.cst_gate, k, slot), start, n,
-            ratio=ratio, dim=cfg.head_dim, overlap=overlap, inv_freq=inv, norm_eps=cfg.norm_eps)
-        upd["cst_kv"] = ring_write(lc.cst_kv, k, slot, pos, n, kvp)
-        upd["cst_gate"] = ring_write(lc.cst_gate, k, slot, pos, n, gate)
-        upd["ckv"] = pages_write(lc.ckv, k, pages, w, valid, rows)
+        upd["cst_kv"], upd["cst_gate"], upd["ckv"] = _compress_into_cache(
+            p["compressor"], h, lc.cst_kv, lc.cst_gate, lc.ckv, k, inp, pos, ratio=ratio, dim=cfg.head_dim,
+            overlap=overlap, inv_freq=inv, norm_eps=cfg.norm_eps)
         ckv = pages_read(upd["ckv"], k, pages)
         cmask = jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]  # [B,Q,T]
         if overlap:
             ix = p["indexer"]
-            irows, iw, ivalid, ikv, igate = compress_v4(
-                ix["compressor"], h, ring_read(lc.ist_kv, k, slot), ring_read(lc.ist_gate, k, slot), start, n,
-                ratio=ratio, dim=cfg.index_head_dim, overlap=True, inv_freq=inv, norm_eps=cfg.norm_eps)
-            upd["ist_kv"] = ring_write(lc.ist_kv, k, slot, pos, n, ikv)
-            upd["ist_gate"] = ring_write(lc.ist_gate, k, slot, pos, n, igate)
-            upd["ikv"] = pages_write(lc.ikv, k, pages, iw, ivalid, irows)
+            upd["ist_kv"], upd["ist_gate"], upd["ikv"] = _compress_into_cache(
+                ix["compressor"], h, lc.ist_kv, lc.ist_gate, lc.ikv, k, inp, pos, ratio=ratio,
+                dim=cfg.index_head_dim, overlap=True, inv_freq=inv, norm_eps=cfg.norm_eps)
             scores = index_scores(ix, h, cq, pages_read(upd["ikv"], k, pages), pos, cfg=cfg, ratio=ratio,
                                   rope=table)
             top_idx, selected = topk_select(scores, cfg.index_topk)
