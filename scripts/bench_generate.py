@@ -83,12 +83,24 @@ def bench_torch(model, prompts, max_tokens: int, repeats: int) -> dict[str, floa
     return {"tok_s": statistics.median(rates)}
 
 
+def _models_and_prompts(args: argparse.Namespace):
+    """``(name, config, random model, prompts)`` for each model of ``--models``: ``--batch`` random prompts of
+    ``--prompt-len`` ids (one seeded stream over all models, so every run benchmarks the same inputs)."""
+    from dinfer_jax.models import load_config, random_model
+
+    rng = np.random.default_rng(0)
+    for name in args.models.split(","):
+        cfg = load_config(name)
+        model = random_model(cfg, seed=0, std=0.1, include_mtp=False)
+        prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, args.prompt_len)] for _ in range(args.batch)]
+        yield name, cfg, model, prompts
+
+
 def bench_max_model_len(args: argparse.Namespace) -> int:
     """Output tokens/s of ``LLM.generate`` (async) per model and ``max_model_len``, same short prompts."""
     from rich.console import Console
     from rich.table import Table
 
-    from dinfer_jax.models import load_config, random_model
 
     lens = [int(x) for x in args.max_model_lens.split(",")]
     table = Table(title=f"LLM.generate on CPU vs max_model_len: batch {args.batch}, prompt {args.prompt_len}, "
@@ -96,11 +108,7 @@ def bench_max_model_len(args: argparse.Namespace) -> int:
     for col in ("model", "max_model_len", "output tok/s", f"vs max_model_len={lens[0]}", "compiled buckets",
                 "warm-up s"):
         table.add_column(col, justify="left" if col == "model" else "right")
-    rng = np.random.default_rng(0)
-    for name in args.models.split(","):
-        cfg = load_config(name)
-        model = random_model(cfg, seed=0, std=0.1, include_mtp=False)
-        prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, args.prompt_len)] for _ in range(args.batch)]
+    for name, _cfg, model, prompts in _models_and_prompts(args):
         base = None
         for n in lens:
             r = bench_dinfer(model, prompts, args.max_tokens, True, args.repeats, max_model_len=n)
@@ -118,24 +126,19 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from dinfer_jax.models import load_config, random_model
 
     table = Table(title=f"LLM.generate on CPU: batch {args.batch}, prompt {args.prompt_len}, "
                         f"{args.max_tokens} new tokens, greedy fp32 (median of {args.repeats})")
     for col in ("model", "engine", "output tok/s", "vs transformers", "device waited for host"):
         table.add_column(col, justify="left" if col in ("model", "engine") else "right")
-    rng = np.random.default_rng(0)
-    for name in args.models.split(","):
-        cfg = load_config(name)
-        model = random_model(cfg, seed=0, std=0.1, include_mtp=False)
-        prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, args.prompt_len)] for _ in range(args.batch)]
+    for name, cfg, model, prompts in _models_and_prompts(args):
         base = None
         if not args.no_torch and not cfg.is_v41:
             base = bench_torch(model, prompts, args.max_tokens, args.repeats)["tok_s"]
             table.add_row(name, "transformers 5.24 generate", f"{base:.1f}", "1.00×", "—")
         for mode in (True, False):
             r = bench_dinfer(model, prompts, args.max_tokens, mode, args.repeats)
-            ratio = f"{r['tok_s'] / base:.2f}×" if base else "n/a (no transformers V4.1)"
+            ratio = f"{r['tok_s'] / base:.2f}×" if base else ("n/a (--no-torch)" if args.no_torch else "n/a (no transformers V4.1)")
             table.add_row(name, f"dinfer_jax async={'on' if mode else 'off'}", f"{r['tok_s']:.1f}", ratio,
                           f"{r['device_wait']:.1%}")
     Console(width=140).print(table)

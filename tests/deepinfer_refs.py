@@ -331,3 +331,17 @@ def load_refs(module_relpath: str, *names: str, overrides: Mapping[str, Any] | N
 def load_ref(module_relpath: str, name: str, *, overrides: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     """One top-level function (or other value) of a DeepInfer / tile-kernels module; see :func:`load_refs`."""
     return load_refs(module_relpath, name, overrides=overrides)[0]
+
+
+def tile_kernels_clamp_overrides(ops: str) -> dict[str, Any]:
+    """``load_refs`` overrides giving tile-kernels' amax clamp table the values DeepInfer's kernels use.
+
+    tile-kernels builds that table from TileLang dtype limits; here it comes from DeepInfer's own constants in
+    ``{ops}common.py`` (``ops`` = DeepInfer's ops package path with a trailing slash), so no test restates the spec.
+    """
+    f8_min, f4_min, e4m3_min_pos, e2m1_max, e4m3_max = load_refs(
+        ops + "common.py", "FP8_AMAX_MARGIN", "FP4_AMAX_MARGIN", "FLOAT8E4M3_MIN_POSITIVE", "FLOAT4_E2M1_MAX",
+        "FLOAT8E4M3_MAX")
+    clamps = {("e4m3", False): f8_min, ("e4m3", True): e4m3_max * e4m3_min_pos,
+              ("e2m1", False): f4_min, ("e2m1", True): e2m1_max * e4m3_min_pos}
+    return {"tile_kernels.config._DEFAULT_CLAMP_MIN_VALUES": clamps}

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from deepinfer_refs import load_refs, require_refs
+from deepinfer_refs import load_refs, require_refs, tile_kernels_clamp_overrides
 from dinfer_jax.engine import kv_formats as kf
 from dinfer_jax.engine.kv_cache import bytes_per_token
 from dinfer_jax.models import fake_quant as fq
@@ -42,12 +42,7 @@ def refs() -> SimpleNamespace:
     with the same arguments, the twin that kernel is specified by.
     """
     require_refs()
-    f8_min, f4_min, e4m3_min_pos, e2m1_max, e4m3_max = load_refs(
-        OPS + "common.py", "FP8_AMAX_MARGIN", "FP4_AMAX_MARGIN", "FLOAT8E4M3_MIN_POSITIVE", "FLOAT4_E2M1_MAX",
-        "FLOAT8E4M3_MAX")
-    clamps = {("e4m3", False): f8_min, ("e4m3", True): e4m3_max * e4m3_min_pos,
-              ("e2m1", False): f4_min, ("e2m1", True): e2m1_max * e4m3_min_pos}
-    overrides: dict = {"tile_kernels.config._DEFAULT_CLAMP_MIN_VALUES": clamps}
+    overrides = tile_kernels_clamp_overrides(OPS)
     (cast,) = load_refs("tile_kernels/torch/cast.py", "cast", overrides=overrides)
 
     def per_token_cast(x, fmt, num_per_channels, *, round_sf=False, use_tma_aligned_col_major_sf=False,

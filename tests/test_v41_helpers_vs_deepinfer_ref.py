@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from deepinfer_refs import load_refs, require_refs
+from deepinfer_refs import load_refs, require_refs, tile_kernels_clamp_overrides
 from dinfer_jax.models import csa2
 from dinfer_jax.models import fake_quant as fq
 from provision import require_module
@@ -29,14 +29,7 @@ BF16 = ml_dtypes.bfloat16
 def refs() -> SimpleNamespace:
     """The ``_ref`` functions used below, loaded once."""
     require_refs()
-    f8_min, f4_min, e4m3_min_pos, e2m1_max, e4m3_max = load_refs(
-        OPS + "common.py", "FP8_AMAX_MARGIN", "FP4_AMAX_MARGIN", "FLOAT8E4M3_MIN_POSITIVE", "FLOAT4_E2M1_MAX",
-        "FLOAT8E4M3_MAX")
-    # tile-kernels builds its amax clamp table from TileLang dtype limits; supply the same values from DeepInfer's
-    # own constants (the ones its kernels use) so that nothing here restates the spec.
-    clamps = {("e4m3", False): f8_min, ("e4m3", True): e4m3_max * e4m3_min_pos,
-              ("e2m1", False): f4_min, ("e2m1", True): e2m1_max * e4m3_min_pos}
-    overrides = {"tile_kernels.config._DEFAULT_CLAMP_MIN_VALUES": clamps}
+    overrides = tile_kernels_clamp_overrides(OPS)
     ns = SimpleNamespace()
     ns.cast, ns.cast_back, ns.unpack_e2m1 = load_refs(
         "tile_kernels/torch/cast.py", "cast", "cast_back", "unpack_from_e2m1fn_x2", overrides=overrides)
