@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             table.add_row(name, "transformers 5.24 generate", f"{base:.1f}", "1.00×", "—")
         for mode in (True, False):
             r = bench_dinfer(model, prompts, args.max_tokens, mode, args.repeats)
-            ratio = f"{r['tok_s'] / base:.2f}×" if base else ("n/a (--no-torch)" if args.no_torch else "n/a (no transformers V4.1)")
+            no_base = "n/a (--no-torch)" if args.no_torch else "n/a (no transformers V4.1)"
+            ratio = f"{r['tok_s'] / base:.2f}×" if base else no_base
             table.add_row(name, f"dinfer_jax async={'on' if mode else 'off'}", f"{r['tok_s']:.1f}", ratio,
                           f"{r['device_wait']:.1%}")
     Console(width=140).print(table)
