@@ -56,10 +56,13 @@ def _engram_stub(cfg: ModelConfig, rows: jax.Array) -> jax.Array:
     return jnp.zeros((len(cfg.engram_layer_ids), *rows.shape[:-1], e_in), jnp.float32) + rows[..., :1] * 0
 
 
-def compile_seconds(cfg: ModelConfig, dtype: str, batch: int, q: int, seq: int, block_size: int) -> tuple[float, float]:
-    """Seconds to lower + compile one serving step ``[batch, q]`` and the full forward ``[batch, seq]``."""
+def compile_seconds(cfg: ModelConfig, dtype: str, batch: int, q: int, seq: int, block_size: int,
+                    weights: str = "dense") -> tuple[float, float]:
+    """Seconds to lower + compile one serving step ``[batch, q]`` and the full forward ``[batch, seq]``
+    (``weights="native"``: the release's FP8/FP4 weights as they stay on the device)."""
     sds = jax.ShapeDtypeStruct
-    params = jax.eval_shape(functools.partial(stack_params, cfg), abstract_params(cfg, dtype, include_mtp=False))
+    params = jax.eval_shape(functools.partial(stack_params, cfg),
+                            abstract_params(cfg, dtype, include_mtp=False, weights=weights))
     pages = -(-seq // block_size)
     cc = CacheConfig(num_slots=batch + 1, num_blocks=batch * pages + 1, block_size=block_size)
     i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
@@ -91,10 +94,12 @@ def main() -> None:
     ap.add_argument("--q", type=int, default=64, help="serving-step bucket length (1 = decode)")
     ap.add_argument("--seq", type=int, default=256, help="full-forward length and pages per sequence")
     ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--weights", default="dense", choices=["dense", "native"])
     args = ap.parse_args()
     base = load_config(args.preset)
     layout = load_config(args.layout) if args.layout else None
-    print(f"preset {args.preset}, layout {args.layout or args.preset}, {args.dtype}, step [{args.batch},{args.q}], "
+    print(f"preset {args.preset}, layout {args.layout or args.preset}, {args.dtype}, {args.weights} weights, "
+          f"step [{args.batch},{args.q}], "
           f"forward [{args.batch},{args.seq}], "
           f"jax {jax.__version__} on {jax.devices()[0].platform}\n")
     print("| layers | scan plan (start×period×repeats) | step compile s | forward compile s |")
@@ -103,7 +108,7 @@ def main() -> None:
     for n in args.layers:
         cfg = first_layers(base, n, layout)
         plan = " ".join(f"{g.start}:{g.period}×{g.repeats}" for g in plan_layers(cfg))
-        times[n] = compile_seconds(cfg, args.dtype, args.batch, args.q, args.seq, args.block_size)
+        times[n] = compile_seconds(cfg, args.dtype, args.batch, args.q, args.seq, args.block_size, args.weights)
         print(f"| {n} | {plan} | {times[n][0]:.2f} | {times[n][1]:.2f} |", flush=True)
     lo, hi = min(times), max(times)
     print(f"\nratio {hi}/{lo} layers: step {times[hi][0] / times[lo][0]:.2f}×, "

@@ -167,8 +167,10 @@ def bench_moe(args) -> list[dict]:
                 rows.append(dict(tokens=n, variant="XLA ragged_dot bf16 (baseline)", error=repr(e)[:300]))
             del dense
         variants = [(c, "") for c in pick_configs(n * K, sweep=n in args.sweep)]
-        if n in args.ablate:
-            variants += [(pick_configs(n * K, sweep=False)[0], a) for a in ("scale", "decode")]
+        if n in args.ablate:   # the table's config and the first warp-specialised candidate, stages removed
+            ablated = pick_configs(n * K, sweep=False)[:1] + [c for c in pick_configs(n * K, sweep=True)
+                                                              if c[0].consumers == 2][:1]
+            variants += [(c, a) for c in ablated for a in ("scale", "decode")]
         for (up_cfg, down_cfg), ablate in variants:
             name = (f"pallas fp4 ({args.decode}) up{_c(up_cfg)} down{_c(down_cfg)}"
                     + (f" ablate={ablate}" if ablate else ""))
@@ -212,7 +214,8 @@ def _xla_ragged(x, ids, rw, w1t, w3t, w2t, limit):
 
 
 def _c(c: TileConfig) -> str:
-    return f"[m{c.block_m} n{c.block_n} k{c.block_k} s{c.stages}]"
+    ws = " ws" if c.consumers == 2 else ""
+    return f"[m{c.block_m} n{c.block_n} k{c.block_k} s{c.stages}{ws}]"
 
 
 def table(rows: list[dict], ceil: dict[str, float]) -> str:

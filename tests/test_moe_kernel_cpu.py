@@ -121,11 +121,16 @@ def test_reference_equals_dense_loop_in_float64():
 
 
 @pytest.mark.parametrize("assignments", [16 * 6, 8192 * 6])
-def test_kernel_lowers_for_cuda(assignments):
-    """The Mosaic GPU kernel (both GEMMs, the table's block sizes) lowers for CUDA on a CPU-only machine: catches
-    API drift and shared-memory overflow before a GPU run. (Whether it computes the right thing is the GPU test.)"""
+@pytest.mark.parametrize("table", ["TABLE", "FALLBACK"])
+def test_kernel_lowers_for_cuda(assignments, table):
+    """The Mosaic GPU kernels (both GEMMs, the block table's sizes: warp-specialised, and the single-warpgroup
+    fallback) lower for CUDA on a CPU-only machine: catches API drift and shared-memory overflow before a GPU run.
+    (Whether they compute the right thing is the GPU test.)"""
+    from pallas_kernels.moe import tuning
     from pallas_kernels.moe.kernel_sm90 import experts_sm90
-    from pallas_kernels.moe.tuning import configs_for
+
+    def configs_for(n):
+        return next((up, down) for limit, up, down in getattr(tuning, table) if n <= limit)
 
     g, d, i, k = 16, 1024, 512, 6
     n = assignments // k
@@ -138,6 +143,15 @@ def test_kernel_lowers_for_cuda(assignments):
         swiglu_limit=10.0, up_config=up, down_config=down)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2
+    assert (up.consumers, down.consumers) == ((2, 2) if table == "TABLE" else (1, 1))
+
+
+def test_configs_fall_back_when_tiles_do_not_divide():
+    from pallas_kernels.moe.tuning import FALLBACK, TABLE, configs_for
+
+    assert configs_for(96, hidden=4096, inter=2048) == TABLE[0][1:]
+    assert configs_for(96, hidden=4096, inter=192) == FALLBACK[0][1:]     # 192 rows: not a multiple of 128
+    assert configs_for(6 * 8192, hidden=512, inter=256) == TABLE[1][1:]
 
 
 def test_scaled_bf16_bits_are_e2m1_times_2_pow_minus_126():

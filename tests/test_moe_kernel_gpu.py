@@ -46,9 +46,18 @@ CONFIGS = [(TileConfig(16, 64, 128, 4), TileConfig(16, 64, 128, 4)),
            (TileConfig(128, 64, 128, 3), TileConfig(128, 128, 128, 3))]
 
 
+# warp-specialised kernel (2 consumer warpgroups): chained pipelines (K steps a multiple of stages), unchained ones
+# (8 K steps, 3 stages), and a prefill-sized tile; it decodes FP4 by bit placement only.
+WS_CONFIGS = [(TileConfig(16, 128, 128, 4, 2), TileConfig(16, 128, 128, 4, 2)),
+              (TileConfig(32, 128, 128, 3, 2), TileConfig(32, 256, 64, 3, 2)),
+              (TileConfig(128, 128, 64, 4, 2), TileConfig(128, 256, 64, 2, 2))]
+CASES = ([(c, d) for c in CONFIGS for d in ("bits", "float")] + [(c, "bits") for c in WS_CONFIGS])
+CASE_IDS = ([f"{n}-{d}" for n in ("m16", "m32", "m128") for d in ("bits", "float")]
+            + ["ws-m16", "ws-m32-unchained", "ws-m128"])
+
+
 @pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["m16", "m32", "m128"])
-@pytest.mark.parametrize("decode", ["bits", "float"])
+@pytest.mark.parametrize("cfg,decode", CASES, ids=CASE_IDS)
 def test_experts_kernel_matches_reference(routing, cfg, decode):
     dev = _accelerator()
     G, D, I, K, limit = 16, 1024, 512, 4, 3.0

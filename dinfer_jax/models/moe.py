@@ -141,7 +141,7 @@ def _experts_pallas(ex: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.
     if why is not None:
         raise ValueError(f"moe_impl='pallas' cannot run here: {why}")
     w1, w3, w2 = (ExpertWeight(ex[n].data, ex[n].scale, "fp4") for n in ("w1", "w3", "w2"))
-    up, down = configs_for(idx.shape[0] * idx.shape[1])
+    up, down = configs_for(idx.shape[0] * idx.shape[1], hidden=w1.shape[2], inter=w1.shape[1])
     return experts_sm90(x, idx, w, w1, w3, w2, swiglu_limit=float(cfg.swiglu_limit), up_config=up, down_config=down)
 
 

@@ -41,13 +41,15 @@ class TileConfig:
 
     block_m: tokens per tile (WGMMA N; multiple of 8, ≤ 256). block_n: weight rows per item (WGMMA M; multiple
     of 64). block_k: reduction per pipeline step (multiple of 64; 32-column scale groups inside it). stages: TMA
-    pipeline depth.
+    pipeline depth. consumers: 1 = the single-warpgroup kernel of this module; 2 = the warp-specialised kernel
+    (:mod:`pallas_kernels.moe.kernel_sm90_ws`: a TMA producer and two consumer warpgroups of ``block_n / 2`` rows).
     """
 
     block_m: int
     block_n: int
     block_k: int
     stages: int = 3
+    consumers: int = 1
 
     def check(self, n_out: int, k: int) -> None:
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -60,6 +62,8 @@ class TileConfig:
             raise ValueError(f"output width {n_out} is not a multiple of block_n={self.block_n}")
         if k % self.block_k:
             raise ValueError(f"reduction width {k} is not a multiple of block_k={self.block_k}")
+        if self.consumers not in (1, 2):
+            raise ValueError(f"consumers={self.consumers} must be 1 or 2")
 
 
 def _swizzle_transforms(plgpu, minor_elems: int, dtype) -> tuple:
@@ -260,8 +264,17 @@ def experts_sm90(x: jax.Array, expert_ids: jax.Array, route_weights: jax.Array, 
     lay = grouped_layout(expert_ids, g_count, bm)
     rows = num_rows(n * k, g_count, bm)
     x_t = gather_rows_t(x.astype(jnp.bfloat16), lay, rows)
-    a_t = grouped_matmul_t(x_t, w1, lay.tile_group, config=up_config, w_up=w3, swiglu_limit=swiglu_limit,
-                           decode=decode, ablate=ablate)
-    y_t = grouped_matmul_t(a_t, w2, lay.tile_group, config=down_config, out_dtype=jnp.float32, decode=decode,
-                           ablate=ablate)
+    a_t = _gemm(x_t, w1, lay, up_config, w_up=w3, swiglu_limit=swiglu_limit, decode=decode, ablate=ablate)
+    y_t = _gemm(a_t, w2, lay, down_config, out_dtype=jnp.float32, decode=decode, ablate=ablate)
     return combine_rows_t(y_t, lay, route_weights)
+
+
+def _gemm(x_t, w, lay, config: TileConfig, *, decode: str, **kw):
+    """One grouped GEMM with the kernel the config names (``config.consumers``)."""
+    if config.consumers == 1:
+        return grouped_matmul_t(x_t, w, lay.tile_group, config=config, decode=decode, **kw)
+    from pallas_kernels.moe.kernel_sm90_ws import grouped_matmul_ws
+
+    if decode != "bits":
+        raise ValueError("the warp-specialised kernel decodes FP4 by bit placement only (decode='bits')")
+    return grouped_matmul_ws(x_t, w, lay.tile_group, lay.num_tiles, config=config, **kw)
