@@ -44,14 +44,15 @@ from dinfer_jax.models.ops import F32
 from sharding.mesh import GROUP_AXES, MESH_AXES
 
 DISPATCHES = ("allgather", "alltoall")
-# "auto" picks all-gather up to this many tokens per EP group and step (see docs/expert_parallel.md for the
-# measurement behind it), all-to-all above.
-ALLGATHER_MAX_GROUP_TOKENS = 256
 
 
-def pick_dispatch(group_tokens: int) -> str:
-    """The dispatch ``"auto"`` uses for ``group_tokens`` tokens in one EP group (decode-sized: all-gather)."""
-    return "allgather" if group_tokens <= ALLGATHER_MAX_GROUP_TOKENS else "alltoall"
+def pick_dispatch(capacity: int | None) -> str:
+    """The dispatch ``"auto"`` uses. Lossless (``capacity`` None), both dispatches run the same GEMM rows
+    (``ep·n·k``) and all-gather moves fewer bytes (each token once, not k times); measured on 8 CPU devices at
+    8–4096 tokens per EP group (``scripts/bench_ep.py``, docs/expert_parallel.md) they are within noise of each
+    other, so ``"auto"`` takes all-gather. With a bounded ``capacity`` only all-to-all gets smaller (and can drop
+    rows), so a given capacity selects it."""
+    return "allgather" if capacity is None else "alltoall"
 
 
 def _allgather(ex: Mapping[str, Any], x: jax.Array, slot: jax.Array, w: jax.Array, *, axes: tuple[str, ...],
@@ -103,7 +104,7 @@ def ep_experts(experts: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.
     (activation dtype), idx ``[*T, k]`` int32 logical experts, w ``[*T, k]`` fp32 router weights, all with leading
     token dims ``T`` laid out by ``token_spec`` (a PartitionSpec of ``len(T)`` entries). expert_map: the
     placement's tables (None: identity, ``P = E``). dispatch: ``"allgather"``, ``"alltoall"`` or ``"auto"``
-    (:func:`pick_dispatch` on the tokens of one EP group). capacity: all-to-all rows per (source, destination)
+    (:func:`pick_dispatch`). capacity: all-to-all rows per (source, destination)
     pair (None: ``n·k``, lossless).
 
     Returns ``(y [*T, D] fp32, dropped [devices] int32)``: dropped = rows each device could not send (always 0 for
@@ -123,9 +124,7 @@ def ep_experts(experts: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.
     if len(token_spec) != x.ndim - 1:
         raise ValueError(f"token_spec {token_spec} must have one entry per token dim of x {x.shape}")
     if dispatch == "auto":
-        per_device = math.prod(x.shape[:-1]) // math.prod(
-            math.prod(mesh.shape[a] for a in (e if isinstance(e, tuple) else (e,))) for e in token_spec if e)
-        dispatch = pick_dispatch(per_device * ep)
+        dispatch = pick_dispatch(capacity)
     if dispatch not in DISPATCHES:
         raise ValueError(f"unknown EP dispatch {dispatch!r}; choose one of {DISPATCHES} or 'auto'")
 

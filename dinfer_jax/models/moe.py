@@ -1,7 +1,7 @@
 """V4 mixture of experts (spec ``docs/spec/model-v4.md`` §3.8): sqrtsoftplus router, selection-only bias, hash routing,
 renormalised and scaled weights, SwiGLU with clamp, shared expert.
 
-Two expert implementations compute the same function:
+Expert implementations of the same function:
 
 * ``"ragged"``: tokens sorted by expert, grouped GEMM with ``jax.lax.ragged_dot``; work ∝ tokens·k.
 * ``"pallas"``: the Mosaic GPU kernel of ``pallas_kernels.moe`` (MXFP4 experts, bf16 activations, GPU only).
@@ -11,11 +11,12 @@ Two expert implementations compute the same function:
   the mesh-friendly reference.
 * ``"ep"``, ``"ep_allgather"``, ``"ep_alltoall"`` (need a sharder): expert parallelism under ``shard_map``
   (:mod:`dinfer_jax.models.expert_parallel`): tokens dispatched to the EP ranks holding their experts, the grouped
-  GEMM on each rank's own experts, the k outputs combined on the token's rank; ``"ep"`` picks the dispatch per
-  shape. With an :class:`~dinfer_jax.models.eplb.ExpertMap` the experts are in EPLB's physical-slot layout.
+  GEMM on each rank's own experts, the k outputs combined on the token's rank; ``"ep"`` picks the dispatch by
+  measurement (all-gather while lossless). With an :class:`~dinfer_jax.models.eplb.ExpertMap` the experts are in
+  EPLB's physical-slot layout.
 
-``"ragged"`` and the EP paths sum a token's k expert outputs in choice order, so they agree bit for bit where the
-grouped GEMM does.
+``"ragged"`` and the EP paths sum a token's k expert outputs in choice order; they differ only by the fp32
+rounding of GEMMs of different shapes.
 """
 
 from __future__ import annotations
