@@ -71,8 +71,9 @@ def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None
     ``weights``: ``"native"`` (the default for checkpoints with a ``quantization_config``) keeps FP8/FP4 weights in
     their stored form on the device, decoded exactly inside the forward; ``"dequantized"`` (the default otherwise)
     dequantises them exactly at load into ``dtype``. With a ``sharder`` the parameters are placed by its rules
-    (experts over ``ep``) and the forward uses the mesh-friendly dense MoE. ``progress`` draws a bar over the
-    parameters and bytes placed (:mod:`dinfer_jax.progress`; ``False`` or ``DINFER_JAX_PROGRESS=0`` silences it).
+    (experts over ``ep``) and the forward uses expert parallelism (``moe_impl="ep"``, docs/expert_parallel.md).
+    ``progress`` draws a bar over the parameters and bytes placed (:mod:`dinfer_jax.progress`; ``False`` or
+    ``DINFER_JAX_PROGRESS=0`` silences it).
     """
     from dinfer_jax.checkpoints import resolve_checkpoint
     from dinfer_jax.loading import load_params
@@ -84,7 +85,7 @@ def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None
         raise ConfigError(f"{path} is not a checkpoint directory (a preset has no weights; use random_model)")
     mode = _load_mode(weights, cfg)
     params = load_params(path, cfg, dtype=dtype, sharder=sharder, weights=mode, progress=progress)
-    impl = moe_impl or ("dense" if sharder is not None else "auto")
+    impl = moe_impl or ("ep" if sharder is not None else "auto")
     return Model(cfg, params, dtype, sharder, impl, _load_engram(cfg, Path(path)))
 
 
@@ -144,7 +145,7 @@ def random_model(config: ModelConfig | str, seed: int = 0, dtype: str = "float32
 
         shardings = map_specs(lambda s: sharder.named(s.axes, s.shape), param_specs(cfg, include_mtp))
         params = jax.device_put(params, shardings)
-    return Model(cfg, params, dtype, sharder, "dense" if sharder is not None else "auto",
+    return Model(cfg, params, dtype, sharder, "ep" if sharder is not None else "auto",
                  _random_engram(cfg, seed))
 
 

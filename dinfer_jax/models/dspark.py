@@ -40,7 +40,7 @@ from dinfer_jax.models.attention import RopeTable, attend, output_projection, qu
 from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.fake_quant import maybe_fake_quant, q8_fake
 from dinfer_jax.models.mhc import hc_collapse, hc_mixes, hc_post
-from dinfer_jax.models.moe import moe
+from dinfer_jax.models.moe import EP_IMPLS, moe
 from dinfer_jax.models.ops import F32, apply_rope_tail, linear, rms_norm
 from dinfer_jax.models.v41 import embed_tokens
 
@@ -190,8 +190,9 @@ def draft_hidden(params: Mapping[str, Any], cfg: ModelConfig, keys: jax.Array, a
         streams = hc_post(streams, a, post_a, comb_a)
         premix, post_f, comb_f = hc_mixes(streams, p["hc_ffn"], **kw)
         y = rms_norm(hc_collapse(streams, pre_a), p["ffn_norm"], cfg.norm_eps)
-        mo, _ = moe(p["ffn"], y, None, cfg=cfg, hash_routed=False, impl=moe_impl,
-                    top_k=cfg.dspark_num_experts_per_tok)
+        # The draft layers get no sharder: a mesh model's expert-parallel impl runs here as "dense" (as before EP).
+        mo, _ = moe(p["ffn"], y, None, cfg=cfg, hash_routed=False,
+                    impl="dense" if moe_impl in EP_IMPLS else moe_impl, top_k=cfg.dspark_num_experts_per_tok)
         streams = hc_post(streams, mo, post_f, comb_f)
     return hc_collapse(streams, premix)
 

@@ -1,7 +1,7 @@
 """V4 mixture of experts (spec ``docs/spec/model-v4.md`` §3.8): sqrtsoftplus router, selection-only bias, hash routing,
 renormalised and scaled weights, SwiGLU with clamp, shared expert.
 
-Two expert implementations compute the same function:
+Expert implementations of the same function:
 
 * ``"ragged"``: tokens sorted by expert, grouped GEMM with ``jax.lax.ragged_dot``; work ∝ tokens·k.
 * ``"pallas"``: the Mosaic GPU kernel of ``pallas_kernels.moe`` (MXFP4 experts, bf16 activations, GPU only).
@@ -9,6 +9,14 @@ Two expert implementations compute the same function:
 * ``"dense"``: every expert on every token, combined with a dense ``[N, E]`` weight matrix; work ∝ tokens·E. With
   experts sharded over the ``ep`` mesh axis each device computes its own experts and XLA reduces the sum; this is
   the mesh-friendly reference.
+* ``"ep"``, ``"ep_allgather"``, ``"ep_alltoall"`` (need a sharder): expert parallelism under ``shard_map``
+  (:mod:`dinfer_jax.models.expert_parallel`): tokens dispatched to the EP ranks holding their experts, the grouped
+  GEMM on each rank's own experts, the k outputs combined on the token's rank; ``"ep"`` picks the dispatch by
+  measurement (all-gather while lossless). With an :class:`~dinfer_jax.models.eplb.ExpertMap` the experts are in
+  EPLB's physical-slot layout.
+
+``"ragged"`` and the EP paths sum a token's k expert outputs in choice order; they differ only by the fp32
+rounding of GEMMs of different shapes.
 """
 
 from __future__ import annotations
@@ -20,11 +28,16 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.models.config import ModelConfig
-from dinfer_jax.models.ops import F32, f32_accumulating, linear, matmul, matmul_precision
+from dinfer_jax.models.eplb import ExpertMap
+from dinfer_jax.models.expert_ffn import combine_choices, expert_rows_ffn, grouped_expert_ffn, swiglu
+from dinfer_jax.models.expert_parallel import ep_experts
+from dinfer_jax.models.ops import F32, linear, matmul
 from dinfer_jax.models.qweights import QuantizedWeight, as_dense, is_quantized
 from sharding.rules import Sharder, constrain
 
-MOE_IMPLS = ("auto", "ragged", "dense", "pallas")
+EP_IMPLS = {"ep": "auto", "ep_allgather": "allgather", "ep_alltoall": "alltoall"}
+MOE_IMPLS = ("auto", "ragged", "dense", "pallas", *EP_IMPLS)
+__all__ = ["EP_IMPLS", "MOE_IMPLS", "grouped_expert_ffn", "moe", "pallas_supported", "route", "shared_expert"]
 Weight = jax.Array | QuantizedWeight
 
 
@@ -53,12 +66,6 @@ def route(gate: Mapping[str, jax.Array], x: jax.Array, token_ids: jax.Array | No
     return idx, w
 
 
-def _swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
-    g = jnp.minimum(g.astype(F32), limit)
-    u = jnp.clip(u.astype(F32), -limit, limit)
-    return jax.nn.silu(g) * u
-
-
 def _experts_dense(ex: Mapping[str, Weight], x: jax.Array, idx: jax.Array, w: jax.Array, *, cfg: ModelConfig,
                    sharder: Sharder | None) -> jax.Array:
     N = x.shape[0]
@@ -67,48 +74,24 @@ def _experts_dense(ex: Mapping[str, Weight], x: jax.Array, idx: jax.Array, w: ja
     combine = constrain(sharder, combine, (None, "act_experts"))
     g = matmul("nd,eid->nei", x, as_dense(ex["w1"], dt))
     u = matmul("nd,eid->nei", x, as_dense(ex["w3"], dt))
-    a = (_swiglu(g, u, cfg.swiglu_limit) * combine[..., None]).astype(dt)
+    a = (swiglu(g, u, cfg.swiglu_limit) * combine[..., None]).astype(dt)
     a = constrain(sharder, a, (None, "act_experts", None))
     return matmul("nei,edi->nd", a, as_dense(ex["w2"], dt))
 
 
-def grouped_expert_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w1: Weight, w3: Weight, w2: Weight,
-                       row_weights: jax.Array, *, swiglu_limit: float) -> jax.Array:
-    """Routed-expert FFN over rows sorted by expert: the one entry point a GPU grouped-GEMM kernel replaces.
-
-    x_sorted ``[M, D]`` (activation dtype; rows of expert 0 first, then expert 1, ...), group_sizes ``[E]`` int32
-    (rows per expert, summing to at most M), w1/w3 ``[E, I, D]`` and w2 ``[E, D, I]`` (dense, or
-    :class:`QuantizedWeight` decoded here to the activation dtype), row_weights ``[M]`` fp32 (router weight of each
-    row, applied between the SwiGLU and the down projection). Returns ``[M, D]`` fp32. CPU path:
-    ``jax.lax.ragged_dot`` with fp32 accumulation.
-    """
-    dt = x_sorted.dtype
-    prec = matmul_precision(dt)
-
-    def gemm(a: jax.Array, w: Weight) -> jax.Array:
-        wt = jnp.swapaxes(as_dense(w, dt), 1, 2)  # [E, in, out]
-        return jax.lax.ragged_dot(*f32_accumulating(a, wt), group_sizes, precision=prec, preferred_element_type=F32)
-
-    a = (_swiglu(gemm(x_sorted, w1), gemm(x_sorted, w3), swiglu_limit) * row_weights[:, None]).astype(dt)
-    return gemm(a, w2)
-
-
 def _experts_ragged(ex: Mapping[str, Weight], x: jax.Array, idx: jax.Array, w: jax.Array, *,
                     cfg: ModelConfig) -> jax.Array:
+    """Every (token, choice) row through the grouped GEMM on this device, then the k outputs of a token summed in
+    choice order (:func:`~dinfer_jax.models.expert_ffn.combine_choices`). fp32 ``[N, D]``."""
     N, k = idx.shape
-    E = ex["w1"].shape[0]
-    flat_e = idx.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)
-    token_of = order // k
-    sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-    y = grouped_expert_ffn(x[token_of], sizes, ex["w1"], ex["w3"], ex["w2"], w.reshape(-1)[order],
-                           swiglu_limit=cfg.swiglu_limit)  # [N·k, D] sorted by expert
-    return jnp.zeros((N, x.shape[1]), F32).at[token_of].add(y)
+    rows = expert_rows_ffn(ex, jnp.repeat(x, k, axis=0), idx.reshape(-1), w.reshape(-1),
+                           swiglu_limit=cfg.swiglu_limit)
+    return combine_choices(rows.reshape(N, k, -1))
 
 
 def shared_expert(p: Mapping[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Always-on expert with the same clamp; fp32 result ``[N,D]``."""
-    a = _swiglu(linear(x, p["w1"], F32), linear(x, p["w3"], F32), cfg.swiglu_limit).astype(x.dtype)
+    a = swiglu(linear(x, p["w1"], F32), linear(x, p["w3"], F32), cfg.swiglu_limit).astype(x.dtype)
     return linear(a, p["w2"], F32)
 
 
@@ -147,10 +130,12 @@ def _experts_pallas(ex: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.
 
 def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg: ModelConfig, hash_routed: bool,
         impl: str = "auto", sharder: Sharder | None = None, top_k: int | None = None,
-        image_mask: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        image_mask: jax.Array | None = None,
+        expert_map: ExpertMap | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """MoE sublayer. x: ``[B,S,D]`` (normalised), token_ids ``[B,S]``, image_mask ``[B,S]`` bool (V4.1).
+    ``expert_map`` (EP impls only): EPLB placement tables, ``p["experts"]`` then in its physical-slot layout.
     Returns ``(y [B,S,D] in x's dtype, aux)``, aux = ``{"router_indices": [B,S,k] int32,
-    "router_weights": [B,S,k] fp32}``."""
+    "router_weights": [B,S,k] fp32}`` (logical expert ids)."""
     B, S, D = x.shape
     xf = x.reshape(B * S, D)
     tid = None if token_ids is None else token_ids.reshape(B * S)
@@ -158,7 +143,17 @@ def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg:
     idx, w = route(p["gate"], xf, tid, cfg=cfg, hash_routed=hash_routed, top_k=top_k, image_mask=img)
     if impl == "auto":
         impl = "pallas" if pallas_supported(p["experts"], xf.dtype) is None else "ragged"
-    if impl == "dense":
+    if expert_map is not None and impl not in EP_IMPLS:
+        raise ValueError(f"an EPLB expert map needs an expert-parallel moe_impl ({tuple(EP_IMPLS)}), got {impl!r}")
+    if impl in EP_IMPLS:
+        if sharder is None:
+            raise ValueError(f"moe_impl={impl!r} needs a mesh (a Sharder)")
+        k = idx.shape[-1]
+        y, _ = ep_experts(p["experts"], xf.reshape(B, S, D), idx.reshape(B, S, k), w.reshape(B, S, k),
+                          mesh=sharder.mesh, token_spec=sharder.spec(("act_batch", "act_seq"), (B, S)),
+                          swiglu_limit=cfg.swiglu_limit, expert_map=expert_map, dispatch=EP_IMPLS[impl])
+        y = y.reshape(B * S, D)
+    elif impl == "dense":
         y = _experts_dense(p["experts"], xf, idx, w, cfg=cfg, sharder=sharder)
     elif impl == "pallas":
         y = _experts_pallas(p["experts"], xf, idx, w, cfg=cfg)

@@ -40,7 +40,8 @@ class ForwardOptions:
 
     collect: return per-layer intermediates (hidden streams, indexer picks and scores, router choices).
     moe_impl: ``"auto"`` (the GPU kernel where it can run, else ``"ragged"``), ``"ragged"`` (grouped GEMM),
-      ``"pallas"`` (GPU kernel) or ``"dense"`` (all experts, mesh-friendly); same function.
+      ``"pallas"`` (GPU kernel), ``"dense"`` (all experts, mesh-friendly) or ``"ep"`` / ``"ep_allgather"`` /
+      ``"ep_alltoall"`` (expert parallelism over the mesh's EP group, needs ``sharder``); same function.
     sharder: mesh + rules for activation sharding constraints, or None on one device.
     """
 
