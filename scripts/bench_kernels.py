@@ -249,7 +249,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192], help="token counts to run")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="token counts at which to sweep block sizes")
     p.add_argument("--no-baseline", action="store_true", help="skip the XLA ragged_dot baseline")
-    p.add_argument("--decode", default="bits", choices=["bits", "float"], help="the kernel's FP4 decode")
+    p.add_argument("--decode", default="bits", choices=["bits", "float", "packed"],
+                   help="the kernel's FP4 decode (float: single-warpgroup configs only; packed: warp-specialised only)")
     p.add_argument("--ablate", type=int, nargs="*", default=[],
                    help="token counts at which to time the kernel without its scale / decode stages")
     p.add_argument("--out", default=None, help="directory for the table (markdown) and raw rows (JSON)")

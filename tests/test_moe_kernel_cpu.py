@@ -164,3 +164,14 @@ def test_scaled_bf16_bits_are_e2m1_times_2_pow_minus_126():
     exp, mant = (bits >> 7) & 0xFF, bits & 0x7F
     value = sign * np.where(exp > 0, 2.0 ** (exp - 127.0) * (1 + mant / 128), 2.0 ** -126 * mant / 128)
     np.testing.assert_array_equal(value * 2.0 ** 126, np.array(E2M1))
+
+
+def test_packed_pair_decode_is_two_bit_placement_decodes():
+    """The packed decode (two codes of one byte → two bf16 in one 32-bit integer) equals the per-element bit
+    placement for both nibbles of all 256 bytes, which the test above ties to the e2m1 format."""
+    for x in range(256):
+        got = fp4.packed_pair_to_scaled_bf16x2(x)
+        lo, hi = (x & 15, x >> 4)
+        want = [int(fp4.signed_codes_to_scaled_bf16_bits(jnp.int16(c - 16 if c >= 8 else c))) & 0xFFFF
+                for c in (lo, hi)]
+        assert (got & 0xFFFF, got >> 16) == tuple(want), x

@@ -51,9 +51,10 @@ CONFIGS = [(TileConfig(16, 64, 128, 4), TileConfig(16, 64, 128, 4)),
 WS_CONFIGS = [(TileConfig(16, 128, 128, 4, 2), TileConfig(16, 128, 128, 4, 2)),
               (TileConfig(32, 128, 128, 3, 2), TileConfig(32, 256, 64, 3, 2)),
               (TileConfig(128, 128, 64, 4, 2), TileConfig(128, 256, 64, 2, 2))]
-CASES = ([(c, d) for c in CONFIGS for d in ("bits", "float")] + [(c, "bits") for c in WS_CONFIGS])
+CASES = ([(c, d) for c in CONFIGS for d in ("bits", "float")] + [(c, "bits") for c in WS_CONFIGS]
+         + [(WS_CONFIGS[0], "packed"), (WS_CONFIGS[2], "packed")])
 CASE_IDS = ([f"{n}-{d}" for n in ("m16", "m32", "m128") for d in ("bits", "float")]
-            + ["ws-m16", "ws-m32-unchained", "ws-m128"])
+            + ["ws-m16", "ws-m32-unchained", "ws-m128", "ws-m16-packed", "ws-m128-packed"])
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)

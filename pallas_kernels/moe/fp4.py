@@ -13,7 +13,9 @@ H200, measured in docs/perf/moe_kernel_h200.md): integer bit placement. Putting 
 its two exponent bits at bits 8–7 (the low end of the exponent field) and its mantissa bit at bit 6 gives the bf16
 number ``e2m1(code) · 2^-126`` exactly — for exponent 0 (codes ±0, ±0.5) a bf16 subnormal with the same scaling.
 The UE8M0 scale ``2^(S−127)`` is then applied as ``2^(S−1)``: one multiply restores both (exact; it needs the
-multiply to keep subnormal inputs, which the H200 test checks on every code).
+multiply to keep subnormal inputs, which the H200 test checks on every code). Limit: ``2^(S−1)`` must be a bf16
+normal number, so ``S ≤ 128`` (block scales ≤ 2, i.e. block maxima ≤ 12); larger scales overflow the exponent
+field. Expert weights of trained models sit far below that (|w| ≪ 1), but the kernel does not check it at run time.
 
 ``decode_signed_codes`` is written with ``jnp`` operations only so the same function runs on Mosaic GPU register
 arrays and on CPU arrays (where it is tested against the format's table).
@@ -66,3 +68,11 @@ def scale_bits(scale: jax.Array) -> jax.Array:
     if scale.dtype == jnp.uint8:
         return scale
     return jax.lax.bitcast_convert_type(scale, jnp.uint8)
+
+
+def packed_pair_to_scaled_bf16x2(x: int) -> int:
+    """Host model of the kernel's packed decode (``kernel_sm90_ws._decode_scale_packed``) for one byte ``x`` of
+    two e2m1 codes (low nibble = even column): the uint32 holding two bf16 ``e2m1(code)·2^-126``, even column in
+    the low half. The same integer steps as the kernel's registers, so CPU tests check the bit arithmetic."""
+    u = (x & 0x0F) | ((x & 0xF0) << 12)             # codes into bits 0-3 and 16-19
+    return ((u << 6) & 0x01C001C0) | ((u << 12) & 0x80008000)

@@ -272,9 +272,11 @@ def experts_sm90(x: jax.Array, expert_ids: jax.Array, route_weights: jax.Array, 
 def _gemm(x_t, w, lay, config: TileConfig, *, decode: str, **kw):
     """One grouped GEMM with the kernel the config names (``config.consumers``)."""
     if config.consumers == 1:
+        if decode == "packed":
+            raise ValueError("decode='packed' is implemented in the warp-specialised kernel only (consumers=2)")
         return grouped_matmul_t(x_t, w, lay.tile_group, config=config, decode=decode, **kw)
     from pallas_kernels.moe.kernel_sm90_ws import grouped_matmul_ws
 
-    if decode != "bits":
-        raise ValueError("the warp-specialised kernel decodes FP4 by bit placement only (decode='bits')")
-    return grouped_matmul_ws(x_t, w, lay.tile_group, lay.num_tiles, config=config, **kw)
+    if decode == "float":
+        raise ValueError("the warp-specialised kernel decodes FP4 by bit placement only (decode='bits' or 'packed')")
+    return grouped_matmul_ws(x_t, w, lay.tile_group, lay.num_tiles, config=config, decode=decode, **kw)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -30,16 +31,20 @@ from pallas_kernels.moe.kernel_sm90 import TileConfig, _scale_rows, _swizzle_tra
 from pallas_kernels.moe.reference import ExpertWeight
 
 COMPUTE_WGS = 2
+DECODES = ("bits", "packed")
 MEMORY_REGISTERS = 40
 SMEM_BYTES = 232448   # H100/H200 dynamic shared memory per CTA
 
 
 def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, num_tiles: jax.Array, *,
                       config: TileConfig, out_dtype=jnp.float32, w_up: ExpertWeight | None = None,
-                      swiglu_limit: float | None = None, ablate: str = "") -> jax.Array:
+                      swiglu_limit: float | None = None, decode: str = "bits", ablate: str = "") -> jax.Array:
     """Grouped GEMM over the padded layout with two consumer warpgroups and a TMA producer.
 
     ``config.block_n`` is the CTA's weight rows (each consumer takes ``block_n / 2``, a multiple of 64).
+    ``decode``: "bits" (per element, :func:`~pallas_kernels.moe.fp4.signed_codes_to_scaled_bf16_bits`) or
+    "packed" (two codes per 32-bit integer step, one scale load per row and 32-column group:
+    :func:`_decode_scale_packed`).
 
     Args:
       x_t: ``bf16 [K, rows]``; column block t belongs to expert ``tile_group[t]``.
@@ -66,6 +71,8 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
         raise ValueError("gate and up weights must have the same shape and format")
     if fused and swiglu_limit is None:
         raise ValueError("the fused gate/up product needs swiglu_limit")
+    if decode not in DECODES:
+        raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
     fmt = w.fmt
     if fmt not in ("fp4", "bf16"):
         raise ValueError(f"kernel supports fp4 and bf16 expert weights, got {fmt!r}")
@@ -151,15 +158,17 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
                     w_rows = w_smems[j].at[pl.ds(wg * bn, bn)]
                     if fmt == "fp4":
                         r = w_rows[...]
+                        s_chunk = s_smem.at[wg, slot, j].at[:, pl.ds(kk * (bk // 32), bk // 32)]
                         if ablate == "decode":
                             a = plgpu.layout_cast(r.astype(jnp.bfloat16), plgpu.Layout.WGMMA)
+                        elif decode == "packed":
+                            a = _decode_scale_packed(plgpu, s_chunk, r, scale=ablate != "scale")
                         else:
                             bits = signed_codes_to_scaled_bf16_bits(r.astype(jnp.int16))
                             a = lax.bitcast_convert_type(bits, jnp.bfloat16)
                             if ablate == "scale":
                                 a = plgpu.layout_cast(a, plgpu.Layout.WGMMA)
                             else:
-                                s_chunk = s_smem.at[wg, slot, j].at[:, pl.ds(kk * (bk // 32), bk // 32)]
                                 a = _scale_rows(plgpu, s_chunk, a, exponent_bias=126)
                         plgpu.wgmma(accs[j], a, x_smem)
                     else:
@@ -251,3 +260,63 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
     )
     meta = jnp.reshape(num_tiles, (1,)).astype(jnp.int32)
     return kernel(meta, tile_group.astype(jnp.int32), x_t.astype(jnp.bfloat16), *w_data, *w_scales)
+
+
+def _decode_scale_packed(plgpu, s_ref, w, *, scale: bool = True):
+    """FP4 codes ``w`` (int4 ``[rows, bk]``, WGMMA layout) → bf16 ``e2m1(code) · 2^(S−127)`` with ``S`` the UE8M0
+    scale byte ``s_ref[row, col // 32]`` (uint8 smem ``[rows, bk / 32]``).
+
+    Works a register at a time: a WGMMA-layout register holds two adjacent columns of one row (one byte of two
+    codes), decoded with 32-bit integer operations into two bf16 at once (see
+    :func:`~pallas_kernels.moe.fp4.packed_pair_to_scaled_bf16x2`) and multiplied by a ``bf16x2`` scale. A thread's
+    column offset inside each 8-column group of the layout is below 8, so a register's scale group is known at trace
+    time from its static offset: one shared-memory load per (row, 32-column group) instead of one per element.
+    ``scale=False`` (benchmark ablation) skips the multiply.
+    """
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.bfloat16, plgpu.Layout.WGMMA),
+    )
+    def decoded(_, s_smem, w_arr):
+        layout = w_arr.layout
+        if layout != fa.WGMMA_LAYOUT:
+            raise NotImplementedError(f"packed FP4 decode expects the WGMMA layout, got {layout}")
+        i8 = ir.IntegerType.get_signless(8)
+        i32 = ir.IntegerType.get_signless(32)
+        index = ir.IndexType.get()
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+
+        def c(v, ty=i32):
+            return arith.constant(ty, v)
+
+        shape = tuple(w_arr.shape)
+        strides = mgpu_utils.get_contiguous_strides(shape)
+        tile_strides = layout.tiling.tile_strides(strides)
+        row0, _ = next(iter(layout.thread_idxs(shape)))    # this thread's first row; its first column is < 8
+        scales: dict[tuple[int, int], ir.Value] = {}
+        regs = w_arr.registers
+        out = np.empty_like(regs)
+        for tile_idx in np.ndindex(regs.shape):
+            lin = sum(i * s for i, s in zip(tile_idx, tile_strides, strict=False))
+            d_row, d_col = divmod(lin, shape[1])
+            if d_col % 8:
+                raise AssertionError("WGMMA layout registers start on 8-column boundaries")
+            key = (d_row, d_col // 32)
+            if scale and key not in scales:
+                byte = memref.load(s_smem, [arith.addi(row0, c(d_row, index)), c(d_col // 32, index)])
+                h = arith.shli(arith.addi(arith.extui(i32, byte), c(126)), c(7))   # bf16 2^(S-1): exponent S+126
+                scales[key] = mgpu_utils.bitcast(arith.ori(h, arith.shli(h, c(16))), bf16x2)
+            x = arith.extui(i32, mgpu_utils.bitcast(regs[tile_idx], i8))
+            u = arith.ori(arith.andi(x, c(0x0F)), arith.shli(arith.andi(x, c(0xF0)), c(12)))
+            bits = arith.ori(arith.andi(arith.shli(u, c(6)), c(0x01C001C0)),
+                             arith.andi(arith.shli(u, c(12)), c(0x80008000 - (1 << 32))))
+            val = mgpu_utils.bitcast(bits, bf16x2)
+            out[tile_idx] = arith.mulf(val, scales[key]) if scale else val
+        return fa.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
+
+    return decoded(s_ref, w)
