@@ -137,7 +137,7 @@ def rel_err(got, want) -> tuple[float, float]:
     return float(d.max() / scale), float(d.mean() / scale)
 
 
-def bench_moe(args) -> list[dict]:
+def bench_moe(args, on_row=lambda rows: None) -> list[dict]:
     G, D, I, K = 256, 4096, 2048, 6
     limit = 10.0
     keys = jax.random.split(jax.random.key(42), 4)
@@ -192,6 +192,7 @@ def bench_moe(args) -> list[dict]:
                 traceback.print_exc(limit=4)
                 rows.append(dict(tokens=n, variant=name, error=f"{type(e).__name__}: {str(e)[:400]}"))
             print(json.dumps(rows[-1], default=str)[:600], flush=True)
+            on_row(rows)
     return rows
 
 
@@ -258,14 +259,16 @@ def main() -> None:
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     ceil = ceilings()
     print(ceil, flush=True)
-    rows = bench_moe(args)
-    text = table(rows, ceil)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_moe.md").write_text(text + "\n")
-        (out / "bench_moe.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, default=str, indent=1))
+
+    def save(rows: list[dict]) -> None:   # after every row, so a run cut short by a time limit keeps its results
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "bench_moe.md").write_text(table(rows, ceil) + "\n")
+            (out / "bench_moe.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, default=str, indent=1))
+
+    rows = bench_moe(args, on_row=save)
+    print(table(rows, ceil))
 
 
 if __name__ == "__main__":

@@ -115,7 +115,12 @@ def main() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     bw = copy_bandwidth()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, copy {bw / 1e9:.0f} GB/s", flush=True)
-    rows = [run_one(args.preset, n, args, bw) for n in args.layers]
+    rows = []
+    for n in args.layers:
+        rows.append(run_one(args.preset, n, args, bw))
+        if args.out:   # after every slice, so a run cut short by a time limit keeps what it measured
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "bench_serving.json").write_text(json.dumps(rows, default=str, indent=1))
     lines = [f"{args.preset} slices, random native weights (FP4 experts, FP8 linears), bf16 compute; "
              f"copy bandwidth {bw / 1e9:.0f} GB/s measured in this run; jax {jax.__version__}", "",
              "| layers | weights GB | warm-up s (shapes) | prefill tokens | prefill s | prefill tok/s | batch "
