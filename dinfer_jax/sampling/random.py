@@ -50,7 +50,7 @@ from jax import lax
 
 from . import _f64
 from ._fastcdf import certified_search
-from ._u64 import U32, U64, add64, const64, from_int32, mul64, shl64, shr64, xor64
+from ._u64 import U32, U64, add64, clz_limbs, const64, from_int32, mul64, shl32, shl64, shr32, shr64, u32, xor64
 
 GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
@@ -154,6 +154,44 @@ def uniform_u53(seeds: U64, sample_positions: jnp.ndarray, case: int) -> U64:
     seq = mul64(seq, const64(GOLDEN_GAMMA, pos.lo))
     combined = add64(seeds, xor64(seq, shl64(seq, 13)))
     return shr64(splitmix64(combined), 11)
+
+
+CASE_ACCEPT = 2
+"""RNG stream of the acceptance test of a draft token (speculative verification)."""
+
+
+def acceptance_u53(seeds: U64, sample_positions: jnp.ndarray) -> U64:
+    """The 53-bit integer ``k`` behind the acceptance-test uniform ``u = k * 2**-53`` of ``fused_sample_ref``.
+
+    Unlike :func:`uniform_u53` the stream id is XOR-ed into the seed (no ``<< 13`` mix, no addition):
+    ``k = splitmix64(seed ^ ((position * 3 + 2) * 0x9E3779B97F4A7C15)) >> 11``, all mod 2**64.
+
+    Args:
+        seeds: [N] :class:`U64` seeds (namespace offset already added).
+        sample_positions: [N] int32 (sign-extended to 64 bits).
+    Returns:
+        [N] :class:`U64`, values in [0, 2**53).
+    """
+    pos = from_int32(sample_positions)
+    seq = add64(mul64(pos, const64(3, pos.lo)), const64(CASE_ACCEPT, pos.lo))
+    seq = mul64(seq, const64(GOLDEN_GAMMA, pos.lo))
+    return shr64(splitmix64(xor64(seeds, seq)), 11)
+
+
+def u53_to_f32(k: U64) -> jnp.ndarray:
+    """``float32(k * 2**-53)`` rounded to nearest, ties to even, for ``0 <= k < 2**53``: exactly what torch's
+    ``.to(torch.float32)`` of the fp64 uniform gives. Integer rounding to 24 significant bits, then an exact
+    scaling by a power of two. [N] U64 -> [N] f32."""
+    hi, lo = k.hi, k.lo
+    nbits = 64 - clz_limbs([lo, hi])  # bit length, 0..53
+    e = jnp.maximum(nbits - 24, 0)  # bits dropped, 0..29
+    m = shr32(lo, e) | shl32(hi, 32 - e)  # k >> e, < 2**24 (fits in the low word)
+    rem = lo & (shl32(u32(1), e) - u32(1))  # dropped bits (e < 32, so all in lo)
+    half = shl32(u32(1), jnp.maximum(e - 1, 0))
+    up = (e > 0) & ((rem > half) | ((rem == half) & ((m & u32(1)) == u32(1))))
+    m = m + up.astype(U32)  # <= 2**24, exact in f32
+    scale = lax.bitcast_convert_type(((e - 53 + 127) << 23).astype(jnp.int32), jnp.float32)  # 2**(e - 53)
+    return m.astype(jnp.float32) * scale
 
 
 # --- CDF inversion --------------------------------------------------------------------------------------------

@@ -112,16 +112,42 @@ def min_p_mask(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return (probs >= min_p[:, None] * pmax) | (min_p[:, None] <= 0.0)
 
 
+def processed_logprobs(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    top_k: jax.Array,
+    min_p: jax.Array | None = None,
+    *,
+    use_filters: bool = True,
+) -> jax.Array:
+    """Steps 1-4 of the module docstring on explicit per-row arrays (shared by :func:`process_logits` and
+    :func:`~dinfer_jax.sampling.fused_sample`).
+
+    Args:
+        logits: [N, V] float (computed in f32).
+        temperature: [N] f32, > 0 (callers apply the greedy substitution first).
+        top_p: [N] f32; ``>= 1`` disables. top_k: [N] int32; negative disables.
+        min_p: [N] f32 or None (no min-p step at all).
+        use_filters: static; False skips top-p / top-k / min-p (no sorts).
+    Returns:
+        [N, V] f32 processed logprobs; filtered tokens are ``-inf``.
+    """
+    x = logits.astype(jnp.float32)
+    inv_t = jnp.float32(1.0) / temperature
+    x = x * inv_t[:, None]
+    if use_filters:
+        keep = top_p_top_k_mask(x, top_p, top_k)
+        x = jnp.where(keep, x, -jnp.inf)
+        if min_p is not None:
+            x = jnp.where(min_p_mask(x, min_p), x, -jnp.inf)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
 def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     """Steps 1-4 of the module docstring: [N, V] logits -> [N, V] f32 processed logprobs (filtered = -inf)."""
     x = jnp.where(st.valid[:, None], logits.astype(jnp.float32), 0.0)
-    inv_t = jnp.float32(1.0) / st.temperature
-    x = x * inv_t[:, None]
-    if st.use_filters:
-        keep = top_p_top_k_mask(x, st.top_p, st.top_k)
-        x = jnp.where(keep, x, -jnp.inf)
-        x = jnp.where(min_p_mask(x, st.min_p), x, -jnp.inf)
-    return jax.nn.log_softmax(x, axis=-1)
+    return processed_logprobs(x, st.temperature, st.top_p, st.top_k, st.min_p, use_filters=st.use_filters)
 
 
 @partial(jax.jit, static_argnames=("greedy_fast_path", "seed_offset", "logprobs_mode", "method"))
