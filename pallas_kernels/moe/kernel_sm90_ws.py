@@ -38,17 +38,13 @@ SMEM_BYTES = 232448   # H100/H200 dynamic shared memory per CTA
 
 def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, num_tiles: jax.Array, *,
                       config: TileConfig, out_dtype=jnp.float32, w_up: ExpertWeight | None = None,
-                      swiglu_limit: float | None = None, decode: str = "bits", ablate: str = "",
-                      interpret: bool = False) -> jax.Array:
+                      swiglu_limit: float | None = None, decode: str = "bits", ablate: str = "") -> jax.Array:
     """Grouped GEMM over the padded layout with two consumer warpgroups and a TMA producer.
 
     ``config.block_n`` is the CTA's weight rows (each consumer takes ``block_n / 2``, a multiple of 64).
     ``decode``: "bits" (per element, :func:`~pallas_kernels.moe.fp4.signed_codes_to_scaled_bf16_bits`) or
     "packed" (two codes per 32-bit integer step, one scale load per row and 32-column group:
-    :func:`_decode_scale_packed`). ``interpret``: run in Pallas's Mosaic GPU interpreter (CPU); the register-level
-    FP4 decode (``inline_mgpu``) is replaced there by the same arithmetic in ``jnp``
-    (:func:`_decode_scale_jnp`), so the interpreter checks everything else: work distribution, chained
-    pipelines, scale prefetch and indexing, the fused SwiGLU and the stores.
+    :func:`_decode_scale_packed`).
 
     Args:
       x_t: ``bf16 [K, rows]``; column block t belongs to expert ``tile_group[t]``.
@@ -163,9 +159,7 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
                     if fmt == "fp4":
                         r = w_rows[...]
                         s_chunk = s_smem.at[wg, slot, j].at[:, pl.ds(kk * (bk // 32), bk // 32)]
-                        if interpret:
-                            a = _decode_scale_jnp(r, s_chunk[...])
-                        elif ablate == "decode":
+                        if ablate == "decode":
                             a = plgpu.layout_cast(r.astype(jnp.bfloat16), plgpu.Layout.WGMMA)
                         elif decode == "packed":
                             a = _decode_scale_packed(plgpu, s_chunk, r, scale=ablate != "scale")
@@ -263,29 +257,9 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **({"interpret": _gpu_interpret_params(plgpu)} if interpret else {}),
     )
     meta = jnp.reshape(num_tiles, (1,)).astype(jnp.int32)
     return kernel(meta, tile_group.astype(jnp.int32), x_t.astype(jnp.bfloat16), *w_data, *w_scales)
-
-
-def _gpu_interpret_params(plgpu):
-    """Parameters selecting Pallas's Mosaic GPU interpreter (exported as ``plgpu.InterpretGPUParams`` from jax 0.11;
-    jax 0.10 has it under ``jax._src``)."""
-    cls = getattr(plgpu, "InterpretGPUParams", None)
-    if cls is None:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as cls
-    return cls()
-
-
-def _decode_scale_jnp(codes: jax.Array, s_bytes: jax.Array) -> jax.Array:
-    """Interpreter stand-in for the register decode: int4 codes ``[rows, bk]`` and UE8M0 bytes ``[rows, bk/32]``
-    → bf16 ``e2m1(code) · 2^(S−127)`` (exact in fp32, then exact in bf16 for the scales the kernel supports)."""
-    from pallas_kernels.moe.fp4 import decode_signed_codes
-
-    v = decode_signed_codes(codes.astype(jnp.float32))
-    s = jnp.exp2(s_bytes.astype(jnp.float32) - 127.0)
-    return (v * jnp.repeat(s, 32, axis=1)).astype(jnp.bfloat16)
 
 
 def _decode_scale_packed(plgpu, s_ref, w, *, scale: bool = True):
