@@ -1,7 +1,9 @@
 """Expert-kernel pieces that run on CPU: padded layout (exact integers), FP4 decode, and the kernel's jnp contract.
 
-The Mosaic GPU kernel itself is checked on the H200 (tests/test_moe_kernel_gpu.py, marked ``gpu``): its
-in-register dequantisation uses ``inline_mgpu``, which Pallas's CPU interpreter cannot run.
+The Mosaic GPU kernels themselves are checked on the H200 (tests/test_moe_kernel_gpu.py, marked ``gpu``): their
+in-register dequantisation uses ``inline_mgpu`` and a WGMMA with its A operand in registers, neither of which
+Pallas's Mosaic GPU interpreter runs (jax 0.10.2: ``Expected shape (5,) but got (64, 64)`` in the interpreter's
+wgmma, even with the decode written in jnp). On CPU they are lowered for CUDA (``test_kernel_lowers_for_cuda``).
 """
 
 from __future__ import annotations
