@@ -297,3 +297,52 @@ def test_bytes_per_token_tiny_presets():
         bytes_per_token(tiny_v4, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         bytes_per_token(tiny_v4, kv_cache_dtype="int8")
+
+
+# --- the live caches store these bytes (V4.1) -------------------------------------------------------------------
+
+
+def test_v41_cache_arrays_hold_deepinfers_bytes():
+    """V4.1-Flash's cache arrays (abstract, nothing allocated) are uint8 rows of the byte formats: ring 512 + 16 =
+    528 B, compressed KV 288 B, index keys 68 B; so one 128-token page of all layers costs 128 × 890 B, DeepInfer's
+    per-token figure (hand-computed above), and a bf16 V4 cache keeps value rows."""
+    from dinfer_jax.engine.kv_cache import bytes_per_block_and_slot
+    from dinfer_jax.models.step_state import CacheConfig, cache_shapes
+
+    cfg = load_config("deepseek-v4.1-flash")
+    shapes = cache_shapes(cfg, CacheConfig(num_slots=3, num_blocks=5, block_size=128), jnp.bfloat16)
+    leaves = {}
+    for group in shapes.layers:
+        for lc in group:
+            for name in ("swa", "ckv", "ik"):
+                x = getattr(lc, name)
+                if x is not None:
+                    leaves.setdefault(name, set()).add((x.shape[-1], x.dtype))
+    u8 = jnp.dtype(jnp.uint8)
+    assert leaves == {"swa": {(528, u8)}, "ckv": {(288, u8)}, "ik": {(68, u8)}}
+    per_block, _ = bytes_per_block_and_slot(cfg, 128, jnp.bfloat16)
+    assert per_block == 128 * 890
+    v4 = cache_shapes(load_config("deepseek-v4-flash"), CacheConfig(3, 5, 128), jnp.bfloat16)
+    assert {lc.swa.dtype for g in v4.layers for lc in g} == {jnp.dtype(jnp.bfloat16)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cache_codec_roundtrip_is_the_fake_quant(dtype):
+    """What a V4.1 layer reads back from its byte cache is what it computed: ``unpack(pack(x))`` equals the fake
+    quantisation the attention uses (Q8 ring, Q4e with ``x / s`` compressed KV, Q4u index keys), in the cache's
+    value dtype."""
+    from dinfer_jax.models.cache_codec import cache_codecs
+    from dinfer_jax.models.fake_quant import q4e_fake, q4u_fake, q8_fake
+
+    cfg = load_config("tiny-v41")
+    c = cache_codecs(cfg, dtype)
+    key = jax.random.split(jax.random.key(7), 3)
+    x = (jax.random.normal(key[0], (4, 6, cfg.head_dim)) * 3).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(c.swa.unpack(c.swa.pack(x)), np.float32),
+                                  np.asarray(q8_fake(x, 32).astype(dtype), np.float32))
+    y = jax.random.normal(key[1], (4, 6, cfg.head_dim), jnp.float32) * 0.7
+    np.testing.assert_array_equal(np.asarray(c.ckv.unpack(c.ckv.pack(y)), np.float32),
+                                  np.asarray(q4e_fake(y, 16).astype(dtype), np.float32))
+    z = jax.random.normal(key[2], (4, 6, cfg.index_head_dim), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(c.ik.unpack(c.ik.pack(z))), np.asarray(q4u_fake(z, 32)))
+    assert c.packed and not cache_codecs(load_config("tiny-v4"), dtype).packed

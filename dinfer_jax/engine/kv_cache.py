@@ -2,8 +2,8 @@
 
 The layout (per-sequence rings in state slots, paged compressed KV, layers stacked in scan layout) is documented in
 :mod:`dinfer_jax.models.step_state`, which defines :class:`CacheConfig`, :class:`LayerCache` and
-:class:`ModelCache`. Values are stored as the model produces them (fp32/bf16 rows; V4.1's FP8/FP4 fake-quantised
-values are exact in these dtypes).
+:class:`ModelCache`. Rows are stored as :mod:`dinfer_jax.models.cache_codec` says: V4.1 in DeepInfer's byte formats
+(:mod:`dinfer_jax.engine.kv_formats`), V4 as values.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def bytes_per_token(cfg: ModelConfig, *, kv_cache_dtype: str = "auto", dtype: An
     (``di/2 + di/32`` B), on the KV-source / index-K-source layers (890 B for V4.1-Flash, DeepInfer's figure).
     V4 with ``kv_cache_dtype="fp8"``: compressed KV in ``model1`` (584 B a row in the release) and CSA index keys in
     ``fp4_index``; with ``"auto"``: compressed KV in ``dtype`` and index keys in fp32, as :func:`cache_shapes`
-    stores them today. A float because HCA ratios (128) give fractions of a byte; it is exact (power-of-two
+    stores them (V4.1's figure is what its cache arrays hold, tested). A float because HCA ratios (128) give fractions of a byte; it is exact (power-of-two
     denominators). Raises ValueError for an unknown ``kv_cache_dtype`` or a head size a format cannot hold.
     """
     if kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.models.attention import RopeTable, attend, index_scores, output_projection, query_and_window_kv
+from dinfer_jax.models.cache_codec import RowCodec, cache_codecs
 from dinfer_jax.models.cache_io import (
     buffer_take,
     closing_groups,
@@ -72,10 +73,14 @@ def _hc_kw(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _window(swa: jax.Array, k: jax.Array, kv: jax.Array, inp: StepInput, pos: jax.Array, W: int,
-            floor: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+            floor: jax.Array | None, codec: RowCodec | None = None,
+            stored: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Window keys ``[B, W+Q, d]`` (ring then this step's rows), their mask ``[B,Q,W+Q]``, updated ring.
-    ``floor [B]`` hides keys below a position (YOCO mask)."""
+    ``floor [B]`` hides keys below a position (YOCO mask). With a byte ``codec`` the ring holds ``stored`` (this
+    step's rows packed, ``[B,Q,row_bytes]``) and is decoded on read; ``kv`` are the same rows' values."""
     ring = ring_read(swa, k, inp.slot)
+    if codec is not None:
+        ring = codec.unpack(ring)
     rpos = ring_positions(inp.start, W)
     keys = jnp.concatenate([ring.astype(kv.dtype), kv], axis=1)
     kpos = jnp.concatenate([rpos, pos], axis=1)
@@ -84,7 +89,7 @@ def _window(swa: jax.Array, k: jax.Array, kv: jax.Array, inp: StepInput, pos: ja
     mask = kvalid[:, None, :] & (kpos[:, None, :] <= pos[:, :, None]) & (kpos[:, None, :] > pos[:, :, None] - W)
     if floor is not None:
         mask = mask & (kpos[:, None, :] >= floor[:, None, None])
-    return keys, mask, ring_write(swa, k, inp.slot, pos, inp.n, kv)
+    return keys, mask, ring_write(swa, k, inp.slot, pos, inp.n, kv if stored is None else stored)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -209,9 +214,12 @@ def attention_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, carry: Car
     inv, table = ctx.ropes[info.ratio > 0]
     cq, q, kv = query_and_window_kv(p, h, cfg=cfg, rope=table)
     q = constrain(opts.sharder, q, ("act_batch", "act_seq", "act_heads", None))
+    codecs = cache_codecs(cfg, h.dtype)   # byte codecs encode rows before rounding (``cache_codec`` says why)
+    kv_pre = kv
     kv = maybe_fake_quant(cfg.kv_fake_quant, q8_fake, kv, 32)
+    kv_stored = codecs.swa.pack(kv_pre if codecs.packed else kv)
     floor = inp.window_floor if info.yoco_region else None
-    keys, wmask, swa = _window(lc.swa, k, kv, inp, pos, cfg.sliding_window, floor)
+    keys, wmask, swa = _window(lc.swa, k, kv, inp, pos, cfg.sliding_window, floor, codecs.swa, kv_stored)
     upd: dict[str, Any] = {"swa": swa}
     carry = dict(carry)
     aux: dict[str, jax.Array] = {}
@@ -221,13 +229,16 @@ def attention_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, carry: Car
         if info.kv_source:
             latent, w, valid, ring_upd = compress_v41(p["compressor"], h, lc, k, inp, ratio=ratio)
             upd.update(ring_upd)
-            kvc, kidx = source_rows(p, latent, w * ratio, cfg=cfg, dtype=h.dtype, inv_freq=inv,
-                                    has_index_k=info.has_index_k)
-            upd["ckv"] = pages_write(lc.ckv, k, inp.pages, w, valid, kvc)
-            carry["kv"] = pages_read(upd["ckv"], k, inp.pages)
+            kvc, kidx, kvc_pre, kidx_pre = source_rows(p, latent, w * ratio, cfg=cfg, dtype=h.dtype, inv_freq=inv,
+                                                       has_index_k=info.has_index_k)
+            # the step attends to the pages it just wrote (earlier rows and this step's), decoded as stored
+            stored = codecs.ckv.pack(kvc_pre if codecs.packed else kvc)
+            upd["ckv"] = pages_write(lc.ckv, k, inp.pages, w, valid, stored)
+            carry["kv"] = codecs.ckv.unpack(pages_read(upd["ckv"], k, inp.pages))
             if info.has_index_k:
-                upd["ik"] = pages_write(lc.ik, k, inp.pages, w, valid, kidx)
-                carry["ik"] = pages_read(upd["ik"], k, inp.pages)
+                stored = codecs.ik.pack(kidx_pre if codecs.packed else kidx)
+                upd["ik"] = pages_write(lc.ik, k, inp.pages, w, valid, stored)
+                carry["ik"] = codecs.ik.unpack(pages_read(upd["ik"], k, inp.pages))
         ckv = carry["kv"]
         visible = (pos + 1) // ratio
         cmask = jnp.arange(ckv.shape[1]) < visible[..., None]

@@ -3,6 +3,10 @@
 Layout of the cache (``docs/spec/model-v4.md`` §4, ``docs/spec/model-v41.md`` §4, ``docs/spec/engine.md`` §12), per
 layer:
 
+Rows are stored as :mod:`~dinfer_jax.models.cache_codec` says: V4.1 (``kv_fake_quant``) in DeepInfer's byte formats
+(uint8 rows ``[data | scales]``: ``swa`` 528 B, ``ckv`` 288 B, ``ik`` 68 B at the release widths), otherwise as
+values (``d`` wide below).
+
 * **SWA ring** (every layer): ``swa [num_slots, W, d]``; position p of the sequence in slot s lives at
   ``swa[s, p % W]``. Slot 0 is the null slot of padding rows.
 * **Compressor state ring** (layers that compress): raw per-token projections of the last ``Sm`` tokens
@@ -111,28 +115,36 @@ def state_width(cfg: ModelConfig, info: LayerInfo) -> int:
 
 
 def layer_cache_shapes(cfg: ModelConfig, info: LayerInfo, cc: CacheConfig, dtype: Any) -> LayerCache:
-    """``jax.ShapeDtypeStruct`` :class:`LayerCache` of one layer (unstacked)."""
-    dt = jnp.dtype(dtype)
+    """``jax.ShapeDtypeStruct`` :class:`LayerCache` of one layer (unstacked). Row storage (values, or V4.1's byte
+    formats) from :func:`~dinfer_jax.models.cache_codec.cache_codecs`."""
+    from dinfer_jax.models.cache_codec import cache_codecs
+
+    codecs = cache_codecs(cfg, dtype)
     d, di = cfg.head_dim, cfg.index_head_dim
     S, N, bs, r = cc.num_slots, cc.num_blocks, cc.block_size, info.ratio
     sds = jax.ShapeDtypeStruct
-    c: dict[str, Any] = {"swa": sds((S, cfg.sliding_window, d), dt)}
+
+    def rows(codec, *lead):
+        width, dt = codec.stored
+        return sds((*lead, width), dt)
+
+    c: dict[str, Any] = {"swa": rows(codecs.swa, S, cfg.sliding_window)}
     sm = state_width(cfg, info)
     if cfg.is_v41:
         if info.kv_source:
-            c["ckv"] = sds((N, bs // r, d), dt)
+            c["ckv"] = rows(codecs.ckv, N, bs // r)
             if sm:
                 c["cst_latent"] = sds((S, sm, d), F32)
                 c["cst_score"] = sds((S, sm, d), F32)
             if info.has_index_k:
-                c["ik"] = sds((N, bs // r, di), F32)
+                c["ik"] = rows(codecs.ik, N, bs // r)
     elif r:
         coff = 2 if info.kind == ATTN_CSA else 1
-        c["ckv"] = sds((N, bs // r, d), dt)
+        c["ckv"] = rows(codecs.ckv, N, bs // r)
         c["cst_kv"] = sds((S, sm, coff * d), F32)
         c["cst_gate"] = sds((S, sm, coff * d), F32)
         if info.kind == ATTN_CSA:
-            c["ikv"] = sds((N, bs // r, di), F32)
+            c["ikv"] = rows(codecs.ikv, N, bs // r)
             c["ist_kv"] = sds((S, sm, 2 * di), F32)
             c["ist_gate"] = sds((S, sm, 2 * di), F32)
     return LayerCache(**c)

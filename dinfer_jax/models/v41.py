@@ -23,20 +23,25 @@ YOCO_MODES = ("off", "mask", "compact")
 
 
 def source_rows(p: Mapping[str, Any], latent: jax.Array, positions: jax.Array, *, cfg: ModelConfig, dtype: Any,
-                inv_freq: Any, has_index_k: bool) -> tuple[jax.Array, jax.Array | None]:
+                inv_freq: Any, has_index_k: bool
+                ) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array | None]:
     """A KV source's compressed KV and index keys from pooled latents ``[B,T,d]`` fp32 at first-token positions
     ``positions`` (``[T]`` or ``[B,T]``): ``L = rms(latent; compressor.norm)``, ``KVc = Q4e(rope(L))``,
-    ``Kidx = Q4u(rope(rms(L·wkᵀ; k_norm)))``. Shared by the full forward and the cached step. fp32 out."""
+    ``Kidx = Q4u(rope(rms(L·wkᵀ; k_norm)))``. Returns ``(KVc, Kidx, rope(L), rope(...))``: the rounded rows the
+    attention uses and the same rows before rounding, which a byte cache encodes (fp32; Kidx None without index
+    keys)."""
     comp = p["compressor"]
     lat = rms_norm(latent.astype(dtype), comp["norm"], cfg.norm_eps, out_dtype=F32)  # pre-RoPE latent L
     cos, sin = rope_cos_sin(positions, inv_freq)
-    kvc = maybe_fake_quant(cfg.kv_fake_quant, q4e_fake, apply_rope_tail(lat, cos, sin), 16)
-    kidx = None
+    kv_pre = apply_rope_tail(lat, cos, sin)
+    kvc = maybe_fake_quant(cfg.kv_fake_quant, q4e_fake, kv_pre, 16)
+    kidx = ik_pre = None
     if has_index_k:
         ix = p["indexer"]
         k = rms_norm(linear(lat.astype(dtype), ix["wk"]), ix["k_norm"], cfg.norm_eps, out_dtype=F32)
-        kidx = maybe_fake_quant(cfg.kv_fake_quant, q4u_fake, apply_rope_tail(k, cos, sin), 32)
-    return kvc, kidx
+        ik_pre = apply_rope_tail(k, cos, sin)
+        kidx = maybe_fake_quant(cfg.kv_fake_quant, q4u_fake, ik_pre, 32)
+    return kvc, kidx, kv_pre, ik_pre
 
 
 def embed_tokens(params: Mapping[str, Any], token_ids: jax.Array, dt: jnp.dtype, image_embeds: jax.Array | None,

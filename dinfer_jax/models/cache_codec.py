@@ -1,0 +1,93 @@
+"""How cache rows are stored: as the values the model computes, or in DeepInfer's byte formats.
+
+V4.1 (with ``kv_fake_quant``, the reference numerics) rounds its sliding-window KV to Q8, its compressed KV to Q4e
+and its index keys to Q4u before caching them. Those values have exact byte forms
+(:mod:`dinfer_jax.engine.kv_formats`, ``docs/kv_formats.md``), so the V4.1 caches store bytes — 528 / 288 / 68 B a
+row at the release widths instead of 1024 (bf16) or 2048 (fp32) — and decode them on read: the model sees exactly
+the values it computed (``decode(encode(x)) == fake_quant(x)``, tested), at DeepInfer's memory cost.
+
+A stored row is one uint8 vector ``[data bytes | scale bytes]``. V4 (whose reference does not quantise its cache)
+and V4.1 without ``kv_fake_quant`` keep plain values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax.models.config import ModelConfig
+
+U8 = jnp.uint8
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCodec:
+    """Storage of one cache's rows of ``width`` values read back in ``dtype``.
+
+    ``fmt`` None: rows stored as ``dtype`` values. Else a :mod:`~dinfer_jax.engine.kv_formats` format: rows stored
+    as uint8 ``[row_bytes]``; :meth:`pack` takes the rows *before* the model's fake quantisation (encoding the
+    already rounded values is not the same for Q4e), :meth:`unpack` returns the rounded values.
+    """
+
+    width: int
+    dtype: Any
+    fmt: str | None = None
+    reciprocal: bool = True
+
+    @property
+    def stored(self) -> tuple[int, Any]:
+        """(last dimension, dtype) of the stored array."""
+        if self.fmt is None:
+            return self.width, jnp.dtype(self.dtype)
+        from dinfer_jax.engine.kv_formats import layout
+
+        return layout(self.fmt, self.width).bytes_per_row, jnp.dtype(U8)
+
+    def pack(self, x: jax.Array) -> jax.Array:
+        """Rows ``[..., width]`` → stored ``[..., stored[0]]``."""
+        if self.fmt is None:
+            return x.astype(self.dtype)
+        from dinfer_jax.engine.kv_formats import encode
+
+        data, scales = encode(x, self.fmt, reciprocal=self.reciprocal)
+        return jnp.concatenate([data, scales], axis=-1)
+
+    def unpack(self, stored: jax.Array) -> jax.Array:
+        """Stored ``[..., stored[0]]`` → values ``[..., width]`` in ``dtype``."""
+        if self.fmt is None:
+            return stored.astype(self.dtype)
+        from dinfer_jax.engine.kv_formats import decode, layout
+
+        nd = layout(self.fmt, self.width).data_bytes
+        return decode(stored[..., :nd], stored[..., nd:], self.fmt, dtype=self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheCodecs:
+    """Codecs of a model's cached rows: ``swa`` (sliding-window ring), ``ckv`` (paged compressed KV), ``ik``
+    (V4.1 paged index keys) and ``ikv`` (V4 CSA paged index keys)."""
+
+    swa: RowCodec
+    ckv: RowCodec
+    ik: RowCodec
+    ikv: RowCodec
+
+    @property
+    def packed(self) -> bool:
+        return self.swa.fmt is not None
+
+
+def cache_codecs(cfg: ModelConfig, dtype: Any) -> CacheCodecs:
+    """The storage of ``cfg``'s caches for activations in ``dtype``: V4.1 with ``kv_fake_quant`` in byte formats
+    (``v41`` ring, ``v41_fp4`` compressed KV quantised with ``x / s`` as the model's Q4e does, ``fp4_index`` keys);
+    otherwise values (KV in ``dtype``, index keys in fp32), as before byte caches existed."""
+    dt = jnp.dtype(dtype)
+    d, di = cfg.head_dim, cfg.index_head_dim
+    if cfg.is_v41 and cfg.kv_fake_quant:
+        return CacheCodecs(swa=RowCodec(d, dt, "v41"), ckv=RowCodec(d, dt, "v41_fp4", reciprocal=False),
+                           ik=RowCodec(di, jnp.float32, "fp4_index"), ikv=RowCodec(di, jnp.float32))
+    return CacheCodecs(swa=RowCodec(d, dt), ckv=RowCodec(d, dt), ik=RowCodec(di, jnp.float32),
+                       ikv=RowCodec(di, jnp.float32))
