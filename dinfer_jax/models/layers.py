@@ -54,6 +54,7 @@ class LayerOptions:
     moe_impl: str = "auto"
     sharder: Sharder | None = None
     collect: bool = False
+    ep_manual: int = 0  # EP group size when running per device inside a shard_map (DP engines); 0 = not
 
 
 class StepContext(NamedTuple):
@@ -268,7 +269,7 @@ def layer_v4(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arra
     u, post, comb = hc_pre(streams, p["hc_ffn"], **hc_kw)
     m, moe_aux = moe(p["ffn"], rms_norm(u, p["ffn_norm"], cfg.norm_eps), ctx.inp.tokens, cfg=cfg,
                      hash_routed=info.hash_routed, impl=opts.moe_impl, sharder=opts.sharder,
-                     expert_map=p["ffn"].get("expert_map"))
+                     expert_map=p["ffn"].get("expert_map"), ep_manual=opts.ep_manual)
     streams = hc_post(streams, m, post, comb)
     streams = constrain(opts.sharder, streams, ("act_batch", "act_seq", None, None))
     if opts.collect:
@@ -298,7 +299,8 @@ def layer_v41(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arr
     pre_f, post_f, comb_f = hc_mixes(streams, p["hc_ffn"], **hc_kw)
     x = rms_norm(hc_collapse(streams, pre_a), p["ffn_norm"], cfg.norm_eps)
     m, moe_aux = moe(p["ffn"], x, None, cfg=cfg, hash_routed=False, impl=opts.moe_impl, sharder=opts.sharder,
-                     image_mask=inp.image_mask, expert_map=p["ffn"].get("expert_map"))
+                     image_mask=inp.image_mask, expert_map=p["ffn"].get("expert_map"),
+                     ep_manual=opts.ep_manual)
     streams = hc_post(streams, m, post_f, comb_f)
     streams = constrain(opts.sharder, streams, ("act_batch", "act_seq", None, None))
     if info.dspark_target:

@@ -1,0 +1,89 @@
+"""Attention-DP engines on the 8 forced CPU devices (``docs/dp_engines.md``): greedy ``LLM.generate`` with
+``(dp_size, cp_size, ep_size)`` must give exactly the one-device engine's tokens for mixed-length prompts (chunked
+prefill, engines idle while others work, prefill and decode engines in one iteration); invalid layouts raise a
+ValueError naming the rule; the scheduler's CP alignment (``cp_align``) chunks as DeepInfer does.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from dinfer_jax import LLM, SamplingParams
+from dinfer_jax.engine.block_manager import BlockManager, StateSlots
+from dinfer_jax.engine.dp_runner import parallel_layout
+from dinfer_jax.engine.runner import Buckets
+from dinfer_jax.engine.scheduler import Scheduler, SchedulerConfig
+from dinfer_jax.models import load_config, random_model
+
+LENGTHS = [5, 23, 41, 12, 30]  # 41 > the 32-token budget: chunked; 5 prompts over dp engines: uneven work
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+KW = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32, progress=False,
+          buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(32,)))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = load_config("tiny-v4")
+    model = random_model(cfg, seed=3, std=0.1, include_mtp=False)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, size=n)] for n in LENGTHS]
+    ref = [o.token_ids for o in LLM(model, **KW).generate(prompts, GREEDY, use_tqdm=False)]
+    return model, prompts, ref
+
+
+@pytest.mark.parametrize("dp,cp,ep", [(1, 1, 8), (2, 1, 4), (2, 2, 2), (4, 2, 8), (1, 2, 2)])
+def test_dp_engines_equal_single_device(setup, dp, cp, ep):
+    assert len(jax.devices()) >= 8
+    model, prompts, ref = setup
+    llm = LLM(model, dp_size=dp, cp_size=cp, ep_size=ep, **KW)
+    compiled = llm.metrics()["compilations"]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.finish_reason == "length" for o in outs)
+    assert [o.token_ids for o in outs] == ref
+    if (dp, cp, ep) == (2, 1, 4):
+        # synchronous loop, and one prompt only (engine 1 runs padding every step): same tokens
+        llm.configure(async_scheduling=False)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
+        llm.configure(async_scheduling=True)
+        assert llm.generate([prompts[2]], GREEDY, use_tqdm=False)[0].token_ids == ref[2]
+    assert llm.metrics()["compilations"] == compiled, "compiled outside warm-up"
+
+
+@pytest.mark.parametrize("dp,cp,ep,rule", [
+    (3, 1, 2, "does not divide the world size"),
+    (2, 1, 3, "multiple of dp·cp"),
+    (2, 3, 2, "no device mesh realises"),
+    (8, 2, 1, "devices"),
+    (0, 1, 1, "dp_size must be an integer"),
+])
+def test_invalid_layouts_raise(dp, cp, ep, rule):
+    with pytest.raises(ValueError, match=rule):
+        parallel_layout(dp, cp, ep)
+    with pytest.raises(ValueError, match=rule):
+        LLM("tiny-v4", dp_size=dp, cp_size=cp, ep_size=ep, warmup=False, progress=False)
+
+
+def test_layout_mapping():
+    assert parallel_layout(1, 1, 8).replicas == 8  # one engine, attention on 8 copies, experts over 8
+    assert parallel_layout(2, 1, 4).replicas == 2
+    lay = parallel_layout(4, 2, 8)
+    assert (lay.replicas, lay.devices, lay.engine_copies) == (1, 8, 4)
+
+
+def test_cp_align_chunks_like_deepinfer():
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=18, max_model_len=64, block_size=16, cp_align=4)
+    sched = Scheduler(cfg, BlockManager(20, 16), StateSlots(4), vocab_size=100)
+    sched.add_request(0, list(range(1, 6)))    # 5 tokens: charged 8 of the budget
+    sched.add_request(1, list(range(1, 31)))   # 30 tokens: 10 left, chunk = 8 (multiple of cp_align)
+    step = sched.schedule()
+    assert [r.num_tokens for r in step.rows] == [5, 8]
+    sched.process_step(step, [7, None])
+    step = sched.schedule()  # the partial prompt first: 22 left > 16 (18 rounded down) -> 16
+    assert [r.num_tokens for r in step.rows] == [16]
+    sched.process_step(step, [None])
+    step = sched.schedule()  # 6 left: the final chunk needs no alignment
+    assert step.kind == "prefill" and [r.num_tokens for r in step.rows] == [6]
+    with pytest.raises(ValueError, match="cp_align"):
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=4, max_model_len=64, block_size=16, cp_align=8)
