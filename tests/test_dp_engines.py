@@ -87,3 +87,35 @@ def test_cp_align_chunks_like_deepinfer():
     assert step.kind == "prefill" and [r.num_tokens for r in step.rows] == [6]
     with pytest.raises(ValueError, match="cp_align"):
         SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=4, max_model_len=64, block_size=16, cp_align=8)
+
+
+def test_cp_tokenwise_owner_ranks_follow_cp_split():
+    """Each CP rank computes exactly its mirrored rows (``sharding.cp_split`` per row's ``n``); the all-gather puts
+    every result back at its position; positions ≥ n are zeros."""
+    from functools import partial
+
+    from jax.sharding import PartitionSpec
+
+    from dinfer_jax.models.cp_rows import cp_tokenwise
+    from sharding import cp_split, make_mesh
+
+    cp, Q = 4, 19
+    mesh = make_mesh(1, cp, 1)
+    n = np.array([19, 7, 1, 0, 12], np.int32)
+    x = np.arange(len(n) * Q * 2, dtype=np.float32).reshape(len(n), Q, 2) + 1
+
+    def body(x, n):
+        rank = jax.lax.axis_index(("cp_out", "cp_ep"))
+        owner = partial(lambda x, rank: x * 10 + rank, rank=rank.astype(np.float32))
+        return cp_tokenwise(owner, x, (), n, cp)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec()), out_specs=PartitionSpec(),
+                       check_vma=False)
+    y = np.asarray(jax.jit(fn)(x, n))
+    for b, nb in enumerate(n):
+        want_owner = np.full(Q, -1)
+        for r, rows in enumerate(cp_split(int(nb), cp)):
+            want_owner[rows] = r
+        real = want_owner >= 0
+        np.testing.assert_array_equal(y[b, real] - x[b, real] * 10, np.repeat(want_owner[real, None], 2, 1))
+        assert not y[b, ~real].any()

@@ -1,6 +1,6 @@
 """Device side of attention-DP engines: one jitted step over the whole mesh, each engine's rows and KV pool on its
-own devices, the routed experts over the EP group (``docs/dp_engines.md``; DeepInfer: ``docs/spec/engine.md``
-§2, §3, §10).
+own devices, the routed experts over the EP group (``docs/dp_engines.md``).
+DeepInfer's mechanism: ``docs/spec/engine.md`` §2, §3, §10.
 
 **Layout.** ``dp`` engines of ``cp`` CP ranks make ``dp·cp`` workers (:func:`sharding.layout`). When
 ``ep > dp·cp`` (DeepInfer has no such layout: its EP groups are blocks of the same workers) the engines'
@@ -19,9 +19,11 @@ all-padding batch (it writes nowhere), so the EP collectives line up (DeepInfer'
 on ranks without work). An idle engine keeps its previous sampled tokens on the device, so its next step can still
 read in-flight input tokens from its own last real step.
 
-**CP.** The ``cp`` ranks of an engine hold the same rows and compute the same result (attention replicated over
-CP); every CP rank therefore has the complete compressed KV and index keys. The balanced (mirrored) split of
-prefill query rows over CP ranks (:func:`sharding.cp_split`) is not done inside the step.
+**CP.** The ``cp`` ranks of an engine hold the same rows. Attention (and the cache writes) run replicated over
+CP, so every CP rank has the complete compressed KV and index keys; the MoE sublayer of prefill rows runs on each
+rank's mirrored share of every row (:func:`sharding.cp_split`'s rule, :mod:`dinfer_jax.models.cp_rows`) and is
+all-gathered over CP. The mirrored split of the attention queries (with the projected KV all-gathered, as
+DeepInfer does) is not done.
 """
 
 from __future__ import annotations
@@ -168,7 +170,8 @@ class DPModelRunner:
             efn = functools.partial(_engram_callback, self.cfg, model.engram.tables)
         self._cmap = cmap
         step_fn = functools.partial(_device_step, cfg=self.cfg, dtype=model.dtype, moe_impl=moe_impl,
-                                    engram_fn=efn, max_rows=self.max_rows, ep_manual=ep_manual)
+                                    engram_fn=efn, max_rows=self.max_rows, ep_manual=ep_manual,
+                                    cp_manual=lay.cp if lay.cp > 1 else 0)
         self._step = jax.jit(functools.partial(_mesh_step, step_fn=step_fn, mesh=self.mesh,
                                                param_specs=self._param_specs, copies=self._copies_spec),
                              donate_argnums=(1,))
