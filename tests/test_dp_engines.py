@@ -19,6 +19,7 @@ from dinfer_jax.models import load_config, random_model
 
 LENGTHS = [5, 23, 41, 12, 30]  # 41 > the 32-token budget: chunked; 5 prompts over dp engines: uneven work
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+GREEDY_LP = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 KW = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32, progress=False,
           buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(32,)))
 
@@ -29,14 +30,16 @@ def setup():
     model = random_model(cfg, seed=3, std=0.1, include_mtp=False)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, size=n)] for n in LENGTHS]
-    ref = [o.token_ids for o in LLM(model, **KW).generate(prompts, GREEDY, use_tqdm=False)]
-    return model, prompts, ref
+    single = LLM(model, **KW)
+    ref = [o.token_ids for o in single.generate(prompts, GREEDY, use_tqdm=False)]
+    ref_lp = [o.logprobs for o in single.generate(prompts[:2], GREEDY_LP, use_tqdm=False)]
+    return model, prompts, ref, ref_lp
 
 
 @pytest.mark.parametrize("dp,cp,ep", [(1, 1, 8), (2, 1, 4), (2, 2, 2), (4, 2, 8), (1, 2, 2)])
 def test_dp_engines_equal_single_device(setup, dp, cp, ep):
     assert len(jax.devices()) >= 8
-    model, prompts, ref = setup
+    model, prompts, ref, ref_lp = setup
     llm = LLM(model, dp_size=dp, cp_size=cp, ep_size=ep, **KW)
     compiled = llm.metrics()["compilations"]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -48,6 +51,12 @@ def test_dp_engines_equal_single_device(setup, dp, cp, ep):
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
         llm.configure(async_scheduling=True)
         assert llm.generate([prompts[2]], GREEDY, use_tqdm=False)[0].token_ids == ref[2]
+        # logprobs of each engine's rows come back with its tokens
+        for got, want in zip(llm.generate(prompts[:2], GREEDY_LP, use_tqdm=False), ref_lp, strict=True):
+            assert [e["token"] for e in got.logprobs] == [e["token"] for e in want]
+            np.testing.assert_allclose([e["logprob"] for e in got.logprobs], [e["logprob"] for e in want],
+                                       rtol=1e-5, atol=1e-6)
+            assert [[t for t, _ in e["top"]] for e in got.logprobs] == [[t for t, _ in e["top"]] for e in want]
     assert llm.metrics()["compilations"] == compiled, "compiled outside warm-up"
 
 
