@@ -128,3 +128,30 @@ def test_cp_tokenwise_owner_ranks_follow_cp_split():
         real = want_owner >= 0
         np.testing.assert_array_equal(y[b, real] - x[b, real] * 10, np.repeat(want_owner[real, None], 2, 1))
         assert not y[b, ~real].any()
+
+
+def test_group_tokenwise_splits_an_engines_tokens_over_its_copies_and_cp_ranks():
+    """(dp, cp, ep) = (2, 2, 8): two engines, each on 2 copies × 2 CP ranks; the engine's B·Q tokens are split in 4
+    contiguous shares, one per device, and come back in order, each engine getting its own tokens."""
+    from dinfer_jax.models.cp_rows import group_tokenwise
+    from sharding import make_mesh
+
+    lay = parallel_layout(2, 2, 8)
+    copies, cp = lay.replicas, lay.cp
+    mesh = make_mesh(lay.engine_copies, cp, 8)
+    B, Q, g = 3, 5, copies * cp
+    x = np.arange(2 * B * Q * 2, dtype=np.float32).reshape(2, B, Q, 2) + 1
+    x_copies = np.repeat(x, copies, axis=0)  # engine e at rows e·copies …
+
+    def body(x):
+        k = (jax.lax.axis_index(("dp_out", "dp_ep")) % copies) * cp + jax.lax.axis_index(("cp_out", "cp_ep"))
+        return group_tokenwise(lambda x: x * 10 + k.astype(np.float32), x[0], (), copies, cp)[None]
+
+    spec = jax.sharding.PartitionSpec(("dp_out", "dp_ep"))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False)
+    y = np.asarray(jax.jit(fn)(x_copies))
+    share = -(-B * Q // g)
+    owner = (np.arange(B * Q) // share).reshape(B, Q)
+    for m in range(lay.engine_copies):
+        e = m // copies
+        np.testing.assert_array_equal(y[m] - x[e] * 10, np.repeat(owner[..., None], 2, -1))

@@ -23,7 +23,9 @@ read in-flight input tokens from its own last real step.
 CP, so every CP rank has the complete compressed KV and index keys; the MoE sublayer of prefill rows runs on each
 rank's mirrored share of every row (:func:`sharding.cp_split`'s rule, :mod:`dinfer_jax.models.cp_rows`) and is
 all-gathered over CP. The mirrored split of the attention queries (with the projected KV all-gathered, as
-DeepInfer does) is not done.
+DeepInfer does) is not done. Where an engine has copies (``ep > dp·cp``), and for decode rows under CP, the MoE
+tokens are split contiguously over the engine's devices instead (``cp_rows.group_tokenwise``), so no token's
+experts run twice in an engine.
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ class DPModelRunner:
         self._cmap = cmap
         step_fn = functools.partial(_device_step, cfg=self.cfg, dtype=model.dtype, moe_impl=moe_impl,
                                     engram_fn=efn, max_rows=self.max_rows, ep_manual=ep_manual,
-                                    cp_manual=lay.cp if lay.cp > 1 else 0)
+                                    cp_manual=lay.cp if lay.cp > 1 else 0, copies_manual=lay.replicas)
         self._step = jax.jit(functools.partial(_mesh_step, step_fn=step_fn, mesh=self.mesh,
                                                param_specs=self._param_specs, copies=self._copies_spec),
                              donate_argnums=(1,))

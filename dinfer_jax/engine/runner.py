@@ -196,12 +196,13 @@ def _engram_callback(cfg: Any, tables: list[Any], rows: jax.Array) -> jax.Array:
 
 def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
                  cmap: Any, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int,
-                 ep_manual: int = 0, cp_manual: int = 0):
+                 ep_manual: int = 0, cp_manual: int = 0, copies_manual: int = 1):
     """Traced step: resolve in-flight inputs on device, run the model, sample. Outputs padded to ``max_rows``."""
     first = jnp.where(feed.use_prev, prev_tokens[feed.prev_row], inp.tokens[:, 0])
     inp = dataclasses.replace(inp, tokens=inp.tokens.at[:, 0].set(first))
     logits, cache = model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn,
-                               cmap=cmap, ep_manual=ep_manual, cp_manual=cp_manual)
+                               cmap=cmap, ep_manual=ep_manual, cp_manual=cp_manual,
+                               copies_manual=copies_manual)
     toks, logprobs = sample(logits, samp)
     out = jnp.zeros((max_rows,), jnp.int32).at[: toks.shape[0]].set(toks)
     return out, logprobs, cache

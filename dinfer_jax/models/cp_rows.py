@@ -56,3 +56,30 @@ def cp_tokenwise(fn: Callable[..., jax.Array], x: jax.Array, extras: tuple[jax.A
         pos_r, valid_r = mirror_rows(n, Q, cp, r)
         out = out.at[rows, pos_r].add(jnp.where(valid_r[..., None], ys[r], jnp.zeros((), y.dtype)))
     return out
+
+
+def group_tokenwise(fn: Callable[..., jax.Array], x: jax.Array, extras: tuple[jax.Array | None, ...], copies: int,
+                    cp: int) -> jax.Array:
+    """``fn(x, *extras)`` for per-token ``fn`` on ``x [B, Q, D]`` when the ``copies · cp`` devices of an engine (its
+    copies along the DP mesh axes, engine ``dp_rank // copies``, times its CP ranks) hold the same tokens: the
+    ``B·Q`` tokens are cut into ``copies · cp`` contiguous shares, each device computes its share, and the shares
+    are all-gathered back (over the DP and CP axes; the engine's block is picked out). Runs inside a
+    ``shard_map`` over the whole mesh."""
+    g = copies * cp
+    B, Q = x.shape[:2]
+    T = B * Q
+    share = -(-T // g)
+    dp_rank = jax.lax.axis_index(GROUP_AXES["dp"])
+    k = (dp_rank % copies) * cp + jax.lax.axis_index(GROUP_AXES["cp"])
+
+    def mine(a: jax.Array | None) -> jax.Array | None:
+        if a is None:
+            return None
+        flat = a.reshape(T, *a.shape[2:])
+        flat = jnp.pad(flat, [(0, g * share - T)] + [(0, 0)] * (flat.ndim - 1))
+        return jax.lax.dynamic_slice_in_dim(flat, k * share, share, axis=0)[None]
+
+    y = fn(mine(x), *(mine(e) for e in extras))[0]  # [share, D]
+    ys = jax.lax.all_gather(y, GROUP_AXES["dp"] + GROUP_AXES["cp"], axis=0, tiled=False)  # [dp·copies·cp, share, D]
+    block = jax.lax.dynamic_slice_in_dim(ys, (dp_rank // copies) * g, g, axis=0)
+    return block.reshape(g * share, -1)[:T].reshape(B, Q, -1)
