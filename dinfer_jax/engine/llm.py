@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from dinfer_jax.engine.block_manager import BlockManager, StateSlots
+from dinfer_jax.engine.dp_runner import DPModelRunner, DPStepOutput, parallel_layout
 from dinfer_jax.engine.kv_cache import CacheConfig, size_pools
 from dinfer_jax.engine.runner import Buckets, ModelRunner, StepOutput
 from dinfer_jax.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
@@ -109,6 +110,11 @@ class LLM:
             step's cost follows its batch's context, not ``max_model_len``).
         progress: progress bars for checkpoint loading and bucket warm-up (``False`` silences them; see
             :mod:`dinfer_jax.progress`). ``generate``'s own bar is ``use_tqdm``.
+        dp_size / cp_size / ep_size: attention-DP engines, CP ranks per engine, EP group size
+            (``docs/dp_engines.md``). Each engine has its own scheduler and KV pool (sized as above, per engine);
+            prompts go to the engines round-robin; all engines step together on one mesh. ``(1, 1, 1)`` (default)
+            is the one-device engine. Invalid layouts raise ValueError (:func:`~dinfer_jax.engine.dp_runner.
+            parallel_layout`).
     """
 
     def __init__(self, model: str | Path | Model, dtype: str = "float32", max_num_seqs: int = 8,
@@ -116,8 +122,11 @@ class LLM:
                  kv_cache_memory_bytes: int = DEFAULT_KV_BYTES, block_size: int | None = None,
                  async_scheduling: bool = True, enable_chunked_prefill: bool = True, preemption_mode: str = "stop",
                  max_logprobs: int = 5, warmup: bool = True, seed: int = 0, buckets: Buckets | None = None,
-                 num_kv_blocks: int | None = None, progress: bool = True):
+                 num_kv_blocks: int | None = None, progress: bool = True, dp_size: int = 1, cp_size: int = 1,
+                 ep_size: int = 1):
         _enable_compilation_cache()
+        self.parallel = parallel_layout(dp_size, cp_size, ep_size)
+        self.dp_size = dp_size
         self.model, self.path = _resolve_model(model, dtype, seed, progress)
         cfg = self.model.config
         self.config = cfg
@@ -141,10 +150,16 @@ class LLM:
                                             max_model_len=self.max_model_len, block_size=self.block_size,
                                             enable_chunked_prefill=enable_chunked_prefill,
                                             preemption_mode=preemption_mode,
-                                            max_prefill_seqs=max(self.buckets.prefill_batch))
+                                            max_prefill_seqs=max(self.buckets.prefill_batch),
+                                            cp_align=2 * cp_size if cp_size > 1 else 1)
         self.cache_config = cache_cfg
         self.async_scheduling = async_scheduling
-        self.runner = ModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, max_logprobs=max_logprobs)
+        if (dp_size, cp_size, ep_size) == (1, 1, 1):
+            self.runner: ModelRunner | DPModelRunner = ModelRunner(self.model, cache_cfg, self.max_model_len,
+                                                                   self.buckets, max_logprobs=max_logprobs)
+        else:
+            self.runner = DPModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, self.parallel,
+                                        max_logprobs=max_logprobs)
         self.max_logprobs = max_logprobs
         self.tokenizer = self._load_tokenizer()
         self._metrics = EngineMetrics()
@@ -172,12 +187,16 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         t0 = time.perf_counter()
-        sched = Scheduler(self.sched_config, BlockManager(self.cache_config.num_blocks, self.block_size),
-                          StateSlots(self.cache_config.num_slots), vocab_size=self.config.vocab_size)
+        scheds = [Scheduler(self.sched_config, BlockManager(self.cache_config.num_blocks, self.block_size),
+                            StateSlots(self.cache_config.num_slots), vocab_size=self.config.vocab_size)
+                  for _ in range(self.dp_size)]
         records: list[dict[str, Any]] = []
-        for prompt, sp in zip(prompts, params, strict=False):
-            records.append(self._add(sched, prompt, sp))
-        self._run(sched, records, use_tqdm)
+        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=False)):
+            records.append(self._add(scheds[i % self.dp_size], prompt, sp))  # round-robin over the engines
+        if isinstance(self.runner, DPModelRunner):
+            self._run_dp(scheds, records, use_tqdm)
+        else:
+            self._run(scheds[0], records, use_tqdm)
         self._metrics.generate_seconds += time.perf_counter() - t0
         self._metrics.compilations = self.runner.num_compilations
         return [self._output(r) for r in records]
@@ -289,6 +308,65 @@ class LLM:
             # Device idle detection (a lower bound: the moment we first see the queued step done, not when it ended).
             if idle_since is None and inflight and inflight[-1].tokens.is_ready():
                 idle_since = time.perf_counter()
+        progress.close()
+
+    def _run_dp(self, scheds: list[Scheduler], records: list[dict[str, Any]], use_tqdm: bool) -> None:
+        """The host loop of the DP engines (``docs/dp_engines.md``): every engine schedules its own step; the
+        steps of one kind run together as one mesh step (prefill ones first), the engines without a step of that
+        kind running padding; with ``async_scheduling`` one mesh step stays in flight while the older ones are
+        processed, each engine's steps in its own order."""
+        by_id = {r["id"]: r for r in records}
+        inflight: collections.deque[DPStepOutput] = collections.deque()
+        progress = _Progress(len(records), use_tqdm)
+        for r in records:
+            if r["seq"] is not None and r["seq"].finished:
+                progress.done()
+        m = self._metrics
+        runner = self.runner
+        assert isinstance(runner, DPModelRunner)
+        while any(s.has_unfinished() for s in scheds) or inflight:
+            steps = [s.schedule() for s in scheds]
+            dispatched = False
+            for kind in ("prefill", "decode"):
+                group = [st if st is not None and st.kind == kind else None for st in steps]
+                if all(st is None for st in group):
+                    continue
+                samp = [self._row_sampling(st, by_id) if st is not None else ([], []) for st in group]
+                inflight.append(runner.dispatch(group, [p for p, _ in samp], [sd for _, sd in samp]))
+                dispatched = True
+                if kind == "prefill":
+                    m.prefill_steps += 1
+                    m.prefill_tokens += sum(st.num_tokens for st in group if st is not None)
+                else:
+                    m.decode_steps += 1
+            keep = 1 if (self.async_scheduling and dispatched) else 0
+            while len(inflight) > keep:
+                done = inflight.popleft()
+                t0 = time.perf_counter()
+                tokens = np.asarray(done.tokens)
+                wants_lp = any(by_id[r.request_id]["logprobs"] is not None
+                               for st in done.steps if st is not None for r in st.rows)
+                logprobs = jax.device_get(done.logprobs) if wants_lp else None
+                m.host_waited_for_device_seconds += time.perf_counter() - t0
+                for e, st in enumerate(done.steps):
+                    if st is None:
+                        continue
+                    i = done.engine_index(e)
+                    sampled = [int(tokens[i, j]) if row.sample else None for j, row in enumerate(st.rows)]
+                    n_sampled = sum(1 for x in sampled if x is not None)
+                    m.output_tokens += n_sampled
+                    if st.kind == "decode":
+                        m.decode_tokens += n_sampled
+                    finished = scheds[e].process_step(st, sampled)
+                    lp = None if logprobs is None else jax.tree.map(lambda x, i=i: x[i], logprobs)
+                    self._record_logprobs(StepOutput(st, tokens[i], lp, done.dispatched_at), lp, by_id)
+                    for seq in finished:
+                        progress.done(len(seq.output_token_ids))
+                        if seq.finish_reason == "preempted":
+                            m.preemptions += 1
+        for s in scheds:
+            for seq in s.take_finished():
+                progress.done(len(seq.output_token_ids))
         progress.close()
 
     def _record_logprobs(self, done: StepOutput, logprobs: Any, by_id: dict[int, dict[str, Any]]) -> None:

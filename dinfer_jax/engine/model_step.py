@@ -47,21 +47,26 @@ def _engram_rows_device(hist_all: jax.Array, inp: StepInput, cfg: ModelConfig,
 
 def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, cfg: ModelConfig, dtype: str,
                moe_impl: str = "auto", engram_fn: Callable[[jax.Array], jax.Array] | None = None,
-               cmap: jax.Array | None = None) -> tuple[jax.Array, ModelCache]:
+               cmap: jax.Array | None = None, ep_manual: int = 0, cp_manual: int = 0,
+               copies_manual: int = 1) -> tuple[jax.Array, ModelCache]:
     """Run the model on one step's rows.
 
     params: ``"layers"`` stacked (:func:`stack_params`) for serving, or in checkpoint layout (stacked per call).
     Returns ``(logits [B,V] fp32 at each row's ``last`` token, updated cache)``. V4.1 Engram rows come from
     ``engram_fn`` (host gather of hashed n-grams, run through ``jax.pure_callback``) with ``cmap`` the raw →
-    compressed id table on device.
+    compressed id table on device. ``ep_manual``: EP group size when called per device inside a ``shard_map``
+    over the mesh (:mod:`dinfer_jax.engine.dp_runner`), 0 otherwise; ``cp_manual`` likewise the CP group size
+    (prefill MoE rows split over the CP ranks by the mirrored rule), ``copies_manual`` the copies of each DP
+    engine (:class:`~dinfer_jax.models.layers.LayerOptions`).
     """
     engram = None
     if cfg.engram_layer_ids:
         rows, hist = _engram_rows_device(cache.ngram_hist, inp, cfg, cmap)
         cache = dataclasses.replace(cache, ngram_hist=hist)
         engram = engram_fn(rows).astype(jnp.dtype(dtype))  # [n_engram, B, Q, E_in]
-    carry, cache, _ = run_backbone(params, cache, inp, cfg=cfg, dtype=dtype, opts=LayerOptions(moe_impl=moe_impl),
-                                   engram=engram)
+    opts = LayerOptions(moe_impl=moe_impl, ep_manual=ep_manual, cp_manual=cp_manual,
+                        copies_manual=copies_manual)
+    carry, cache, _ = run_backbone(params, cache, inp, cfg=cfg, dtype=dtype, opts=opts, engram=engram)
     last = {k: jnp.take_along_axis(v, inp.last.reshape((-1,) + (1,) * (v.ndim - 1)), axis=1)
             for k, v in carry.items() if k in ("streams", "premix")}  # [B,1,...]
     logits, _ = head_logits(params, last, cfg)

@@ -112,15 +112,9 @@ class ModelRunner:
         self.num_compilations = cache_size() if callable(cache_size) else len(self.compiled_shapes)
         return out
 
-    def _empty_inputs(self, b: int, q: int, p: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Host buffers of an all-padding ``[b, q]`` step with ``[b, p]`` page tables: the :class:`StepInput`
-        fields and the in-flight feed."""
-        def z() -> np.ndarray:
-            return np.zeros((b,), np.int32)
-
-        inp = dict(tokens=np.zeros((b, q), np.int32), start=z(), n=z(), slot=z(), last=z(),
-                   pages=np.zeros((b, p), np.int32))
-        return inp, dict(use_prev=np.zeros((b,), bool), prev_row=z())
+    @staticmethod
+    def _empty_inputs(b: int, q: int, p: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        return empty_inputs(b, q, p)
 
     # ------------------------------------------------------------------ dispatch
     def _sampling(self, params: list[Any], seeds: list[int], positions: list[int], b: int) -> SamplingTensors:
@@ -143,27 +137,47 @@ class ModelRunner:
             q = Buckets.pick(self.buckets.prefill_len, max(r.num_tokens for r in rows), "prefill chunk")
         bs = self.cache_config.block_size
         p = self.buckets.pick_pages(pages_needed((r.start_pos + r.num_tokens for r in rows), bs))
-        inp, feed = self._empty_inputs(b, q, p)
-        for i, r in enumerate(rows):
-            inp["start"][i], inp["n"][i], inp["slot"][i] = r.start_pos, r.num_tokens, r.state_slot
-            inp["last"][i] = r.num_tokens - 1
-            need = pages_needed([r.start_pos + r.num_tokens], bs)
-            if len(r.block_ids) < need:
-                raise RuntimeError(f"row of request {r.request_id} covers positions < {r.start_pos + r.num_tokens} "
-                                   f"but has {len(r.block_ids)} blocks of {bs} tokens")
-            inp["pages"][i, :need] = r.block_ids[:need]
-            if r.token_ids is None:
-                src_step, src_row = r.input_src
-                if src_step != self._prev_step_id:
-                    raise RuntimeError(f"row of request {r.request_id} reads step {src_step}'s output, but the "
-                                       f"previous dispatched step is {self._prev_step_id}")
-                feed["use_prev"][i], feed["prev_row"][i] = True, src_row
-            else:
-                inp["tokens"][i, : r.num_tokens] = r.token_ids
+        inp, feed = fill_step_inputs(step, b, q, p, bs, self._prev_step_id)
         sampling = self._sampling(params, seeds, [r.end_pos for r in rows], b)
         toks, logprobs, self.cache = self._call(inp, feed, sampling, (b, q, p))
         self._prev_tokens, self._prev_step_id = toks, step.step_id
         return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p))
+
+
+def empty_inputs(b: int, q: int, p: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Host buffers of an all-padding ``[b, q]`` step with ``[b, p]`` page tables: the :class:`StepInput` fields and
+    the in-flight feed."""
+    def z() -> np.ndarray:
+        return np.zeros((b,), np.int32)
+
+    inp = dict(tokens=np.zeros((b, q), np.int32), start=z(), n=z(), slot=z(), last=z(),
+               pages=np.zeros((b, p), np.int32))
+    return inp, dict(use_prev=np.zeros((b,), bool), prev_row=z())
+
+
+def fill_step_inputs(step: ScheduledStep, b: int, q: int, p: int, block_size: int,
+                     prev_step_id: int | None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Host buffers of ``step``'s rows padded to the bucket ``(b, q, p)``; ``prev_step_id``: the step whose
+    device outputs in-flight input tokens are read from (RuntimeError if a row names another)."""
+    inp, feed = empty_inputs(b, q, p)
+    bs = block_size
+    for i, r in enumerate(step.rows):
+        inp["start"][i], inp["n"][i], inp["slot"][i] = r.start_pos, r.num_tokens, r.state_slot
+        inp["last"][i] = r.num_tokens - 1
+        need = pages_needed([r.start_pos + r.num_tokens], bs)
+        if len(r.block_ids) < need:
+            raise RuntimeError(f"row of request {r.request_id} covers positions < {r.start_pos + r.num_tokens} "
+                               f"but has {len(r.block_ids)} blocks of {bs} tokens")
+        inp["pages"][i, :need] = r.block_ids[:need]
+        if r.token_ids is None:
+            src_step, src_row = r.input_src
+            if src_step != prev_step_id:
+                raise RuntimeError(f"row of request {r.request_id} reads step {src_step}'s output, but the "
+                                   f"previous dispatched step is {prev_step_id}")
+            feed["use_prev"][i], feed["prev_row"][i] = True, src_row
+        else:
+            inp["tokens"][i, : r.num_tokens] = r.token_ids
+    return inp, feed
 
 
 def _engram_callback(cfg: Any, tables: list[Any], rows: jax.Array) -> jax.Array:
@@ -181,12 +195,14 @@ def _engram_callback(cfg: Any, tables: list[Any], rows: jax.Array) -> jax.Array:
 
 
 def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
-                 cmap: Any, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int):
+                 cmap: Any, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int,
+                 ep_manual: int = 0, cp_manual: int = 0, copies_manual: int = 1):
     """Traced step: resolve in-flight inputs on device, run the model, sample. Outputs padded to ``max_rows``."""
     first = jnp.where(feed.use_prev, prev_tokens[feed.prev_row], inp.tokens[:, 0])
     inp = dataclasses.replace(inp, tokens=inp.tokens.at[:, 0].set(first))
     logits, cache = model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn,
-                               cmap=cmap)
+                               cmap=cmap, ep_manual=ep_manual, cp_manual=cp_manual,
+                               copies_manual=copies_manual)
     toks, logprobs = sample(logits, samp)
     out = jnp.zeros((max_rows,), jnp.int32).at[: toks.shape[0]].set(toks)
     return out, logprobs, cache

@@ -64,6 +64,9 @@ class SchedulerConfig:
         (DeepInfer GPU_CACHE_PREFILL_WATERMARK = 0.9; default 1.0 = off).
     max_prefill_seqs: rows per prefill step (default max_num_seqs); the engine sets it to its largest compiled
         prefill batch.
+    cp_align: DeepInfer's ``cp_align`` (``2·cp_size`` with context parallelism, else 1): a prompt is chunked only
+        when it exceeds the remaining budget rounded down to a multiple of it, the chunk then being that multiple,
+        and each row charges the budget its length rounded up to it (``docs/spec/engine.md`` §3, §9).
     """
 
     max_num_seqs: int
@@ -76,12 +79,13 @@ class SchedulerConfig:
     max_consecutive_prefill_steps: int | None = None
     prefill_kv_watermark: float = 1.0
     max_prefill_seqs: int | None = None
+    cp_align: int = 1
 
     def __post_init__(self) -> None:
         if self.max_prefill_seqs is None:
             self.max_prefill_seqs = self.max_num_seqs
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "prefill_attempt_interval", "max_prefill_seqs"):
+                     "prefill_attempt_interval", "max_prefill_seqs", "cp_align"):
             v = getattr(self, name)
             if not _is_int(v):
                 raise TypeError(f"SchedulerConfig.{name} must be an int, got {v!r}")
@@ -95,6 +99,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}): a decode step has one token per running sequence")
+        if self.cp_align > self.max_num_batched_tokens:
+            raise ValueError(f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"cp_align ({self.cp_align}): a prefill chunk is a multiple of cp_align")
         if not isinstance(self.enable_chunked_prefill, bool):
             raise TypeError(
                 f"SchedulerConfig.enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
@@ -337,9 +344,9 @@ class Scheduler:
         assert len(self.prefilling) <= 1
         if self.prefilling:
             seq = self.prefilling[0]
-            n = min(seq.prefill_len - seq.num_computed_tokens, budget)
+            n = self._chunk_len(seq.prefill_len - seq.num_computed_tokens, budget)
             rows.append(self._prefill_row(seq, n))
-            budget -= n
+            budget -= self._charge(n)
             if seq.is_prefilling:
                 return self._new_step("prefill", rows)  # still chunked: it ends the batch
             self.prefilling.remove(seq)
@@ -365,8 +372,9 @@ class Scheduler:
                     self._finish(seq, "error", f"request {seq.request_id!r}: prompt of {plen} tokens can never be "
                                  f"scheduled ({need} blocks needed, {bm.capacity} usable)")
                 continue
-            if not cfg.enable_chunked_prefill and plen > budget:
-                break  # whole prompt next step
+            n = self._chunk_len(plen, budget)
+            if n == 0 or (not cfg.enable_chunked_prefill and n < plen):
+                break  # no room for an aligned chunk / the whole prompt next step
             if bm.num_free < need or slots.num_free < 1:
                 break  # LATER: head-of-line blocking keeps FCFS
             self.waiting.popleft()
@@ -376,15 +384,26 @@ class Scheduler:
             seq.prefill_len = plen
             seq.num_computed_tokens = 0
             seq.num_inflight = 0
-            n = min(plen, budget)
             rows.append(self._prefill_row(seq, n))
-            budget -= n
+            budget -= self._charge(n)
             if seq.is_prefilling:
                 self.prefilling.append(seq)
                 break  # a chunked sequence ends the batch
             self.running.append(seq)
 
         return self._new_step("prefill", rows) if rows else None
+
+    def _chunk_len(self, remaining: int, budget: int) -> int:
+        """Tokens of a prompt with ``remaining`` tokens left that fit ``budget``: all of them when they fit the
+        budget rounded down to ``cp_align``, else that rounded budget (DeepInfer ``_schedule_prefill``)."""
+        a = self.config.cp_align
+        room = max(budget, 0) // a * a
+        return remaining if remaining <= room else room
+
+    def _charge(self, n: int) -> int:
+        """Budget a row of ``n`` tokens uses: ``n`` rounded up to ``cp_align``."""
+        a = self.config.cp_align
+        return -(-n // a) * a
 
     def _prefill_row(self, seq: Sequence, n: int) -> ScheduledRow:
         start = seq.num_computed_tokens

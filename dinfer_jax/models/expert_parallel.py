@@ -94,6 +94,42 @@ def _alltoall(ex: Mapping[str, Any], x: jax.Array, slot: jax.Array, w: jax.Array
     return y.reshape(n, k, D), jnp.sum(~keep).astype(jnp.int32)
 
 
+def _ep_local(ex: Mapping[str, Any], emap: ExpertMap, x: jax.Array, idx: jax.Array, w: jax.Array, *, ep: int,
+              dispatch: str, capacity: int | None, swiglu_limit: float) -> tuple[jax.Array, jax.Array]:
+    """One rank's part of the EP layer (inside a ``shard_map`` whose EP axes are manual): its tokens ``[*T, D]``
+    in, their combined expert outputs ``[*T, D]`` fp32 and the dropped-row count out."""
+    axes = GROUP_AXES["ep"]
+    lead, D, k = x.shape[:-1], x.shape[-1], idx.shape[-1]
+    x, idx, w = x.reshape(-1, D), idx.reshape(-1, k), w.reshape(-1, k).astype(F32)
+    slot = physical_slots(emap, idx, jax.lax.axis_index(axes))
+    if dispatch == "allgather":
+        y, dropped = _allgather(ex, x, slot, w, axes=axes, ep=ep, swiglu_limit=swiglu_limit)
+    else:
+        y, dropped = _alltoall(ex, x, slot, w, axes=axes, ep=ep, swiglu_limit=swiglu_limit, capacity=capacity)
+    return combine_choices(y).reshape(*lead, D), dropped
+
+
+def ep_experts_manual(experts: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.Array, *, ep: int,
+                      swiglu_limit: float, expert_map: ExpertMap | None = None, dispatch: str = "auto",
+                      capacity: int | None = None) -> jax.Array:
+    """:func:`ep_experts` for code that already runs per device inside a ``shard_map`` over the whole mesh (the
+    DP engines' step, :mod:`dinfer_jax.engine.dp_runner`): ``experts`` are this rank's ``L = P / ep`` slots,
+    ``x``/``idx``/``w`` its own tokens; the collectives run over the EP axes directly. Returns ``y [*T, D]`` fp32.
+    """
+    L = experts["w1"].shape[0]
+    emap = identity_map(L * ep) if expert_map is None else expert_map
+    E, width = emap.logical_to_physical.shape
+    if E + width - 1 != L * ep:
+        raise ValueError(f"expert map describes E + R = {E + width - 1} slots, the EP group holds {L}·{ep}")
+    if dispatch == "auto":
+        dispatch = pick_dispatch(capacity)
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"unknown EP dispatch {dispatch!r}; choose one of {DISPATCHES} or 'auto'")
+    y, _ = _ep_local(experts, emap, x, idx, w, ep=ep, dispatch=dispatch, capacity=capacity,
+                     swiglu_limit=swiglu_limit)
+    return y
+
+
 def ep_experts(experts: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.Array, *, mesh: Mesh,
                token_spec: PartitionSpec, swiglu_limit: float, expert_map: ExpertMap | None = None,
                dispatch: str = "auto", capacity: int | None = None) -> tuple[jax.Array, jax.Array]:
@@ -130,14 +166,9 @@ def ep_experts(experts: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.
 
     def body(ex: Mapping[str, Any], emap: ExpertMap, x: jax.Array, idx: jax.Array,
              w: jax.Array) -> tuple[jax.Array, jax.Array]:
-        lead, D, k = x.shape[:-1], x.shape[-1], idx.shape[-1]
-        x, idx, w = x.reshape(-1, D), idx.reshape(-1, k), w.reshape(-1, k).astype(F32)
-        slot = physical_slots(emap, idx, jax.lax.axis_index(axes))
-        if dispatch == "allgather":
-            y, dropped = _allgather(ex, x, slot, w, axes=axes, ep=ep, swiglu_limit=swiglu_limit)
-        else:
-            y, dropped = _alltoall(ex, x, slot, w, axes=axes, ep=ep, swiglu_limit=swiglu_limit, capacity=capacity)
-        return combine_choices(y).reshape(*lead, D), dropped[None]
+        y, dropped = _ep_local(ex, emap, x, idx, w, ep=ep, dispatch=dispatch, capacity=capacity,
+                               swiglu_limit=swiglu_limit)
+        return y, dropped[None]
 
     tok = PartitionSpec(*token_spec, None)
     # check_vma=False: where the tokens are not split over an EP axis (too few to divide), every rank on it holds

@@ -33,6 +33,7 @@ from dinfer_jax.models.cache_io import (
     ring_write,
 )
 from dinfer_jax.models.config import ATTN_CSA, ATTN_SLIDING, ModelConfig
+from dinfer_jax.models.cp_rows import cp_tokenwise, group_tokenwise
 from dinfer_jax.models.csa2 import candidate_blocks, topk_select
 from dinfer_jax.models.engram import engram_gate
 from dinfer_jax.models.fake_quant import maybe_fake_quant, q8_fake
@@ -55,6 +56,9 @@ class LayerOptions:
     moe_impl: str = "auto"
     sharder: Sharder | None = None
     collect: bool = False
+    ep_manual: int = 0  # EP group size when running per device inside a shard_map (DP engines); 0 = not
+    cp_manual: int = 0  # CP group size there: the MoE of prefill rows runs on each rank's mirrored share
+    copies_manual: int = 1  # copies of each engine there (ep > dp·cp): the MoE tokens are split over them
 
 
 class StepContext(NamedTuple):
@@ -277,15 +281,35 @@ def layer_v4(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arra
     streams = hc_post(streams, a, post, comb)
     streams = constrain(opts.sharder, streams, ("act_batch", "act_seq", None, None))
     u, post, comb = hc_pre(streams, p["hc_ffn"], **hc_kw)
-    m, moe_aux = moe(p["ffn"], rms_norm(u, p["ffn_norm"], cfg.norm_eps), ctx.inp.tokens, cfg=cfg,
-                     hash_routed=info.hash_routed, impl=opts.moe_impl, sharder=opts.sharder,
-                     expert_map=p["ffn"].get("expert_map"))
+    m, moe_aux = _moe(p["ffn"], rms_norm(u, p["ffn_norm"], cfg.norm_eps), ctx.inp.tokens, None, ctx, cfg=cfg,
+                      hash_routed=info.hash_routed, opts=opts)
     streams = hc_post(streams, m, post, comb)
     streams = constrain(opts.sharder, streams, ("act_batch", "act_seq", None, None))
     if opts.collect:
         aux.update(moe_aux)
         aux["hidden_states"] = streams
     return {**carry, "streams": streams}, lc, aux
+
+
+def _moe(p: Any, x: jax.Array, token_ids: jax.Array | None, image_mask: jax.Array | None, ctx: StepContext, *,
+         cfg: ModelConfig, hash_routed: bool, opts: LayerOptions) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The MoE sublayer. Per device inside the DP engines' step (no aux outputs then): with engine copies
+    (``opts.copies_manual > 1``), or CP ranks on decode rows, the devices of an engine split its tokens
+    contiguously (:func:`~dinfer_jax.models.cp_rows.group_tokenwise`); otherwise with ``opts.cp_manual > 1`` on
+    prefill rows (``Q > 1``) each CP rank computes its mirrored share (:func:`~dinfer_jax.models.cp_rows.
+    cp_tokenwise`)."""
+    def run(x: jax.Array, tid: jax.Array | None, img: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return moe(p, x, tid, cfg=cfg, hash_routed=hash_routed, impl=opts.moe_impl, sharder=opts.sharder,
+                   image_mask=img, expert_map=p.get("expert_map"), ep_manual=opts.ep_manual)
+
+    cp = max(opts.cp_manual, 1)
+    if not opts.collect and (opts.copies_manual > 1 or (cp > 1 and x.shape[1] == 1)):
+        y = group_tokenwise(lambda x, t, i: run(x, t, i)[0], x, (token_ids, image_mask), opts.copies_manual, cp)
+        return y, {}
+    if opts.cp_manual > 1 and x.shape[1] > 1 and not opts.collect:
+        y = cp_tokenwise(lambda x, t, i: run(x, t, i)[0], x, (token_ids, image_mask), ctx.inp.n, opts.cp_manual)
+        return y, {}
+    return run(x, token_ids, image_mask)
 
 
 def layer_v41(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Array, ctx: StepContext, *,
@@ -308,8 +332,7 @@ def layer_v41(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arr
     streams = hc_post(streams, a, post_a, comb_a)
     pre_f, post_f, comb_f = hc_mixes(streams, p["hc_ffn"], **hc_kw)
     x = rms_norm(hc_collapse(streams, pre_a), p["ffn_norm"], cfg.norm_eps)
-    m, moe_aux = moe(p["ffn"], x, None, cfg=cfg, hash_routed=False, impl=opts.moe_impl, sharder=opts.sharder,
-                     image_mask=inp.image_mask, expert_map=p["ffn"].get("expert_map"))
+    m, moe_aux = _moe(p["ffn"], x, None, inp.image_mask, ctx, cfg=cfg, hash_routed=False, opts=opts)
     streams = hc_post(streams, m, post_f, comb_f)
     streams = constrain(opts.sharder, streams, ("act_batch", "act_seq", None, None))
     if info.dspark_target:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.eplb import ExpertMap
 from dinfer_jax.models.expert_ffn import combine_choices, expert_rows_ffn, grouped_expert_ffn, swiglu
-from dinfer_jax.models.expert_parallel import ep_experts
+from dinfer_jax.models.expert_parallel import ep_experts, ep_experts_manual
 from dinfer_jax.models.ops import F32, linear, matmul
 from dinfer_jax.models.qweights import QuantizedWeight, as_dense, is_quantized
 from sharding.rules import Sharder, constrain
@@ -131,9 +131,11 @@ def _experts_pallas(ex: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.
 def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg: ModelConfig, hash_routed: bool,
         impl: str = "auto", sharder: Sharder | None = None, top_k: int | None = None,
         image_mask: jax.Array | None = None,
-        expert_map: ExpertMap | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        expert_map: ExpertMap | None = None, ep_manual: int = 0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """MoE sublayer. x: ``[B,S,D]`` (normalised), token_ids ``[B,S]``, image_mask ``[B,S]`` bool (V4.1).
     ``expert_map`` (EP impls only): EPLB placement tables, ``p["experts"]`` then in its physical-slot layout.
+    ``ep_manual`` (EP impls only): the EP group size when the caller already runs per device inside a
+    ``shard_map`` over the mesh (``p["experts"]`` are then this rank's slots; no sharder needed).
     Returns ``(y [B,S,D] in x's dtype, aux)``, aux = ``{"router_indices": [B,S,k] int32,
     "router_weights": [B,S,k] fp32}`` (logical expert ids)."""
     B, S, D = x.shape
@@ -145,7 +147,11 @@ def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg:
         impl = "pallas" if pallas_supported(p["experts"], xf.dtype) is None else "ragged"
     if expert_map is not None and impl not in EP_IMPLS:
         raise ValueError(f"an EPLB expert map needs an expert-parallel moe_impl ({tuple(EP_IMPLS)}), got {impl!r}")
-    if impl in EP_IMPLS:
+    if impl in EP_IMPLS and ep_manual:
+        # already per device inside a shard_map over the mesh (DP engines): EP collectives run directly
+        y = ep_experts_manual(p["experts"], xf, idx, w, ep=ep_manual, swiglu_limit=cfg.swiglu_limit,
+                              expert_map=expert_map, dispatch=EP_IMPLS[impl])
+    elif impl in EP_IMPLS:
         if sharder is None:
             raise ValueError(f"moe_impl={impl!r} needs a mesh (a Sharder)")
         k = idx.shape[-1]

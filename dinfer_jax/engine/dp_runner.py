@@ -1,0 +1,284 @@
+"""Device side of attention-DP engines: one jitted step over the whole mesh, each engine's rows and KV pool on its
+own devices, the routed experts over the EP group (``docs/dp_engines.md``).
+DeepInfer's mechanism: ``docs/spec/engine.md`` §2, §3, §10.
+
+**Layout.** ``dp`` engines of ``cp`` CP ranks make ``dp·cp`` workers (:func:`sharding.layout`). When
+``ep > dp·cp`` (DeepInfer has no such layout: its EP groups are blocks of the same workers) the engines'
+attention is *replicated*: every engine runs on ``r = ep / (dp·cp)`` copies of its devices, so the mesh has
+``ep`` devices, EP spans all of them, and ``ep`` must be a multiple of ``dp·cp``. Anything else that
+:func:`sharding.make_mesh` refuses is refused here with its message. The mesh is ``make_mesh(dp·r, cp, ep)``;
+mesh DP rank ``m`` (row-major over ``dp_out``, ``dp_ep``) holds engine ``m // r``.
+
+**One step for all engines.** Every array of the step has a leading *engine-copy* dimension of size ``dp·r``,
+split over the DP mesh axes, and the step body runs per device under ``jax.shard_map`` over the whole mesh: each
+device sees its engine's rows ``[B, Q]``, its engine's cache (the pool of blocks and state slots, replicated over
+the engine's CP ranks and its copies) and its EP rank's experts; the MoE layers exchange tokens over the EP axes
+(:func:`~dinfer_jax.models.expert_parallel.ep_experts_manual`). All engines therefore run the same program with
+the same bucket ``(B, Q, P)`` — the largest any engine needs this step — and an engine with no work runs an
+all-padding batch (it writes nowhere), so the EP collectives line up (DeepInfer's DP vote runs a placeholder step
+on ranks without work). An idle engine keeps its previous sampled tokens on the device, so its next step can still
+read in-flight input tokens from its own last real step.
+
+**CP.** The ``cp`` ranks of an engine hold the same rows. Attention (and the cache writes) run replicated over
+CP, so every CP rank has the complete compressed KV and index keys; the MoE sublayer of prefill rows runs on each
+rank's mirrored share of every row (:func:`sharding.cp_split`'s rule, :mod:`dinfer_jax.models.cp_rows`) and is
+all-gathered over CP. The mirrored split of the attention queries (with the projected KV all-gathered, as
+DeepInfer does) is not done. Where an engine has copies (``ep > dp·cp``), and for decode rows under CP, the MoE
+tokens are split contiguously over the engine's devices instead (``cp_rows.group_tokenwise``), so no token's
+experts run twice in an engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dinfer_jax.engine.buckets import Buckets, pages_needed
+from dinfer_jax.engine.kv_cache import CacheConfig
+from dinfer_jax.engine.runner import InFlight, _device_step, _engram_callback, empty_inputs, fill_step_inputs
+from dinfer_jax.engine.scheduler import ScheduledStep
+from dinfer_jax.models import Model
+from dinfer_jax.models.layer_plan import stack_params
+from dinfer_jax.models.moe import EP_IMPLS
+from dinfer_jax.models.step_state import StepInput, cache_shapes
+from dinfer_jax.progress import PhaseProgress
+from dinfer_jax.sampling import SamplingTensors
+from sharding.layout import layout
+from sharding.mesh import GROUP_AXES, make_mesh, mesh_shape
+
+__all__ = ["DPModelRunner", "DPStepOutput", "ParallelLayout", "parallel_layout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """``dp`` engines of ``cp`` CP ranks, EP over ``ep`` devices; every engine on ``replicas`` copies of its
+    devices (``replicas > 1`` only when ``ep > dp·cp``). ``devices = dp·cp·replicas``."""
+
+    dp: int
+    cp: int
+    ep: int
+    replicas: int
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.cp * self.replicas
+
+    @property
+    def engine_copies(self) -> int:
+        """Size of the leading dimension of every step array (the DP mesh size): ``dp · replicas``."""
+        return self.dp * self.replicas
+
+
+def parallel_layout(dp: int, cp: int, ep: int, num_devices: int | None = None) -> ParallelLayout:
+    """Validate ``(dp, cp, ep)`` for the engine. Rules (each violation is a ValueError naming it):
+
+    * every size an integer ≥ 1;
+    * ``ep ≤ dp·cp``: DeepInfer's rules — ``ep`` divides ``dp·cp`` (EP groups are blocks of the workers) and one of
+      ``cp``, ``ep`` divides the other (an EP group is whole engines or a slice of one engine's CP ranks);
+    * ``ep > dp·cp``: ``ep`` is a multiple of ``dp·cp``; each engine is replicated ``ep / (dp·cp)`` times;
+    * the devices needed (``max(dp·cp, ep)``) exist.
+    """
+    for name, v in (("dp_size", dp), ("cp_size", cp), ("ep_size", ep)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    world = dp * cp
+    if ep > world:
+        if ep % world:
+            raise ValueError(f"ep_size={ep} > dp_size·cp_size = {world}: ep must then be a multiple of dp·cp (each "
+                             f"engine's attention is replicated ep/(dp·cp) times so that EP spans whole copies)")
+        replicas = ep // world
+    else:
+        layout(dp, cp, ep)  # ep divides dp·cp
+        mesh_shape(dp, cp, ep)  # cp | ep or ep | cp
+        replicas = 1
+    out = ParallelLayout(dp, cp, ep, replicas)
+    n = len(jax.devices()) if num_devices is None else num_devices
+    if out.devices > n:
+        raise ValueError(f"dp_size={dp} cp_size={cp} ep_size={ep} needs max(dp·cp, ep) = {out.devices} devices, "
+                         f"{n} available")
+    return out
+
+
+@dataclasses.dataclass
+class DPStepOutput:
+    """Device futures of one step of all engines: ``steps[e]`` is engine ``e``'s step (None: it ran padding);
+    ``tokens [dp·r, max_rows]``."""
+
+    steps: list[ScheduledStep | None]
+    tokens: jax.Array
+    logprobs: Any
+    replicas: int
+    dispatched_at: float
+    shape: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def kind(self) -> str:
+        return next(s.kind for s in self.steps if s is not None)
+
+    def engine_index(self, e: int) -> int:
+        """Row of the leading dimension that holds engine ``e`` (its first copy)."""
+        return e * self.replicas
+
+
+def _is_expert_leaf(path: tuple[Any, ...]) -> bool:
+    return any(isinstance(k, jax.tree_util.DictKey) and k.key == "experts" for k in path)
+
+
+class DPModelRunner:
+    """Owns the mesh, the engines' caches and the compiled whole-mesh steps (see the module docstring)."""
+
+    def __init__(self, model: Model, cache_config: CacheConfig, max_model_len: int, buckets: Buckets,
+                 lay: ParallelLayout, max_logprobs: int = 0, devices: Sequence[jax.Device] | None = None):
+        self.model = model
+        self.cfg = model.config
+        self.layout = lay
+        self.cache_config = cache_config
+        self.max_pages = math.ceil(max_model_len / cache_config.block_size)
+        self.buckets = buckets.resolve(self.max_pages, cache_config.block_size)
+        self.max_rows = max(max(buckets.decode_batch), max(buckets.prefill_batch))
+        self.max_logprobs = max_logprobs
+        self.mesh: Mesh = make_mesh(lay.dp * lay.replicas, lay.cp, lay.ep, devices)
+        self._copies_spec = _axes_spec(self.mesh, "dp")
+        self._copies = NamedSharding(self.mesh, self._copies_spec)
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        # Parameters: routed experts split over the EP axes (stacked layout: [repeats, P, ...]); the rest replicated.
+        stacked = stack_params(self.cfg, model.params)
+        ep_spec = PartitionSpec(None, *_axes_spec(self.mesh, "ep"))
+        self._param_specs = jax.tree_util.tree_map_with_path(
+            lambda path, _: ep_spec if _is_expert_leaf(path) else PartitionSpec(), stacked)
+        self.params = jax.device_put(stacked, jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._param_specs))
+        if lay.ep > 1:
+            moe_impl, ep_manual = model.moe_impl if model.moe_impl in EP_IMPLS else "ep", lay.ep
+        else:
+            moe_impl, ep_manual = ("ragged" if model.moe_impl in EP_IMPLS else model.moe_impl), 0
+        self.moe_impl = moe_impl
+        # Caches: every leaf gets a leading engine-copy dimension split over the DP mesh axes.
+        copies = lay.engine_copies
+        shapes = cache_shapes(self.cfg, cache_config, model.dtype)
+        self.cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros((copies, *s.shape), s.dtype), shapes),
+                             out_shardings=self._copies)()
+        cmap = efn = None
+        if self.cfg.engram_layer_ids:
+            cmap = jax.device_put(jnp.asarray(model.engram.compressed_map, jnp.int32), self._replicated)
+            efn = functools.partial(_engram_callback, self.cfg, model.engram.tables)
+        self._cmap = cmap
+        step_fn = functools.partial(_device_step, cfg=self.cfg, dtype=model.dtype, moe_impl=moe_impl,
+                                    engram_fn=efn, max_rows=self.max_rows, ep_manual=ep_manual,
+                                    cp_manual=lay.cp if lay.cp > 1 else 0, copies_manual=lay.replicas)
+        self._step = jax.jit(functools.partial(_mesh_step, step_fn=step_fn, mesh=self.mesh,
+                                               param_specs=self._param_specs, copies=self._copies_spec),
+                             donate_argnums=(1,))
+        self._prev_tokens = jax.device_put(np.zeros((copies, self.max_rows), np.int32), self._copies)
+        self._prev_step_id: list[int | None] = [None] * lay.dp
+        self.compiled_shapes: set[tuple[int, int, int]] = set()
+        self.num_compilations = 0
+
+    # ------------------------------------------------------------------ compile
+    def warmup(self, progress: bool = False) -> float:
+        """Compile every bucket with all engines idle (writes nothing). Returns seconds spent."""
+        t0 = time.perf_counter()
+        shapes = list(self.buckets.shapes())
+        with PhaseProgress("compile buckets", len(shapes), enabled=progress) as bar:
+            for b, q, p in shapes:
+                out = self._run([None] * self.layout.dp, [[]] * self.layout.dp, [[]] * self.layout.dp, (b, q, p))
+                out.tokens.block_until_ready()
+                bar.advance()
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ dispatch
+    def bucket(self, steps: Sequence[ScheduledStep | None]) -> tuple[int, int, int]:
+        """The bucket every engine runs this step in: the smallest covering every engine's rows (the DP vote on
+        the shape). All non-None steps must be of one kind."""
+        real = [s for s in steps if s is not None]
+        kinds = {s.kind for s in real}
+        if len(kinds) != 1:
+            raise ValueError(f"one mesh step runs one step kind, got {sorted(kinds)}")
+        rows = max(len(s.rows) for s in real)
+        if kinds == {"decode"}:
+            b, q = Buckets.pick(self.buckets.decode_batch, rows, "decode batch"), 1
+        else:
+            b = Buckets.pick(self.buckets.prefill_batch, rows, "prefill batch")
+            q = Buckets.pick(self.buckets.prefill_len, max(r.num_tokens for s in real for r in s.rows),
+                             "prefill chunk")
+        bs = self.cache_config.block_size
+        p = self.buckets.pick_pages(pages_needed((r.start_pos + r.num_tokens for s in real for r in s.rows), bs))
+        return b, q, p
+
+    def dispatch(self, steps: Sequence[ScheduledStep | None], params: Sequence[list[Any]],
+                 seeds: Sequence[list[int]]) -> DPStepOutput:
+        """Launch one step of every engine (``steps[e]`` None: engine ``e`` runs padding). ``params[e]`` /
+        ``seeds[e]``: one per row of ``steps[e]``."""
+        return self._run(list(steps), params, seeds, self.bucket(steps))
+
+    def _run(self, steps: list[ScheduledStep | None], params: Sequence[list[Any]], seeds: Sequence[list[int]],
+             shape: tuple[int, int, int]) -> DPStepOutput:
+        b, q, p = shape
+        bs = self.cache_config.block_size
+        inps, feeds, samps, active = [], [], [], []
+        for e, step in enumerate(steps):
+            if step is None:
+                inp, feed = empty_inputs(b, q, p)
+                rows = []
+            else:
+                inp, feed = fill_step_inputs(step, b, q, p, bs, self._prev_step_id[e])
+                rows = step.rows
+            samps.append(SamplingTensors.from_params(params[e], seeds[e], [r.end_pos for r in rows], pad_to=b,
+                                                     num_top_logprobs=self.max_logprobs, use_filters=True))
+            inps.append(inp)
+            feeds.append(feed)
+            active.append(step is not None)
+        r = self.layout.replicas
+
+        def stack(*xs: Any) -> np.ndarray:
+            return np.stack([np.asarray(x) for x in xs for _ in range(r)])  # engine e at rows e·r … e·r + r − 1
+
+        host = (StepInput(**jax.tree.map(stack, *inps)), InFlight(**jax.tree.map(stack, *feeds)),
+                jax.tree.map(stack, *samps), stack(*active))
+        inp, feed, samp, act = jax.device_put(host, self._copies)
+        self.compiled_shapes.add(shape)
+        toks, logprobs, self.cache = self._step(self.params, self.cache, inp, feed, self._prev_tokens, samp, act,
+                                                self._cmap)
+        cache_size = getattr(self._step, "_cache_size", None)
+        self.num_compilations = cache_size() if callable(cache_size) else len(self.compiled_shapes)
+        self._prev_tokens = toks
+        for e, step in enumerate(steps):
+            if step is not None:
+                self._prev_step_id[e] = step.step_id
+        return DPStepOutput(steps, toks, logprobs, r, time.perf_counter(), shape)
+
+
+def _axes_spec(mesh: Mesh, kind: str) -> PartitionSpec:
+    """A one-dimension PartitionSpec over ``kind``'s mesh axes of size > 1 (as XLA reports output shardings, so
+    that a step's outputs fed back in hit the same compiled program)."""
+    axes = tuple(a for a in GROUP_AXES[kind] if mesh.shape[a] > 1)
+    if not axes:
+        return PartitionSpec()
+    return PartitionSpec(axes[0] if len(axes) == 1 else axes)
+
+
+def _mesh_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
+               active: jax.Array, cmap: Any, *, step_fn: Any, mesh: Mesh, param_specs: Any, copies: PartitionSpec):
+    """All engines' step: ``step_fn`` (:func:`~dinfer_jax.engine.runner._device_step`) per device under
+    ``shard_map``; every argument but ``params`` / ``cmap`` has the leading engine-copy dimension."""
+
+    def body(params, cache, inp, feed, prev, samp, active, cmap):
+        local = functools.partial(jax.tree.map, lambda x: x[0])
+        cache, inp, feed, prev, samp, active = local((cache, inp, feed, prev, samp, active))
+        toks, logprobs, cache = step_fn(params, cache, inp, feed, prev, samp, cmap)
+        toks = jnp.where(active, toks, prev)  # an idle engine keeps its last real step's tokens
+        return jax.tree.map(lambda x: x[None], (toks, logprobs, cache))
+
+    # check_vma=False: the CP ranks (and replicas) of an engine compute the same values; the outputs take one copy.
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, copies, copies, copies, copies, copies, copies,
+                                                  PartitionSpec()),
+                       out_specs=(copies, copies, copies), check_vma=False)
+    return fn(params, cache, inp, feed, prev_tokens, samp, active, cmap)

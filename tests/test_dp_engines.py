@@ -1,0 +1,157 @@
+"""Attention-DP engines on the 8 forced CPU devices (``docs/dp_engines.md``): greedy ``LLM.generate`` with
+``(dp_size, cp_size, ep_size)`` must give exactly the one-device engine's tokens for mixed-length prompts (chunked
+prefill, engines idle while others work, prefill and decode engines in one iteration); invalid layouts raise a
+ValueError naming the rule; the scheduler's CP alignment (``cp_align``) chunks as DeepInfer does.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from dinfer_jax import LLM, SamplingParams
+from dinfer_jax.engine.block_manager import BlockManager, StateSlots
+from dinfer_jax.engine.dp_runner import parallel_layout
+from dinfer_jax.engine.runner import Buckets
+from dinfer_jax.engine.scheduler import Scheduler, SchedulerConfig
+from dinfer_jax.models import load_config, random_model
+
+LENGTHS = [5, 23, 41, 12, 30]  # 41 > the 32-token budget: chunked; 5 prompts over dp engines: uneven work
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+GREEDY_LP = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+KW = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32, progress=False,
+          buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(32,)))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = load_config("tiny-v4")
+    model = random_model(cfg, seed=3, std=0.1, include_mtp=False)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, size=n)] for n in LENGTHS]
+    single = LLM(model, **KW)
+    ref = [o.token_ids for o in single.generate(prompts, GREEDY, use_tqdm=False)]
+    ref_lp = [o.logprobs for o in single.generate(prompts[:2], GREEDY_LP, use_tqdm=False)]
+    return model, prompts, ref, ref_lp
+
+
+@pytest.mark.parametrize("dp,cp,ep", [(1, 1, 8), (2, 1, 4), (2, 2, 2), (4, 2, 8), (1, 2, 2)])
+def test_dp_engines_equal_single_device(setup, dp, cp, ep):
+    assert len(jax.devices()) >= 8
+    model, prompts, ref, ref_lp = setup
+    llm = LLM(model, dp_size=dp, cp_size=cp, ep_size=ep, **KW)
+    compiled = llm.metrics()["compilations"]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.finish_reason == "length" for o in outs)
+    assert [o.token_ids for o in outs] == ref
+    if (dp, cp, ep) == (2, 1, 4):
+        # synchronous loop, and one prompt only (engine 1 runs padding every step): same tokens
+        llm.configure(async_scheduling=False)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
+        llm.configure(async_scheduling=True)
+        assert llm.generate([prompts[2]], GREEDY, use_tqdm=False)[0].token_ids == ref[2]
+        # logprobs of each engine's rows come back with its tokens
+        for got, want in zip(llm.generate(prompts[:2], GREEDY_LP, use_tqdm=False), ref_lp, strict=True):
+            assert [e["token"] for e in got.logprobs] == [e["token"] for e in want]
+            np.testing.assert_allclose([e["logprob"] for e in got.logprobs], [e["logprob"] for e in want],
+                                       rtol=1e-5, atol=1e-6)
+            assert [[t for t, _ in e["top"]] for e in got.logprobs] == [[t for t, _ in e["top"]] for e in want]
+    assert llm.metrics()["compilations"] == compiled, "compiled outside warm-up"
+
+
+@pytest.mark.parametrize("dp,cp,ep,rule", [
+    (3, 1, 2, "does not divide the world size"),
+    (2, 1, 3, "multiple of dp·cp"),
+    (2, 3, 2, "no device mesh realises"),
+    (8, 2, 1, "devices"),
+    (0, 1, 1, "dp_size must be an integer"),
+])
+def test_invalid_layouts_raise(dp, cp, ep, rule):
+    with pytest.raises(ValueError, match=rule):
+        parallel_layout(dp, cp, ep)
+    with pytest.raises(ValueError, match=rule):
+        LLM("tiny-v4", dp_size=dp, cp_size=cp, ep_size=ep, warmup=False, progress=False)
+
+
+def test_layout_mapping():
+    assert parallel_layout(1, 1, 8).replicas == 8  # one engine, attention on 8 copies, experts over 8
+    assert parallel_layout(2, 1, 4).replicas == 2
+    lay = parallel_layout(4, 2, 8)
+    assert (lay.replicas, lay.devices, lay.engine_copies) == (1, 8, 4)
+
+
+def test_cp_align_chunks_like_deepinfer():
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=18, max_model_len=64, block_size=16, cp_align=4)
+    sched = Scheduler(cfg, BlockManager(20, 16), StateSlots(4), vocab_size=100)
+    sched.add_request(0, list(range(1, 6)))    # 5 tokens: charged 8 of the budget
+    sched.add_request(1, list(range(1, 31)))   # 30 tokens: 10 left, chunk = 8 (multiple of cp_align)
+    step = sched.schedule()
+    assert [r.num_tokens for r in step.rows] == [5, 8]
+    sched.process_step(step, [7, None])
+    step = sched.schedule()  # the partial prompt first: 22 left > 16 (18 rounded down) -> 16
+    assert [r.num_tokens for r in step.rows] == [16]
+    sched.process_step(step, [None])
+    step = sched.schedule()  # 6 left: the final chunk needs no alignment
+    assert step.kind == "prefill" and [r.num_tokens for r in step.rows] == [6]
+    with pytest.raises(ValueError, match="cp_align"):
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=4, max_model_len=64, block_size=16, cp_align=8)
+
+
+def test_cp_tokenwise_owner_ranks_follow_cp_split():
+    """Each CP rank computes exactly its mirrored rows (``sharding.cp_split`` per row's ``n``); the all-gather puts
+    every result back at its position; positions ≥ n are zeros."""
+    from functools import partial
+
+    from jax.sharding import PartitionSpec
+
+    from dinfer_jax.models.cp_rows import cp_tokenwise
+    from sharding import cp_split, make_mesh
+
+    cp, Q = 4, 19
+    mesh = make_mesh(1, cp, 1)
+    n = np.array([19, 7, 1, 0, 12], np.int32)
+    x = np.arange(len(n) * Q * 2, dtype=np.float32).reshape(len(n), Q, 2) + 1
+
+    def body(x, n):
+        rank = jax.lax.axis_index(("cp_out", "cp_ep"))
+        owner = partial(lambda x, rank: x * 10 + rank, rank=rank.astype(np.float32))
+        return cp_tokenwise(owner, x, (), n, cp)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec()), out_specs=PartitionSpec(),
+                       check_vma=False)
+    y = np.asarray(jax.jit(fn)(x, n))
+    for b, nb in enumerate(n):
+        want_owner = np.full(Q, -1)
+        for r, rows in enumerate(cp_split(int(nb), cp)):
+            want_owner[rows] = r
+        real = want_owner >= 0
+        np.testing.assert_array_equal(y[b, real] - x[b, real] * 10, np.repeat(want_owner[real, None], 2, 1))
+        assert not y[b, ~real].any()
+
+
+def test_group_tokenwise_splits_an_engines_tokens_over_its_copies_and_cp_ranks():
+    """(dp, cp, ep) = (2, 2, 8): two engines, each on 2 copies × 2 CP ranks; the engine's B·Q tokens are split in 4
+    contiguous shares, one per device, and come back in order, each engine getting its own tokens."""
+    from dinfer_jax.models.cp_rows import group_tokenwise
+    from sharding import make_mesh
+
+    lay = parallel_layout(2, 2, 8)
+    copies, cp = lay.replicas, lay.cp
+    mesh = make_mesh(lay.engine_copies, cp, 8)
+    B, Q, g = 3, 5, copies * cp
+    x = np.arange(2 * B * Q * 2, dtype=np.float32).reshape(2, B, Q, 2) + 1
+    x_copies = np.repeat(x, copies, axis=0)  # engine e at rows e·copies …
+
+    def body(x):
+        k = (jax.lax.axis_index(("dp_out", "dp_ep")) % copies) * cp + jax.lax.axis_index(("cp_out", "cp_ep"))
+        return group_tokenwise(lambda x: x * 10 + k.astype(np.float32), x[0], (), copies, cp)[None]
+
+    spec = jax.sharding.PartitionSpec(("dp_out", "dp_ep"))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False)
+    y = np.asarray(jax.jit(fn)(x_copies))
+    share = -(-B * Q // g)
+    owner = (np.arange(B * Q) // share).reshape(B, Q)
+    for m in range(lay.engine_copies):
+        e = m // copies
+        np.testing.assert_array_equal(y[m] - x[e] * 10, np.repeat(owner[..., None], 2, -1))
