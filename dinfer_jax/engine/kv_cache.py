@@ -69,8 +69,9 @@ def bytes_per_token(cfg: ModelConfig, *, kv_cache_dtype: str = "auto", dtype: An
     (``di/2 + di/32`` B), on the KV-source / index-K-source layers (890 B for V4.1-Flash, DeepInfer's figure).
     V4 with ``kv_cache_dtype="fp8"``: compressed KV in ``model1`` (584 B a row in the release) and CSA index keys in
     ``fp4_index``; with ``"auto"``: compressed KV in ``dtype`` and index keys in fp32, as :func:`cache_shapes`
-    stores them (V4.1's figure is what its cache arrays hold, tested). A float because HCA ratios (128) give fractions of a byte; it is exact (power-of-two
-    denominators). Raises ValueError for an unknown ``kv_cache_dtype`` or a head size a format cannot hold.
+    stores them (V4.1's figure is what its cache arrays hold, tested). A float because HCA ratios (128) give
+    fractions of a byte; it is exact (power-of-two denominators). Raises ValueError for an unknown
+    ``kv_cache_dtype`` or a head size a format cannot hold.
     """
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
