@@ -102,6 +102,33 @@ def _scale_rows(plgpu, s_ref, w, exponent_bias: int = 0):
     return scaled(s_ref, w)
 
 
+def _check_gemm(x_t: jax.Array, w: ExpertWeight, w_up: ExpertWeight | None, swiglu_limit: float | None,
+                cfg: TileConfig) -> tuple[int, int, int]:
+    """Shape / format checks shared by both grouped GEMM kernels; returns ``(k, rows, n_out)``."""
+    k, rows = x_t.shape
+    _, n_out, k2 = w.shape
+    if k2 != k:
+        raise ValueError(f"weight reduction width {k2} != activation rows {k}")
+    if rows % cfg.block_m:
+        raise ValueError(f"rows={rows} is not a multiple of block_m={cfg.block_m}")
+    cfg.check(n_out, k)
+    if w_up is not None and (w_up.shape != w.shape or w_up.fmt != w.fmt):
+        raise ValueError("gate and up weights must have the same shape and format")
+    if w_up is not None and swiglu_limit is None:
+        raise ValueError("the fused gate/up product needs swiglu_limit")
+    if w.fmt not in ("fp4", "bf16"):
+        raise ValueError(f"kernel supports fp4 and bf16 expert weights, got {w.fmt!r}")
+    return k, rows, n_out
+
+
+def _weight_operands(weights: list[ExpertWeight]) -> tuple[list[jax.Array], list[jax.Array], object]:
+    """What the kernels read of the weights: data (FP4 as int4, else bf16), UE8M0 scale bytes (FP4 only) and the
+    data's dtype in shared memory."""
+    if weights[0].fmt == "fp4":
+        return [packed_to_int4(m.data) for m in weights], [scale_bits(m.scale) for m in weights], jnp.int4
+    return [m.data.astype(jnp.bfloat16) for m in weights], [], jnp.bfloat16
+
+
 def grouped_matmul_t(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, *, config: TileConfig,
                      out_dtype=jnp.float32, w_up: ExpertWeight | None = None,
                      swiglu_limit: float | None = None, decode: str = "bits", ablate: str = "") -> jax.Array:
@@ -122,23 +149,11 @@ def grouped_matmul_t(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, *, 
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     cfg = config
-    k, rows = x_t.shape
-    g_count, n_out, k2 = w.shape
-    if k2 != k:
-        raise ValueError(f"weight reduction width {k2} != activation rows {k}")
-    if rows % cfg.block_m:
-        raise ValueError(f"rows={rows} is not a multiple of block_m={cfg.block_m}")
+    k, rows, n_out = _check_gemm(x_t, w, w_up, swiglu_limit, cfg)
     if tile_group.shape != (rows // cfg.block_m,):
         raise ValueError(f"tile_group shape {tile_group.shape} != ({rows // cfg.block_m},)")
-    cfg.check(n_out, k)
     fused = w_up is not None
-    if fused and (w_up.shape != w.shape or w_up.fmt != w.fmt):
-        raise ValueError("gate and up weights must have the same shape and format")
-    if fused and swiglu_limit is None:
-        raise ValueError("the fused gate/up product needs swiglu_limit")
     fmt = w.fmt
-    if fmt not in ("fp4", "bf16"):
-        raise ValueError(f"kernel supports fp4 and bf16 expert weights, got {fmt!r}")
     out_dtype = jnp.bfloat16 if fused else jnp.dtype(out_dtype)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     n_blocks = n_out // bn
@@ -146,14 +161,7 @@ def grouped_matmul_t(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, *, 
     kg = k // 32
 
     weights = [w] + ([w_up] if fused else [])
-    if fmt == "fp4":
-        w_data = [packed_to_int4(m.data) for m in weights]
-        w_scales = [scale_bits(m.scale) for m in weights]
-        w_dtype = jnp.int4
-    else:
-        w_data = [m.data.astype(jnp.bfloat16) for m in weights]
-        w_scales = []
-        w_dtype = jnp.bfloat16
+    w_data, w_scales, w_dtype = _weight_operands(weights)
     nw = len(weights)
 
     x_tr = _swizzle_transforms(plgpu, bm, jnp.bfloat16)

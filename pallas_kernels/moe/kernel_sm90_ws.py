@@ -26,8 +26,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.moe.fp4 import packed_to_int4, scale_bits, signed_codes_to_scaled_bf16_bits
-from pallas_kernels.moe.kernel_sm90 import TileConfig, _scale_rows, _swizzle_transforms
+from pallas_kernels.moe.fp4 import signed_codes_to_scaled_bf16_bits
+from pallas_kernels.moe.kernel_sm90 import TileConfig, _check_gemm, _scale_rows, _swizzle_transforms, _weight_operands
 from pallas_kernels.moe.reference import ExpertWeight
 
 COMPUTE_WGS = 2
@@ -57,25 +57,13 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     cfg = config
-    k, rows = x_t.shape
-    _, n_out, k2 = w.shape
-    if k2 != k:
-        raise ValueError(f"weight reduction width {k2} != activation rows {k}")
-    if rows % cfg.block_m:
-        raise ValueError(f"rows={rows} is not a multiple of block_m={cfg.block_m}")
+    k, rows, n_out = _check_gemm(x_t, w, w_up, swiglu_limit, cfg)
     if cfg.block_n % (64 * COMPUTE_WGS):
         raise ValueError(f"block_n={cfg.block_n} must be a multiple of {64 * COMPUTE_WGS} (64 rows per consumer)")
-    cfg.check(n_out, k)
-    fused = w_up is not None
-    if fused and (w_up.shape != w.shape or w_up.fmt != w.fmt):
-        raise ValueError("gate and up weights must have the same shape and format")
-    if fused and swiglu_limit is None:
-        raise ValueError("the fused gate/up product needs swiglu_limit")
     if decode not in DECODES:
         raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+    fused = w_up is not None
     fmt = w.fmt
-    if fmt not in ("fp4", "bf16"):
-        raise ValueError(f"kernel supports fp4 and bf16 expert weights, got {fmt!r}")
     out_dtype = jnp.bfloat16 if fused else jnp.dtype(out_dtype)
     bm, cta_n, bk = cfg.block_m, cfg.block_n, cfg.block_k
     bn = cta_n // COMPUTE_WGS
@@ -87,14 +75,7 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
 
     weights = [w] + ([w_up] if fused else [])
     nw = len(weights)
-    if fmt == "fp4":
-        w_data = [packed_to_int4(m.data) for m in weights]
-        w_scales = [scale_bits(m.scale) for m in weights]
-        w_dtype = jnp.int4
-    else:
-        w_data = [m.data.astype(jnp.bfloat16) for m in weights]
-        w_scales = []
-        w_dtype = jnp.bfloat16
+    w_data, w_scales, w_dtype = _weight_operands(weights)
     ns = len(w_scales)
     # Two scale buffers (prefetch the next item's) when shared memory allows, else one (fetched per item).
     pipeline_bytes = stages * (bk * bm * 2 + nw * cta_n * bk * jnp.dtype(w_dtype).itemsize)
