@@ -47,13 +47,14 @@ def _engram_rows_device(hist_all: jax.Array, inp: StepInput, cfg: ModelConfig,
 
 def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, cfg: ModelConfig, dtype: str,
                moe_impl: str = "auto", engram_fn: Callable[[jax.Array], jax.Array] | None = None,
-               cmap: jax.Array | None = None) -> tuple[jax.Array, ModelCache]:
+               cmap: jax.Array | None = None, return_carry: bool = False) -> tuple[Any, ...]:
     """Run the model on one step's rows.
 
     params: ``"layers"`` stacked (:func:`stack_params`) for serving, or in checkpoint layout (stacked per call).
     Returns ``(logits [B,V] fp32 at each row's ``last`` token, updated cache)``. V4.1 Engram rows come from
     ``engram_fn`` (host gather of hashed n-grams, run through ``jax.pure_callback``) with ``cmap`` the raw →
-    compressed id table on device.
+    compressed id table on device. ``return_carry`` (speculative decoding) adds the backbone's final carry
+    (``streams [B,Q,n,D]`` at every query position) as a third output.
     """
     engram = None
     if cfg.engram_layer_ids:
@@ -65,4 +66,6 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
     last = {k: jnp.take_along_axis(v, inp.last.reshape((-1,) + (1,) * (v.ndim - 1)), axis=1)
             for k, v in carry.items() if k in ("streams", "premix")}  # [B,1,...]
     logits, _ = head_logits(params, last, cfg)
+    if return_carry:
+        return logits[:, 0], cache, carry
     return logits[:, 0], cache

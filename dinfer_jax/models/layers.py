@@ -76,7 +76,7 @@ def _window(swa: jax.Array, k: jax.Array, kv: jax.Array, inp: StepInput, pos: ja
     """Window keys ``[B, W+Q, d]`` (ring then this step's rows), their mask ``[B,Q,W+Q]``, updated ring.
     ``floor [B]`` hides keys below a position (YOCO mask)."""
     ring = ring_read(swa, k, inp.slot)
-    rpos = ring_positions(inp.start, W)
+    rpos = ring_positions(inp.start, ring.shape[1])  # ring may hold W + backtracking entries
     keys = jnp.concatenate([ring.astype(kv.dtype), kv], axis=1)
     kpos = jnp.concatenate([rpos, pos], axis=1)
     Q = pos.shape[1]

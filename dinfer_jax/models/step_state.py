@@ -3,10 +3,11 @@
 Layout of the cache (``docs/spec/model-v4.md`` §4, ``docs/spec/model-v41.md`` §4, ``docs/spec/engine.md`` §12), per
 layer:
 
-* **SWA ring** (every layer): ``swa [num_slots, W, d]``; position p of the sequence in slot s lives at
-  ``swa[s, p % W]``. Slot 0 is the null slot of padding rows.
+* **SWA ring** (every layer): ``swa [num_slots, W + b, d]``; position p of the sequence in slot s lives at
+  ``swa[s, p % (W + b)]``. Slot 0 is the null slot of padding rows. ``b = CacheConfig.backtrack`` (0 without
+  speculative decoding) keeps rejected draft positions from evicting committed window entries.
 * **Compressor state ring** (layers that compress): raw per-token projections of the last ``Sm`` tokens
-  (``cst_kv``/``cst_gate`` for V4, ``cst_latent``/``cst_score`` for V4.1 ratio 2) at ``[s, p % Sm]``, fp32, so a
+  (``cst_kv``/``cst_gate`` for V4, ``cst_latent``/``cst_score`` for V4.1 ratio 2) at ``[s, p % (Sm + b)]``, fp32, so a
   group split across chunks or steps is completed later. V4 CSA keeps 2m tokens (overlapping windows), HCA m.
 * **Paged compressed KV**: ``ckv [num_blocks, block_size // m, d]``; compressed row w of a sequence lives in page
   ``block_table[w·m // block_size]`` at offset ``w % (block_size // m)``. V4 CSA pages its indexer keys the same
@@ -92,6 +93,7 @@ class CacheConfig:
     num_slots: int
     num_blocks: int
     block_size: int
+    backtrack: int = 0  # extra ring entries so speculative writes never evict committed state (engine.md §5.5)
 
     def validate(self, cfg: ModelConfig) -> None:
         for r in set(cfg.compress_ratios) - {0}:
@@ -116,8 +118,9 @@ def layer_cache_shapes(cfg: ModelConfig, info: LayerInfo, cc: CacheConfig, dtype
     d, di = cfg.head_dim, cfg.index_head_dim
     S, N, bs, r = cc.num_slots, cc.num_blocks, cc.block_size, info.ratio
     sds = jax.ShapeDtypeStruct
-    c: dict[str, Any] = {"swa": sds((S, cfg.sliding_window, d), dt)}
+    c: dict[str, Any] = {"swa": sds((S, cfg.sliding_window + cc.backtrack, d), dt)}
     sm = state_width(cfg, info)
+    sm = sm + cc.backtrack if sm else 0
     if cfg.is_v41:
         if info.kv_source:
             c["ckv"] = sds((N, bs // r, d), dt)
