@@ -133,7 +133,8 @@ class LLM:
             :mod:`dinfer_jax.progress`). ``generate``'s own bar is ``use_tqdm``.
         speculative: ``None`` (off) or ``"mtp"`` (V4's MTP block drafts, the target verifies in its decode step;
             ``docs/speculative_decoding.md``). ``"dspark"`` (V4.1) is not implemented yet and raises.
-            Speculative decoding runs the synchronous loop whatever ``async_scheduling`` says.
+            Under ``async_scheduling`` a sequence sits out the step after each of its verify steps (its next
+            position is known only once the accepted count is read), other sequences fill the gap.
         num_speculative_tokens: drafts per verification (fixed; no confidence scheduling).
     """
 
@@ -161,7 +162,7 @@ class LLM:
         else:
             cache_cfg = size_pools(cfg, memory_bytes=kv_cache_memory_bytes, block_size=self.block_size,
                                    max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, dtype=self.model.dtype)
-        if k:  # rings keep k + 1 extra entries: speculative writes never evict committed state (engine.md §5.5)
+        if k:  # rings keep k + 1 extra entries: speculative writes never evict committed state (docs/spec/engine.md §5)
             cache_cfg = dataclasses.replace(cache_cfg, backtrack=k + 1)
         cache_cfg.validate(cfg)
         buckets = buckets or Buckets.default(max_num_seqs, max_num_batched_tokens)
@@ -301,7 +302,7 @@ class LLM:
                     m.prefill_tokens += step.num_tokens
                 else:
                     m.decode_steps += 1
-            keep = 1 if (self.async_scheduling and not self.speculative and step is not None) else 0
+            keep = 1 if (self.async_scheduling and step is not None) else 0
             while len(inflight) > keep:
                 done = inflight.popleft()
                 t0 = time.perf_counter()

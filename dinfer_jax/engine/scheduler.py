@@ -66,8 +66,9 @@ class SchedulerConfig:
         prefill batch.
     num_speculative_tokens: k > 0 turns on speculative decoding: a decode row of a sequence whose drafts are
         published verifies up to k of them (fewer near max_model_len / max_tokens), blocks are reserved for them,
-        and process_step takes the row's emitted run (a list of ints). Needs the synchronous loop (each step
-        processed before the next is scheduled).
+        and process_step takes the row's emitted run (a list of ints). A sequence with a row in flight is not
+        scheduled (its next position depends on how many drafts that row accepts), so under the asynchronous loop
+        each sequence verifies every other step; DeepInfer's on-device position correction is not ported.
     """
 
     max_num_seqs: int
@@ -286,6 +287,10 @@ class Scheduler:
         """Plan the next step (all prefill or all decode), or None if nothing can run now."""
         cfg = self.config
         decodable = [s for s in self.running if self._can_decode(s)]
+        if self.config.num_speculative_tokens:
+            # a sequence whose row is in flight does not know its next position (the row may accept drafts): it
+            # waits for that row to be processed (under async scheduling it verifies every other step)
+            decodable = [s for s in decodable if not s.num_inflight]
         step: ScheduledStep | None = None
         tried_prefill = False
         if self.prefilling or self.waiting:
@@ -533,7 +538,7 @@ class Scheduler:
                 # scheduled before a preemption: keep a sampled token only if it is exactly the next token of a victim
                 # that has not been re-admitted (it was computed from a complete, correct context)
                 not_readmitted = seq.status is SequenceStatus.WAITING or seq in self._stopping
-                if row.sample and not_readmitted and row.end_pos == seq.num_tokens:
+                if row.sample and not row.num_drafts and not_readmitted and row.end_pos == seq.num_tokens:
                     self._accept(seq, row, sampled_token_ids[i])
                 else:
                     self.num_discarded_rows += 1

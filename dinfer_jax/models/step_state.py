@@ -93,7 +93,7 @@ class CacheConfig:
     num_slots: int
     num_blocks: int
     block_size: int
-    backtrack: int = 0  # extra ring entries so speculative writes never evict committed state (engine.md §5.5)
+    backtrack: int = 0  # extra ring entries so speculative writes never evict committed state (docs/spec/engine.md §5)
 
     def validate(self, cfg: ModelConfig) -> None:
         for r in set(cfg.compress_ratios) - {0}:
