@@ -1,12 +1,16 @@
-"""Speculative decoding in the engine (issue 11): ``LLM(..., speculative="mtp")`` with a tiny random V4 model.
+"""Speculative decoding in the engine (issue 11): ``LLM(..., speculative="mtp")`` with a tiny random V4 model and
+``speculative="dspark"`` with a tiny random V4.1 model.
 
 Greedy speculative output must equal the non-speculative engine's token for token (sync and async loops, chunked
 prefill, prompts crossing the SWA window of 8 and the ratio-4 / ratio-16 compression groups), whatever the
-drafter proposes: rejected drafts must leave no trace in the rings, pages or drafter state. Two drafters:
+drafter proposes: rejected drafts must leave no trace in the rings, pages, Engram history or drafter state.
+Drafters:
 
 * ``random``: the model's own random MTP block (std 0.1): drafts are almost always rejected (rollback path).
 * ``friendly``: target layers' outputs scaled down and an MTP block that reproduces the target's "bigram" part,
   so that many drafts are accepted and accepted runs (and stop tokens inside them) are exercised.
+* ``dspark``: tiny random V4.1 (SWA window 16, compression ratios 1 and 2, Engram) with its random DSpark
+  drafter.
 
 Also: seeded sampling with speculation is reproducible and the same under sync and async loops; metrics are
 consistent; nothing compiles after warm-up; bad input behaves as without speculation.
@@ -68,8 +72,11 @@ def _llm(model, **kw) -> LLM:
                progress=False, **kw)
 
 
-@pytest.fixture(scope="module", params=["random", "friendly"])
+@pytest.fixture(scope="module", params=["random", "friendly", "dspark"])
 def engines(request):
+    if request.param == "dspark":
+        model = random_model(load_config("tiny-v41"), seed=3, std=0.1, include_mtp=True)
+        return request.param, _llm(model), _llm(model, speculative="dspark", num_speculative_tokens=K)
     base = random_model(load_config("tiny-v4"), seed=3, std=0.1, include_mtp=True)
     model = base if request.param == "random" else _friendly(base, 0.05)
     return request.param, _llm(model), _llm(model, speculative="mtp", num_speculative_tokens=K)
@@ -77,7 +84,7 @@ def engines(request):
 
 def test_greedy_speculative_equals_non_speculative(engines):
     name, ref_llm, spec = engines
-    prompts = _prompts(512, LENGTHS)
+    prompts = _prompts(spec.config.vocab_size, LENGTHS)
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
     compiled = spec.metrics()["compilations"]
     assert compiled == len(spec.buckets.shapes())
@@ -100,7 +107,7 @@ def test_greedy_speculative_equals_non_speculative(engines):
 
 def test_stop_token_inside_accepted_run_and_logprobs(engines):
     name, ref_llm, spec = engines
-    prompts = _prompts(512, LENGTHS, seed=1)
+    prompts = _prompts(spec.config.vocab_size, LENGTHS, seed=1)
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
     full = [o.token_ids for o in ref_llm.generate(prompts, greedy, use_tqdm=False)]
     stops = [toks[GEN // 2] for toks in full]
@@ -117,9 +124,9 @@ def test_stop_token_inside_accepted_run_and_logprobs(engines):
 
 def test_seeded_sampling_reproducible_sync_and_async(engines):
     name, _, spec = engines
-    if name == "random":
+    if name != "friendly":
         pytest.skip("one drafter suffices")
-    prompts = _prompts(512, LENGTHS, seed=2)
+    prompts = _prompts(spec.config.vocab_size, LENGTHS, seed=2)
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=GEN, ignore_eos=True, seq_seed=100 + i)
               for i in range(len(prompts))]
     runs = []
@@ -132,7 +139,7 @@ def test_seeded_sampling_reproducible_sync_and_async(engines):
 
 def test_bad_input_behaves_as_without_speculation(engines):
     name, _, spec = engines
-    if name == "random":
+    if name != "friendly":
         pytest.skip("one engine suffices")
     outs = spec.generate([[1, 2, 3], ["x"], [], [5] * 200, [7, 8]],
                          SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
@@ -143,7 +150,7 @@ def test_bad_input_behaves_as_without_speculation(engines):
         LLM(model, speculative="eagle", warmup=False, progress=False)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(model, speculative="mtp", num_speculative_tokens=0, warmup=False, progress=False)
-    with pytest.raises(NotImplementedError, match="dspark"):
+    with pytest.raises(ValueError, match="dspark"):
         LLM(model, speculative="dspark", warmup=False, progress=False)
     no_mtp = dataclasses.replace(model, params={**model.params, "mtp": []})
     with pytest.raises(ValueError, match="MTP parameters"):

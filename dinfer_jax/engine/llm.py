@@ -103,12 +103,15 @@ def _check_speculative(model: Model, speculative: str | None, k: int) -> str | N
         raise ValueError(f"num_speculative_tokens must be an int >= 1, got {k!r}")
     cfg = model.config
     if speculative == "dspark":
-        raise NotImplementedError("speculative='dspark' (the V4.1 DSpark drafter) is not wired into the engine yet; "
-                                  "see docs/speculative_decoding.md")
-    if cfg.is_v41:
+        if not cfg.is_v41 or not cfg.dspark_block_size:
+            raise ValueError("speculative='dspark' needs a V4.1 model with a DSpark drafter; V4 models use 'mtp'")
+        if k > cfg.dspark_block_size:
+            raise ValueError(f"num_speculative_tokens={k} exceeds the DSpark block size {cfg.dspark_block_size}")
+    elif cfg.is_v41:
         raise ValueError("speculative='mtp' is V4's MTP block; V4.1 models draft with 'dspark'")
     if not model.params.get("mtp"):
-        raise ValueError("speculative='mtp' needs the model's MTP parameters (load or build it with include_mtp)")
+        raise ValueError(f"speculative={speculative!r} needs the model's MTP parameters (load or build it with "
+                         "include_mtp)")
     return speculative
 
 
@@ -131,8 +134,8 @@ class LLM:
             step's cost follows its batch's context, not ``max_model_len``).
         progress: progress bars for checkpoint loading and bucket warm-up (``False`` silences them; see
             :mod:`dinfer_jax.progress`). ``generate``'s own bar is ``use_tqdm``.
-        speculative: ``None`` (off) or ``"mtp"`` (V4's MTP block drafts, the target verifies in its decode step;
-            ``docs/speculative_decoding.md``). ``"dspark"`` (V4.1) is not implemented yet and raises.
+        speculative: ``None`` (off), ``"mtp"`` (V4's MTP block drafts) or ``"dspark"`` (V4.1's DSpark drafter);
+            the target verifies the drafts in its next decode step (``docs/speculative_decoding.md``).
             Under ``async_scheduling`` a sequence sits out the step after each of its verify steps (its next
             position is known only once the accepted count is read), other sequences fill the gap.
         num_speculative_tokens: drafts per verification (fixed; no confidence scheduling).

@@ -61,11 +61,14 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
         rows, hist = _engram_rows_device(cache.ngram_hist, inp, cfg, cmap)
         cache = dataclasses.replace(cache, ngram_hist=hist)
         engram = engram_fn(rows).astype(jnp.dtype(dtype))  # [n_engram, B, Q, E_in]
-    carry, cache, _ = run_backbone(params, cache, inp, cfg=cfg, dtype=dtype, opts=LayerOptions(moe_impl=moe_impl),
+    carry, cache, aux = run_backbone(params, cache, inp, cfg=cfg, dtype=dtype, opts=LayerOptions(moe_impl=moe_impl),
                                    engram=engram)
     last = {k: jnp.take_along_axis(v, inp.last.reshape((-1,) + (1,) * (v.ndim - 1)), axis=1)
             for k, v in carry.items() if k in ("streams", "premix")}  # [B,1,...]
     logits, _ = head_logits(params, last, cfg)
     if return_carry:
+        feats = [a["dspark_feature"] for a in aux if "dspark_feature" in a]
+        if feats:  # V4.1 DSpark target features [B,Q,n_targets·D]
+            carry = {**carry, "dspark_features": jnp.concatenate(feats, axis=-1)}
         return logits[:, 0], cache, carry
     return logits[:, 0], cache

@@ -25,9 +25,9 @@ import numpy as np
 
 from dinfer_jax.engine.buckets import Buckets, pages_needed
 from dinfer_jax.engine.kv_cache import CacheConfig, init_cache
-from dinfer_jax.engine.model_step import model_step
+from dinfer_jax.engine.model_step import _engram_rows_device, model_step
 from dinfer_jax.engine.scheduler import ScheduledStep
-from dinfer_jax.engine.speculative import SpecState, draft, init_spec_state, verify
+from dinfer_jax.engine.speculative import SpecState, draft, draft_dspark, init_spec_state, verify
 from dinfer_jax.models import Model
 from dinfer_jax.models.backbone import head_logits
 from dinfer_jax.models.layer_plan import stack_params
@@ -95,9 +95,9 @@ class ModelRunner:
         if speculative:
             if self.buckets.decode_len != 1 + self.k:
                 raise ValueError(f"speculative decode buckets need decode_len = 1 + {self.k}")
-            self.spec = init_spec_state(self.cfg, cache_config, self.k, model.dtype)
+            self.spec = init_spec_state(self.cfg, cache_config, self.k, model.dtype, speculative)
             kw = dict(cfg=self.cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=efn, max_rows=self.max_rows,
-                      k=self.k)
+                      k=self.k, method=speculative)
             self._spec_steps = {
                 dec: jax.jit(functools.partial(_device_step_spec, decode=dec, **kw), donate_argnums=(1, 2))
                 for dec in (False, True)}
@@ -244,7 +244,7 @@ def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_t
 def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: InFlight,
                       prev_tokens: jax.Array, samp: Any, cmap: Any, ndraft: jax.Array, next_tok: jax.Array,
                       sample_mask: jax.Array, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any,
-                      max_rows: int, k: int, decode: bool):
+                      max_rows: int, k: int, decode: bool, method: str):
     """Traced step with speculative decoding (V4 MTP drafter, ``engine/speculative.py``).
 
     decode: rows ``[t, d1..dk]`` (drafts read from the slot's draft pool, ``ndraft [B]`` of them valid) are verified
@@ -262,20 +262,32 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
         dlp = spec.draft_logprobs[inp.slot]
         tokens = tokens.at[:, 1:].set(jnp.where(jnp.arange(k)[None, :] < ndraft[:, None], drafts, 0))
     inp = dataclasses.replace(inp, tokens=tokens)
+    hist0 = cache.ngram_hist
     logits, cache, carry = model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl,
                                       engram_fn=engram_fn, cmap=cmap, return_carry=True)
     streams = carry["streams"]
     kw = dict(cfg=cfg, dtype=dtype, moe_impl=moe_impl, k=k)
     if decode:
-        all_logits, _ = head_logits(params, {"streams": streams}, cfg)  # [B,Q,V]
+        all_logits, _ = head_logits(params, {k_: v for k_, v in carry.items() if k_ in ("streams", "premix")}, cfg)
         toks, nacc, logprobs = verify(all_logits, drafts, dlp, ndraft, inp.start, samp, samp.num_top_logprobs)
-        spec = draft(params, spec, streams, toks, inp, nacc + 1, inp.n > 0, samp, **kw)
+        if hist0 is not None:  # V4.1 Engram history: rewind to the committed tokens (rejected drafts leave no trace)
+            committed = dataclasses.replace(inp, n=jnp.where(inp.n > 0, nacc + 1, 0))
+            cache = dataclasses.replace(cache, ngram_hist=_engram_rows_device(hist0, committed, cfg, cmap)[1])
+        if method == "dspark":
+            golden = jnp.take_along_axis(toks, nacc[:, None], axis=1)[:, 0]
+            spec = draft_dspark(params, spec, carry["dspark_features"], golden, inp, nacc + 1, inp.n > 0, samp, **kw)
+        else:
+            spec = draft(params, spec, streams, toks, inp, nacc + 1, inp.n > 0, samp, **kw)
         out = jnp.zeros((max_rows, Q), jnp.int32).at[:B].set(toks)
         return out, jnp.zeros((max_rows,), jnp.int32).at[:B].set(nacc), logprobs, cache, spec
     toks, logprobs = sample(logits, samp)
     j = jnp.arange(Q)[None, :]
     nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     nxt = jnp.where(j == (inp.n - 1)[:, None], jnp.where(sample_mask, toks, next_tok)[:, None], nxt)
-    spec = draft(params, spec, streams, nxt, inp, inp.n, sample_mask, samp, **kw)
+    if method == "dspark":
+        golden = jnp.where(sample_mask, toks, next_tok)
+        spec = draft_dspark(params, spec, carry["dspark_features"], golden, inp, inp.n, sample_mask, samp, **kw)
+    else:
+        spec = draft(params, spec, streams, nxt, inp, inp.n, sample_mask, samp, **kw)
     out = jnp.zeros((max_rows,), jnp.int32).at[:B].set(toks)
     return out, jnp.zeros((max_rows,), jnp.int32), logprobs, cache, spec

@@ -41,15 +41,19 @@ SPECULATIVE_METHODS = (None, "mtp", "dspark")
 class SpecState:
     """Drafter state threaded (donated) from step to step; see the module docstring."""
 
-    mtp: LayerCache
     draft_tokens: jax.Array
     draft_logprobs: jax.Array
+    mtp: LayerCache | None = None  # V4 MTP: the block's SWA ring
+    dkeys: jax.Array | None = None  # V4.1 DSpark: each draft layer's main keys, [n_draft, num_slots, W + b, d]
 
 
-def init_spec_state(cfg: ModelConfig, cc: CacheConfig, k: int, dtype: Any) -> SpecState:
-    return SpecState(mtp=single_layer_cache(cfg, SLIDING_INFO, cc, dtype),
-                     draft_tokens=jnp.zeros((cc.num_slots, k), jnp.int32),
-                     draft_logprobs=jnp.zeros((cc.num_slots, k, cfg.vocab_size), jnp.float32))
+def init_spec_state(cfg: ModelConfig, cc: CacheConfig, k: int, dtype: Any, method: str = "mtp") -> SpecState:
+    common = dict(draft_tokens=jnp.zeros((cc.num_slots, k), jnp.int32),
+                  draft_logprobs=jnp.zeros((cc.num_slots, k, cfg.vocab_size), jnp.float32))
+    if method == "dspark":
+        shape = (cfg.n_mtp_layers, cc.num_slots, cfg.sliding_window + cc.backtrack, cfg.head_dim)
+        return SpecState(dkeys=jnp.zeros(shape, jnp.dtype(dtype)), **common)
+    return SpecState(mtp=single_layer_cache(cfg, SLIDING_INFO, cc, dtype), **common)
 
 
 def _mtp_layer(params: Any, cache: LayerCache, streams: jax.Array, next_ids: jax.Array, inp: StepInput, *,
@@ -120,7 +124,7 @@ def draft(params: Any, spec: SpecState, streams: jax.Array, next_ids: jax.Array,
             h, logits, cache = _mtp_layer(params, cache, h, tok[:, None], one, cfg=cfg, dtype=dtype,
                                           moe_impl=moe_impl)
     s = jnp.where(publish & (n_mtp > 0), inp.slot, spec.draft_tokens.shape[0])
-    return SpecState(mtp=cache,
+    return dataclasses.replace(spec, mtp=cache,
                      draft_tokens=spec.draft_tokens.at[s].set(jnp.stack(toks, 1), mode="drop"),
                      draft_logprobs=spec.draft_logprobs.at[s].set(jnp.stack(lps, 1), mode="drop"))
 
@@ -149,3 +153,41 @@ def verify(logits: jax.Array, drafts: jax.Array, draft_lp: jax.Array, ndraft: ja
         top_lp, top_ids = jnp.zeros((B * Q, 0), jnp.float32), jnp.zeros((B * Q, 0), jnp.int32)
     out = SampleLogprobs(tok_lp.reshape(B, Q), top_lp.reshape(B, Q, -1), top_ids.astype(jnp.int32).reshape(B, Q, -1))
     return tokens.reshape(B, Q), nacc, out
+
+
+def draft_dspark(params: Any, spec: SpecState, features: jax.Array, golden: jax.Array, inp: StepInput,
+                 n_commit: jax.Array, publish: jax.Array, samp: Any, *, cfg: ModelConfig, dtype: str, moe_impl: str,
+                 k: int) -> SpecState:
+    """V4.1 DSpark drafter after the target: write each draft layer's main keys for the committed positions
+    ``start … start + n_commit − 1`` (features ``[B,Q,n_targets·D]`` of the target step) into the slot's key rings,
+    then draft one block after the anchor ``a = start + n_commit − 1`` with ``golden`` (the target's token at a+1)
+    and keep its first ``k`` rows. Draft row i sits at position ``a + 2 + i``, sampled with the request's filters
+    in the draft RNG namespace; the Markov term of row i reads the draft actually sampled at row i − 1."""
+    from dinfer_jax.models import dspark
+    from dinfer_jax.models.cache_io import ring_write
+
+    n_commit = jnp.where(inp.n > 0, n_commit, 0)
+    pos = inp.positions()
+    keys = dspark.main_keys(params, cfg, features, pos, dtype=dtype)  # [n_draft,B,Q,d]
+    ring = spec.dkeys
+    for i in range(ring.shape[0]):
+        ring = ring_write(ring, jnp.int32(i), inp.slot, pos, n_commit, keys[i])
+    W, R = cfg.sliding_window, ring.shape[2]
+    a = inp.start + n_commit - 1
+    wpos = a[:, None] - W + 1 + jnp.arange(W)[None, :]  # [B,W]
+    rows = ring[:, inp.slot]  # [n_draft,B,R,d]
+    wk = jnp.take_along_axis(rows, jnp.mod(wpos, R)[None, :, :, None], axis=2)
+    h = dspark.draft_hidden(params, cfg, None, a, golden, dtype=dtype, moe_impl=moe_impl,
+                            window=(wk, wpos >= 0))
+    lps = []
+
+    def sample_fn(logits_i: jax.Array, i: int) -> jax.Array:
+        tok, _, lp = _sample_rows(logits_i, samp, a + 2 + i, tag="draft")
+        lps.append(lp)
+        return tok
+
+    _, _, toks = dspark.dspark_heads(params, cfg, h, golden, sample_fn=sample_fn)
+    s = jnp.where(publish & (n_commit > 0), inp.slot, spec.draft_tokens.shape[0])
+    return dataclasses.replace(spec, dkeys=ring,
+                               draft_tokens=spec.draft_tokens.at[s].set(toks[:, :k], mode="drop"),
+                               draft_logprobs=spec.draft_logprobs.at[s].set(jnp.stack(lps[:k], 1), mode="drop"))
