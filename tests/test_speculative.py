@@ -155,3 +155,39 @@ def test_bad_input_behaves_as_without_speculation(engines):
     no_mtp = dataclasses.replace(model, params={**model.params, "mtp": []})
     with pytest.raises(ValueError, match="MTP parameters"):
         LLM(no_mtp, speculative="mtp", warmup=False, progress=False)
+
+
+def test_scheduler_runs_reserve_blocks_truncate_at_eos_and_clamp_drafts():
+    """Host bookkeeping alone (no device): a verify row reserves blocks for its drafts, process_step appends a run
+    token by token, drops what follows an EOS, advances the committed length by the accepted drafts, and draft
+    counts shrink near max_tokens."""
+    from dinfer_jax.engine.block_manager import BlockManager, StateSlots
+    from dinfer_jax.engine.scheduler import Scheduler, SchedulerConfig
+
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=4,
+                          num_speculative_tokens=3)
+    sched = Scheduler(cfg, BlockManager(32, 4), StateSlots(3), vocab_size=100)
+    a = sched.add_request("a", [1, 2, 3], SamplingParams(max_tokens=6), eos_token_ids=[99])
+    b = sched.add_request("b", [4, 5, 6, 7], SamplingParams(max_tokens=20), eos_token_ids=[99])
+    step = sched.schedule()
+    assert step.kind == "prefill"
+    sched.process_step(step, [10, 20])
+    assert a.has_drafts and b.has_drafts
+    step = sched.schedule()
+    assert step.kind == "decode" and [r.num_drafts for r in step.rows] == [3, 3]
+    assert [r.num_tokens for r in step.rows] == [4, 4]
+    assert len(a.block_ids) == 2 and len(b.block_ids) == 2  # positions 3..6 and 4..7 reserved
+    sched.process_step(step, [[11, 12], [21, 99, 22, 23]])
+    assert a.output_token_ids == [10, 11, 12] and a.num_computed_tokens == a.num_tokens - 1
+    assert b.output_token_ids == [20, 21, 99] and b.finish_reason == "stop"
+    assert step.rows[1].accepted_tokens == [21, 99]
+    step = sched.schedule()  # a: 3 outputs of 6 → at most 2 drafts
+    assert [r.num_drafts for r in step.rows] == [2]
+    sched.process_step(step, [[13, 14, 15]])
+    assert a.output_token_ids == [10, 11, 12, 13, 14, 15] and a.finish_reason == "length"
+    with pytest.raises(ValueError, match="list of ints"):
+        c = sched.add_request("c", [1, 2], SamplingParams(max_tokens=9))
+        sched.process_step(sched.schedule(), [5])
+        bad = sched.schedule()
+        sched.process_step(bad, [7])
+    assert c.num_computed_tokens >= 2
