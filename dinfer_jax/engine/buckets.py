@@ -53,13 +53,14 @@ def pages_needed(contexts: Iterable[int], block_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """Padded shapes the step is compiled for: decode ``[B, 1]``, prefill ``[B, Q]``, each with every page-table
-    width in ``pages``. ``pages=None`` until :meth:`resolve` fills in the default (:func:`page_buckets`)."""
+    """Padded shapes the step is compiled for: decode ``[B, decode_len]``, prefill ``[B, Q]``, each with every
+    page-table width in ``pages``. ``pages=None`` until :meth:`resolve` fills in the default (:func:`page_buckets`)."""
 
     decode_batch: tuple[int, ...]
     prefill_batch: tuple[int, ...]
     prefill_len: tuple[int, ...]
     pages: tuple[int, ...] | None = None
+    decode_len: int = 1  # query tokens of a decode row: 1, or 1 + num_speculative_tokens (verify rows)
 
     @classmethod
     def default(cls, max_num_seqs: int, max_num_batched_tokens: int, max_prefill_batch: int = 4,
@@ -93,7 +94,7 @@ class Buckets:
     def shapes(self) -> list[tuple[int, int, int]]:
         """Every compiled ``(B, Q, P)``: decode ones first, then prefill."""
         pages = self._pages()
-        return ([(b, 1, p) for b in self.decode_batch for p in pages]
+        return ([(b, self.decode_len, p) for b in self.decode_batch for p in pages]
                 + [(b, q, p) for b in self.prefill_batch for q in self.prefill_len for p in pages])
 
     def pick_pages(self, n: int) -> int:

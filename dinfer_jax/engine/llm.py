@@ -64,6 +64,9 @@ class EngineMetrics:
     device_waited_for_host_seconds: float = 0.0
     host_waited_for_device_seconds: float = 0.0
     preemptions: int = 0
+    spec_draft_tokens: int = 0  # drafts verified (sum of the verify rows' draft counts)
+    spec_accepted_tokens: int = 0  # of those, accepted by the target
+    spec_verify_steps: int = 0  # verify rows: (request, decode step) pairs that verified at least one draft
 
 
 def _enable_compilation_cache() -> None:
@@ -91,6 +94,28 @@ def _resolve_model(model: str | Path | Model, dtype: str, seed: int,
     return random_model(cfg, seed=seed, dtype=dtype, include_mtp=False), None
 
 
+def _check_speculative(model: Model, speculative: str | None, k: int) -> str | None:
+    """Validate ``LLM(speculative=..., num_speculative_tokens=...)``; returns the method (None: off)."""
+    if speculative is None:
+        return None
+    if speculative not in ("mtp", "dspark"):
+        raise ValueError(f"speculative must be None, 'mtp' or 'dspark', got {speculative!r}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"num_speculative_tokens must be an int >= 1, got {k!r}")
+    cfg = model.config
+    if speculative == "dspark":
+        if not cfg.is_v41 or not cfg.dspark_block_size:
+            raise ValueError("speculative='dspark' needs a V4.1 model with a DSpark drafter; V4 models use 'mtp'")
+        if k > cfg.dspark_block_size:
+            raise ValueError(f"num_speculative_tokens={k} exceeds the DSpark block size {cfg.dspark_block_size}")
+    elif cfg.is_v41:
+        raise ValueError("speculative='mtp' is V4's MTP block; V4.1 models draft with 'dspark'")
+    if not model.params.get("mtp"):
+        raise ValueError(f"speculative={speculative!r} needs the model's MTP parameters (load or build it with "
+                         "include_mtp)")
+    return speculative
+
+
 class LLM:
     """An offline engine over one model.
 
@@ -115,6 +140,11 @@ class LLM:
             prompts go to the engines round-robin; all engines step together on one mesh. ``(1, 1, 1)`` (default)
             is the one-device engine. Invalid layouts raise ValueError (:func:`~dinfer_jax.engine.dp_runner.
             parallel_layout`).
+        speculative: ``None`` (off), ``"mtp"`` (V4's MTP block drafts) or ``"dspark"`` (V4.1's DSpark drafter);
+            the target verifies the drafts in its next decode step (``docs/speculative_decoding.md``).
+            Under ``async_scheduling`` a sequence sits out the step after each of its verify steps (its next
+            position is known only once the accepted count is read), other sequences fill the gap.
+        num_speculative_tokens: drafts per verification (fixed; no confidence scheduling).
     """
 
     def __init__(self, model: str | Path | Model, dtype: str = "float32", max_num_seqs: int = 8,
@@ -123,13 +153,20 @@ class LLM:
                  async_scheduling: bool = True, enable_chunked_prefill: bool = True, preemption_mode: str = "stop",
                  max_logprobs: int = 5, warmup: bool = True, seed: int = 0, buckets: Buckets | None = None,
                  num_kv_blocks: int | None = None, progress: bool = True, dp_size: int = 1, cp_size: int = 1,
-                 ep_size: int = 1):
+                 ep_size: int = 1, speculative: str | None = None,
+                 num_speculative_tokens: int = 5):
         _enable_compilation_cache()
         self.parallel = parallel_layout(dp_size, cp_size, ep_size)
         self.dp_size = dp_size
         self.model, self.path = _resolve_model(model, dtype, seed, progress)
         cfg = self.model.config
         self.config = cfg
+        self.speculative = _check_speculative(self.model, speculative, num_speculative_tokens)
+        if self.speculative and (dp_size, cp_size, ep_size) != (1, 1, 1):
+            raise ValueError("speculative decoding runs on the one-device engine only (dp_size = cp_size = "
+                             f"ep_size = 1), got dp_size={dp_size}, cp_size={cp_size}, ep_size={ep_size}")
+        k = int(num_speculative_tokens) if speculative else 0
+        self.num_speculative_tokens = k
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 4096))
         ratios = [r for r in cfg.compress_ratios if r] or [1]
         lcm = int(np.lcm.reduce(ratios))
@@ -140,8 +177,11 @@ class LLM:
         else:
             cache_cfg = size_pools(cfg, memory_bytes=kv_cache_memory_bytes, block_size=self.block_size,
                                    max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, dtype=self.model.dtype)
+        if k:  # rings keep k + 1 extra entries: speculative writes never evict committed state (docs/spec/engine.md §5)
+            cache_cfg = dataclasses.replace(cache_cfg, backtrack=k + 1)
         cache_cfg.validate(cfg)
         buckets = buckets or Buckets.default(max_num_seqs, max_num_batched_tokens)
+        buckets = dataclasses.replace(buckets, decode_len=1 + k)
         self.buckets = buckets.resolve(-(-self.max_model_len // self.block_size), self.block_size)
         if max(self.buckets.decode_batch) < max_num_seqs or max(self.buckets.prefill_len) < max_num_batched_tokens:
             raise ValueError(f"buckets {self.buckets} must cover max_num_seqs={max_num_seqs} decode rows and "
@@ -151,12 +191,15 @@ class LLM:
                                             enable_chunked_prefill=enable_chunked_prefill,
                                             preemption_mode=preemption_mode,
                                             max_prefill_seqs=max(self.buckets.prefill_batch),
-                                            cp_align=2 * cp_size if cp_size > 1 else 1)
+                                            cp_align=2 * cp_size if cp_size > 1 else 1,
+                                            num_speculative_tokens=k)
         self.cache_config = cache_cfg
         self.async_scheduling = async_scheduling
         if (dp_size, cp_size, ep_size) == (1, 1, 1):
             self.runner: ModelRunner | DPModelRunner = ModelRunner(self.model, cache_cfg, self.max_model_len,
-                                                                   self.buckets, max_logprobs=max_logprobs)
+                                                                   self.buckets, max_logprobs=max_logprobs,
+                                                                   speculative=self.speculative,
+                                                                   num_speculative_tokens=k)
         else:
             self.runner = DPModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, self.parallel,
                                         max_logprobs=max_logprobs)
@@ -224,6 +267,8 @@ class LLM:
         busy = m["generate_seconds"]
         m["device_wait_fraction"] = m["device_waited_for_host_seconds"] / busy if busy else 0.0
         m["output_tokens_per_second"] = m["output_tokens"] / busy if busy else 0.0
+        v = m["spec_verify_steps"]
+        m["mean_acceptance_length"] = (m["spec_accepted_tokens"] + v) / v if v else 0.0
         return m
 
     # ------------------------------------------------------------------ internals
@@ -294,8 +339,18 @@ class LLM:
                 m.host_waited_for_device_seconds += t1 - t0
                 if not inflight:
                     idle_since = t1  # nothing queued on the device from now until the next dispatch
-                sampled = [int(tokens[i]) if row.sample else None for i, row in enumerate(done.step.rows)]
-                n_sampled = sum(1 for s in sampled if s is not None)
+                if done.num_accepted is not None:  # speculative decode step: each row emitted a run
+                    nacc = np.asarray(done.num_accepted)
+                    sampled = [[int(t) for t in tokens[i, : nacc[i] + 1]] if row.num_drafts else int(tokens[i, 0])
+                               for i, row in enumerate(done.step.rows)]
+                    for i, row in enumerate(done.step.rows):
+                        if row.num_drafts:
+                            m.spec_verify_steps += 1
+                            m.spec_draft_tokens += row.num_drafts
+                            m.spec_accepted_tokens += int(nacc[i])
+                else:
+                    sampled = [int(tokens[i]) if row.sample else None for i, row in enumerate(done.step.rows)]
+                n_sampled = sum(len(s) if isinstance(s, list) else 1 for s in sampled if s is not None)
                 m.output_tokens += n_sampled
                 if done.step.kind == "decode":
                     m.decode_tokens += n_sampled
@@ -375,15 +430,21 @@ class LLM:
             return
         for i, row in enumerate(done.step.rows):
             rec = by_id[row.request_id]
-            tok = row.accepted_token
-            if tok is None or rec["logprobs"] is None:
+            if row.accepted_token is None or rec["logprobs"] is None:
                 continue
             n = rec["params"].logprobs
-            entry = {"token": tok, "logprob": float(logprobs.token_logprobs[i])}
-            if n:
-                entry["top"] = [(int(t), float(v)) for t, v in
-                                zip(logprobs.top_token_ids[i][:n], logprobs.top_logprobs[i][:n], strict=False)]
-            rec["logprobs"].append(entry)
+            if done.num_accepted is None:
+                runs = [(row.accepted_token, logprobs.token_logprobs[i], logprobs.top_token_ids[i],
+                         logprobs.top_logprobs[i])]
+            else:  # speculative decode step: [rows, 1 + k] entries, one per emitted token
+                toks = row.accepted_tokens if row.num_drafts else [row.accepted_token]
+                runs = [(t, logprobs.token_logprobs[i][j], logprobs.top_token_ids[i][j], logprobs.top_logprobs[i][j])
+                        for j, t in enumerate(toks)]
+            for tok, lp, top_ids, top_lp in runs:
+                entry = {"token": tok, "logprob": float(lp)}
+                if n:
+                    entry["top"] = [(int(t), float(v)) for t, v in zip(top_ids[:n], top_lp[:n], strict=False)]
+                rec["logprobs"].append(entry)
 
     def _output(self, rec: dict[str, Any]) -> RequestOutput:
         seq = rec["seq"]

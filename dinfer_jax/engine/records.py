@@ -80,6 +80,8 @@ class Sequence:
     num_preemptions: int = 0
     # (step_id, row_index) of the row that samples the newest in-flight token
     last_sample_src: tuple[int, int] | None = None
+    # speculative decoding: the drafter has published drafts for this admission in the sequence's state slot
+    has_drafts: bool = False
 
     # ---------------------------------------------------------------- derived
     @property
@@ -149,6 +151,12 @@ class ScheduledRow:
     input_src: tuple[int, int] | None = None
     epoch: int = 0
     accepted_token: int | None = None
+    # speculative decoding: drafts this decode row verifies (num_tokens = 1 + num_drafts; only the first token is in
+    # token_ids, the drafts stay on the device); next_token: a non-final prefill chunk's following prompt token (the
+    # drafter's input at the chunk's last position); accepted_tokens: every token process_step appended for the row
+    num_drafts: int = 0
+    next_token: int = 0
+    accepted_tokens: list[int] | None = None
 
     @property
     def request_id(self) -> Any:

@@ -25,9 +25,11 @@ import numpy as np
 
 from dinfer_jax.engine.buckets import Buckets, pages_needed
 from dinfer_jax.engine.kv_cache import CacheConfig, init_cache
-from dinfer_jax.engine.model_step import model_step
+from dinfer_jax.engine.model_step import _engram_rows_device, model_step
 from dinfer_jax.engine.scheduler import ScheduledStep
+from dinfer_jax.engine.speculative import SpecState, draft, draft_dspark, init_spec_state, verify
 from dinfer_jax.models import Model
+from dinfer_jax.models.backbone import head_logits
 from dinfer_jax.models.layer_plan import stack_params
 from dinfer_jax.models.step_state import StepInput
 from dinfer_jax.progress import PhaseProgress
@@ -55,6 +57,8 @@ class StepOutput:
     logprobs: Any
     dispatched_at: float
     shape: tuple[int, int, int] = (0, 0, 0)  # the compiled bucket (B, Q, P) it ran in
+    # speculative decode steps: tokens is [max_rows, Q] and row i emitted tokens[i, :num_accepted[i] + 1]
+    num_accepted: Any = None
 
 
 class ModelRunner:
@@ -64,7 +68,7 @@ class ModelRunner:
     ``self.buckets`` holds the resolved set."""
 
     def __init__(self, model: Model, cache_config: CacheConfig, max_model_len: int, buckets: Buckets,
-                 max_logprobs: int = 0):
+                 max_logprobs: int = 0, speculative: str | None = None, num_speculative_tokens: int = 0):
         self.model = model
         self.cfg = model.config
         self.cache_config = cache_config
@@ -85,6 +89,18 @@ class ModelRunner:
         step_fn = functools.partial(_device_step, cfg=self.cfg, dtype=model.dtype, moe_impl=model.moe_impl,
                                     engram_fn=efn, max_rows=self.max_rows)
         self._step = jax.jit(step_fn, donate_argnums=(1,))
+        self.speculative = speculative
+        self.k = num_speculative_tokens if speculative else 0
+        self.spec: SpecState | None = None
+        if speculative:
+            if self.buckets.decode_len != 1 + self.k:
+                raise ValueError(f"speculative decode buckets need decode_len = 1 + {self.k}")
+            self.spec = init_spec_state(self.cfg, cache_config, self.k, model.dtype, speculative)
+            kw = dict(cfg=self.cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=efn, max_rows=self.max_rows,
+                      k=self.k, method=speculative)
+            self._spec_steps = {
+                dec: jax.jit(functools.partial(_device_step_spec, decode=dec, **kw), donate_argnums=(1, 2))
+                for dec in (False, True)}
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
         self._prev_step_id: int | None = None
 
@@ -95,9 +111,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         shapes = list(self.buckets.shapes())
         with PhaseProgress("compile buckets", len(shapes), enabled=progress) as bar:
-            for b, q, p in shapes:
-                toks, _, self.cache = self._call(*self._empty_inputs(b, q, p), self._sampling([], [], [], b),
-                                                 (b, q, p))
+            n_decode = len(self.buckets.decode_batch) * len(self.buckets.pages)  # shapes() lists decode first
+            for idx, (b, q, p) in enumerate(shapes):
+                if self.spec is not None:
+                    inp, feed = self._empty_inputs(b, q, p)
+                    decode = idx < n_decode
+                    toks = self._call_spec(inp, feed, self._sampling([], [], [], b), (b, q, p), decode,
+                                           *self._spec_extra(b))[0]
+                else:
+                    toks, _, self.cache = self._call(*self._empty_inputs(b, q, p), self._sampling([], [], [], b),
+                                                     (b, q, p))
                 toks.block_until_ready()
                 bar.advance()
         return time.perf_counter() - t0
@@ -111,6 +134,22 @@ class ModelRunner:
         cache_size = getattr(self._step, "_cache_size", None)
         self.num_compilations = cache_size() if callable(cache_size) else len(self.compiled_shapes)
         return out
+
+    def _spec_extra(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Speculative per-row inputs: drafts to verify, next token of a prefill chunk, rows that sample."""
+        return np.zeros((b,), np.int32), np.zeros((b,), np.int32), np.zeros((b,), bool)
+
+    def _call_spec(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any,
+                   shape: tuple[int, int, int], decode: bool, ndraft: np.ndarray, next_tok: np.ndarray,
+                   sample_mask: np.ndarray):
+        self.compiled_shapes.add((*shape, decode))
+        toks, nacc, logprobs, self.cache, self.spec = self._spec_steps[decode](
+            self.params, self.cache, self.spec, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
+            self._cmap, ndraft, next_tok, sample_mask)
+        sizes = [getattr(f, "_cache_size", None) for f in self._spec_steps.values()]
+        self.num_compilations = (sum(c() for c in sizes) if all(callable(c) for c in sizes)
+                                 else len(self.compiled_shapes))
+        return toks, nacc, logprobs
 
     @staticmethod
     def _empty_inputs(b: int, q: int, p: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -131,7 +170,8 @@ class ModelRunner:
         it (blocks past the step's context, e.g. those of a prompt's later chunks, cannot be read yet)."""
         rows = step.rows
         if step.kind == "decode":
-            b, q = Buckets.pick(self.buckets.decode_batch, len(rows), "decode batch"), 1
+            b = Buckets.pick(self.buckets.decode_batch, len(rows), "decode batch")
+            q = self.buckets.decode_len
         else:
             b = Buckets.pick(self.buckets.prefill_batch, len(rows), "prefill batch")
             q = Buckets.pick(self.buckets.prefill_len, max(r.num_tokens for r in rows), "prefill chunk")
@@ -139,6 +179,15 @@ class ModelRunner:
         p = self.buckets.pick_pages(pages_needed((r.start_pos + r.num_tokens for r in rows), bs))
         inp, feed = fill_step_inputs(step, b, q, p, bs, self._prev_step_id)
         sampling = self._sampling(params, seeds, [r.end_pos for r in rows], b)
+        if self.spec is not None:
+            extra = self._spec_extra(b)
+            for i, r in enumerate(rows):
+                extra[0][i], extra[1][i], extra[2][i] = r.num_drafts, r.next_token, r.sample
+            decode = step.kind == "decode"
+            toks, nacc, logprobs = self._call_spec(inp, feed, sampling, (b, q, p), decode, *extra)
+            first = toks[:, 0] if decode else toks
+            self._prev_tokens, self._prev_step_id = first, step.step_id
+            return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p), nacc if decode else None)
         toks, logprobs, self.cache = self._call(inp, feed, sampling, (b, q, p))
         self._prev_tokens, self._prev_step_id = toks, step.step_id
         return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p))
@@ -176,7 +225,7 @@ def fill_step_inputs(step: ScheduledStep, b: int, q: int, p: int, block_size: in
                                    f"previous dispatched step is {prev_step_id}")
             feed["use_prev"][i], feed["prev_row"][i] = True, src_row
         else:
-            inp["tokens"][i, : r.num_tokens] = r.token_ids
+            inp["tokens"][i, : len(r.token_ids)] = r.token_ids
     return inp, feed
 
 
@@ -206,3 +255,55 @@ def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_t
     toks, logprobs = sample(logits, samp)
     out = jnp.zeros((max_rows,), jnp.int32).at[: toks.shape[0]].set(toks)
     return out, logprobs, cache
+
+
+def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: InFlight,
+                      prev_tokens: jax.Array, samp: Any, cmap: Any, ndraft: jax.Array, next_tok: jax.Array,
+                      sample_mask: jax.Array, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any,
+                      max_rows: int, k: int, decode: bool, method: str):
+    """Traced step with speculative decoding (V4 MTP drafter, ``engine/speculative.py``).
+
+    decode: rows ``[t, d1..dk]`` (drafts read from the slot's draft pool, ``ndraft [B]`` of them valid) are verified
+    (``verify``), then the drafter sees the accepted positions and publishes the next drafts. Returns
+    ``(tokens [max_rows, 1+k], num_accepted [max_rows], logprobs, cache, spec)``.
+    prefill: the ordinary sample of each row's last token, then the drafter runs over the chunk (next token of a
+    position: the chunk's following token, ``next_tok`` after its end, or the sampled one) and rows that sample
+    publish drafts. Returns ``(tokens [max_rows], zeros, logprobs, cache, spec)``.
+    """
+    first = jnp.where(feed.use_prev, prev_tokens[feed.prev_row], inp.tokens[:, 0])
+    tokens = inp.tokens.at[:, 0].set(first)
+    B, Q = tokens.shape
+    if decode:
+        drafts = spec.draft_tokens[inp.slot]
+        dlp = spec.draft_logprobs[inp.slot]
+        tokens = tokens.at[:, 1:].set(jnp.where(jnp.arange(k)[None, :] < ndraft[:, None], drafts, 0))
+    inp = dataclasses.replace(inp, tokens=tokens)
+    hist0 = cache.ngram_hist
+    logits, cache, carry = model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl,
+                                      engram_fn=engram_fn, cmap=cmap, return_carry=True)
+    streams = carry["streams"]
+    kw = dict(cfg=cfg, dtype=dtype, moe_impl=moe_impl, k=k)
+    if decode:
+        all_logits, _ = head_logits(params, {k_: v for k_, v in carry.items() if k_ in ("streams", "premix")}, cfg)
+        toks, nacc, logprobs = verify(all_logits, drafts, dlp, ndraft, inp.start, samp, samp.num_top_logprobs)
+        if hist0 is not None:  # V4.1 Engram history: rewind to the committed tokens (rejected drafts leave no trace)
+            committed = dataclasses.replace(inp, n=jnp.where(inp.n > 0, nacc + 1, 0))
+            cache = dataclasses.replace(cache, ngram_hist=_engram_rows_device(hist0, committed, cfg, cmap)[1])
+        if method == "dspark":
+            golden = jnp.take_along_axis(toks, nacc[:, None], axis=1)[:, 0]
+            spec = draft_dspark(params, spec, carry["dspark_features"], golden, inp, nacc + 1, inp.n > 0, samp, **kw)
+        else:
+            spec = draft(params, spec, streams, toks, inp, nacc + 1, inp.n > 0, samp, **kw)
+        out = jnp.zeros((max_rows, Q), jnp.int32).at[:B].set(toks)
+        return out, jnp.zeros((max_rows,), jnp.int32).at[:B].set(nacc), logprobs, cache, spec
+    toks, logprobs = sample(logits, samp)
+    j = jnp.arange(Q)[None, :]
+    nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+    nxt = jnp.where(j == (inp.n - 1)[:, None], jnp.where(sample_mask, toks, next_tok)[:, None], nxt)
+    if method == "dspark":
+        golden = jnp.where(sample_mask, toks, next_tok)
+        spec = draft_dspark(params, spec, carry["dspark_features"], golden, inp, inp.n, sample_mask, samp, **kw)
+    else:
+        spec = draft(params, spec, streams, nxt, inp, inp.n, sample_mask, samp, **kw)
+    out = jnp.zeros((max_rows,), jnp.int32).at[:B].set(toks)
+    return out, jnp.zeros((max_rows,), jnp.int32), logprobs, cache, spec

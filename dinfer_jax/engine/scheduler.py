@@ -67,6 +67,11 @@ class SchedulerConfig:
     cp_align: DeepInfer's ``cp_align`` (``2·cp_size`` with context parallelism, else 1): a prompt is chunked only
         when it exceeds the remaining budget rounded down to a multiple of it, the chunk then being that multiple,
         and each row charges the budget its length rounded up to it (``docs/spec/engine.md`` §3, §9).
+    num_speculative_tokens: k > 0 turns on speculative decoding: a decode row of a sequence whose drafts are
+        published verifies up to k of them (fewer near max_model_len / max_tokens), blocks are reserved for them,
+        and process_step takes the row's emitted run (a list of ints). A sequence with a row in flight is not
+        scheduled (its next position depends on how many drafts that row accepts), so under the asynchronous loop
+        each sequence verifies every other step; DeepInfer's on-device position correction is not ported.
     """
 
     max_num_seqs: int
@@ -80,6 +85,7 @@ class SchedulerConfig:
     prefill_kv_watermark: float = 1.0
     max_prefill_seqs: int | None = None
     cp_align: int = 1
+    num_speculative_tokens: int = 0  # drafts verified per decode row (0: no speculative decoding); sync loop only
 
     def __post_init__(self) -> None:
         if self.max_prefill_seqs is None:
@@ -288,6 +294,10 @@ class Scheduler:
         """Plan the next step (all prefill or all decode), or None if nothing can run now."""
         cfg = self.config
         decodable = [s for s in self.running if self._can_decode(s)]
+        if self.config.num_speculative_tokens:
+            # a sequence whose row is in flight does not know its next position (the row may accept drafts): it
+            # waits for that row to be processed (under async scheduling it verifies every other step)
+            decodable = [s for s in decodable if not s.num_inflight]
         step: ScheduledStep | None = None
         tried_prefill = False
         if self.prefilling or self.waiting:
@@ -412,7 +422,8 @@ class Scheduler:
         sample = end == seq.prefill_len
         row = ScheduledRow(seq=seq, start_pos=start, num_tokens=n, token_ids=seq.known_tokens(start, end),
                            sample=sample, block_ids=seq.block_ids[:self.block_manager.blocks_for(end)],
-                           state_slot=seq.state_slot, input_src=None, epoch=seq.num_preemptions)
+                           state_slot=seq.state_slot, input_src=None, epoch=seq.num_preemptions,
+                           next_token=seq.token_at(end) if end < seq.num_tokens else 0)
         seq.num_computed_tokens = end
         if sample:
             seq.num_inflight += 1
@@ -433,8 +444,8 @@ class Scheduler:
         while lo < hi:
             seq = order[lo]
             lo += 1
-            need = bm.blocks_for(seq.num_computed_tokens + 1) - len(seq.block_ids)
-            assert need in (0, 1), need
+            need = bm.blocks_for(seq.num_computed_tokens + 1 + self._num_drafts(seq)) - len(seq.block_ids)
+            assert 0 <= need <= 1 + self.config.num_speculative_tokens, need
             if need:
                 if bm.num_free < need and soon_free >= need:
                     soon_free -= need  # wait one step for the lagging release
@@ -462,12 +473,24 @@ class Scheduler:
             else:
                 assert pos == seq.num_tokens_total - 1 and seq.last_sample_src is not None
                 tokens, src = None, seq.last_sample_src
-            rows.append(ScheduledRow(seq=seq, start_pos=pos, num_tokens=1, token_ids=tokens, sample=True,
+            nd = self._num_drafts(seq)
+            rows.append(ScheduledRow(seq=seq, start_pos=pos, num_tokens=1 + nd, token_ids=tokens, sample=True,
                                      block_ids=list(seq.block_ids), state_slot=seq.state_slot, input_src=src,
-                                     epoch=seq.num_preemptions))
+                                     epoch=seq.num_preemptions, num_drafts=nd))
             seq.num_computed_tokens = pos + 1
             seq.num_inflight += 1
         return self._new_step("decode", rows)
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        """Drafts a decode row of ``seq`` verifies now: k once the drafter has published drafts for it, fewer
+        where its emitted run (drafts + 1) would pass max_model_len or max_tokens (the positions margin)."""
+        k = self.config.num_speculative_tokens
+        if not k or not seq.has_drafts or seq.num_inflight:
+            return 0
+        room = self.config.max_model_len - 1 - seq.num_tokens_total  # emitted tokens that still fit, minus 1
+        if seq.max_tokens is not None:
+            room = min(room, seq.max_tokens - seq.num_output_tokens_total - 1)
+        return max(0, min(k, room))
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt a RUNNING sequence: release its blocks/slot now, then stop it or requeue it for recompute.
@@ -487,6 +510,7 @@ class Scheduler:
         seq.num_inflight = 0
         seq.prefill_len = 0
         seq.last_sample_src = None
+        seq.has_drafts = False
         if cfg.preemption_mode == "stop" or not can_progress:
             why = "" if cfg.preemption_mode == "stop" else " (recompute could not make progress in this KV pool)"
             msg = f"request {seq.request_id!r}: preempted for lack of KV blocks{why}"
@@ -515,7 +539,12 @@ class Scheduler:
             raise ValueError(f"step {step.step_id} has {len(step.rows)} rows but {len(sampled_token_ids)} sampled "
                              f"token ids were given")
         for i, row in enumerate(step.rows):
-            if row.sample and not _is_int(sampled_token_ids[i]):
+            if row.sample and row.num_drafts and not (isinstance(sampled_token_ids[i], (list, tuple))
+                                                      and sampled_token_ids[i]
+                                                      and all(_is_int(t) for t in sampled_token_ids[i])):
+                raise ValueError(f"step {step.step_id} row {i} (request {row.request_id!r}) verifies drafts: "
+                                 f"expected a non-empty list of ints, got {sampled_token_ids[i]!r}")
+            if row.sample and not row.num_drafts and not _is_int(sampled_token_ids[i]):
                 raise ValueError(f"step {step.step_id} row {i} (request {row.request_id!r}) samples a token but got "
                                  f"{sampled_token_ids[i]!r}")
         self._inflight.popleft()
@@ -528,14 +557,30 @@ class Scheduler:
                 # scheduled before a preemption: keep a sampled token only if it is exactly the next token of a victim
                 # that has not been re-admitted (it was computed from a complete, correct context)
                 not_readmitted = seq.status is SequenceStatus.WAITING or seq in self._stopping
-                if row.sample and not_readmitted and row.end_pos == seq.num_tokens:
+                if row.sample and not row.num_drafts and not_readmitted and row.end_pos == seq.num_tokens:
                     self._accept(seq, row, sampled_token_ids[i])
                 else:
                     self.num_discarded_rows += 1
+            elif row.sample and row.num_drafts:
+                assert row.start_pos + 1 == seq.num_tokens, (row.start_pos, seq.num_tokens)
+                seq.num_inflight -= 1
+                run = list(sampled_token_ids[i])[: row.num_drafts + 1]
+                row.accepted_tokens = []
+                for tok in run:  # stop conditions after each token: the rest of the run is dropped
+                    before = len(seq.output_token_ids)
+                    self._accept(seq, row, tok)
+                    if len(seq.output_token_ids) > before:
+                        row.accepted_tokens.append(int(tok))
+                    if seq.finished:
+                        break
+                else:
+                    seq.num_computed_tokens += len(run) - 1  # accepted drafts' KV is committed
             elif row.sample:
                 assert row.end_pos == seq.num_tokens, (row.end_pos, seq.num_tokens)
                 seq.num_inflight -= 1
                 self._accept(seq, row, sampled_token_ids[i])
+                if self.config.num_speculative_tokens and not seq.finished:
+                    seq.has_drafts = True  # the drafter ran in this step and published for the slot
             if seq.num_inflight_steps == 0:
                 if seq in self._stopping:
                     self._finish(seq, "preempted", self._stopping[seq])

@@ -162,13 +162,15 @@ def block_input_ids(cfg: ModelConfig, golden: jax.Array) -> jax.Array:
 
 def draft_hidden(params: Mapping[str, Any], cfg: ModelConfig, keys: jax.Array, anchor_pos: jax.Array,
                  golden: jax.Array, *, dtype: Any = None, block_tokens: jax.Array | None = None,
-                 moe_impl: str = "auto") -> jax.Array:
+                 moe_impl: str = "auto", window: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """The draft layers: ``h [B,blk,D]`` (model dtype) before the heads' norm.
 
     keys ``[n_draft,B,P,d]`` from :func:`main_keys` (indexed by absolute position; entries after ``a`` are never
     read); anchor_pos ``[B]`` int = a, the last accepted position (its features must be in ``keys``); golden ``[B]``
     int = the token at a+1. block_tokens ``[B,blk]`` overrides the block's input ids (default
-    ``[golden, noise × (blk−1)]``).
+    ``[golden, noise × (blk−1)]``). window: the window keys already gathered, ``(keys [n_draft,B,W,d], valid
+    [B,W])`` for positions a−W+1 … a (the serving engine reads them from its per-slot rings; ``keys`` is then
+    unused).
     """
     dt = jnp.dtype(dtype) if dtype is not None else params["embed"].dtype
     blk, n, W = cfg.dspark_block_size, cfg.hc_mult, cfg.sliding_window
@@ -183,7 +185,7 @@ def draft_hidden(params: Mapping[str, Any], cfg: ModelConfig, keys: jax.Array, a
     premix = jnp.broadcast_to(jax.nn.one_hot(0, n, dtype=F32), (B, blk, n))
     kw = _hc_kw(cfg)
     for i, p in enumerate(params["mtp"]):
-        wk, wv = window_keys(keys[i], anchor_pos, W)
+        wk, wv = window_keys(keys[i], anchor_pos, W) if window is None else (window[0][i], window[1])
         pre_a, post_a, comb_a = hc_mixes(streams, p["hc_attn"], **kw)
         u = rms_norm(hc_collapse(streams, premix), p["attn_norm"], cfg.norm_eps)
         a = draft_attention(p["attn"], u, cfg=cfg, positions=positions, win_keys=wk, win_valid=wv)

@@ -85,7 +85,7 @@ def _window(swa: jax.Array, k: jax.Array, kv: jax.Array, inp: StepInput, pos: ja
     ring = ring_read(swa, k, inp.slot)
     if codec is not None:
         ring = codec.unpack(ring)
-    rpos = ring_positions(inp.start, W)
+    rpos = ring_positions(inp.start, ring.shape[1])  # ring may hold W + backtracking entries
     keys = jnp.concatenate([ring.astype(kv.dtype), kv], axis=1)
     kpos = jnp.concatenate([rpos, pos], axis=1)
     Q = pos.shape[1]

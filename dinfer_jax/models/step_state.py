@@ -7,10 +7,11 @@ Rows are stored as :mod:`~dinfer_jax.models.cache_codec` says: V4.1 (``kv_fake_q
 (uint8 rows ``[data | scales]``: ``swa`` 528 B, ``ckv`` 288 B, ``ik`` 68 B at the release widths), otherwise as
 values (``d`` wide below).
 
-* **SWA ring** (every layer): ``swa [num_slots, W, d]``; position p of the sequence in slot s lives at
-  ``swa[s, p % W]``. Slot 0 is the null slot of padding rows.
+* **SWA ring** (every layer): ``swa [num_slots, W + b, d]``; position p of the sequence in slot s lives at
+  ``swa[s, p % (W + b)]``. Slot 0 is the null slot of padding rows. ``b = CacheConfig.backtrack`` (0 without
+  speculative decoding) keeps rejected draft positions from evicting committed window entries.
 * **Compressor state ring** (layers that compress): raw per-token projections of the last ``Sm`` tokens
-  (``cst_kv``/``cst_gate`` for V4, ``cst_latent``/``cst_score`` for V4.1 ratio 2) at ``[s, p % Sm]``, fp32, so a
+  (``cst_kv``/``cst_gate`` for V4, ``cst_latent``/``cst_score`` for V4.1 ratio 2) at ``[s, p % (Sm + b)]``, fp32, so a
   group split across chunks or steps is completed later. V4 CSA keeps 2m tokens (overlapping windows), HCA m.
 * **Paged compressed KV**: ``ckv [num_blocks, block_size // m, d]``; compressed row w of a sequence lives in page
   ``block_table[w·m // block_size]`` at offset ``w % (block_size // m)``. V4 CSA pages its indexer keys the same
@@ -96,6 +97,7 @@ class CacheConfig:
     num_slots: int
     num_blocks: int
     block_size: int
+    backtrack: int = 0  # extra ring entries so speculative writes never evict committed state (docs/spec/engine.md §5)
 
     def validate(self, cfg: ModelConfig) -> None:
         for r in set(cfg.compress_ratios) - {0}:
@@ -128,8 +130,9 @@ def layer_cache_shapes(cfg: ModelConfig, info: LayerInfo, cc: CacheConfig, dtype
         width, dt = codec.stored
         return sds((*lead, width), dt)
 
-    c: dict[str, Any] = {"swa": rows(codecs.swa, S, cfg.sliding_window)}
+    c: dict[str, Any] = {"swa": rows(codecs.swa, S, cfg.sliding_window + cc.backtrack)}
     sm = state_width(cfg, info)
+    sm = sm + cc.backtrack if sm else 0
     if cfg.is_v41:
         if info.kv_source:
             c["ckv"] = rows(codecs.ckv, N, bs // r)

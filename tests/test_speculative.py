@@ -1,0 +1,209 @@
+"""Speculative decoding in the engine (issue 11): ``LLM(..., speculative="mtp")`` with a tiny random V4 model and
+``speculative="dspark"`` with a tiny random V4.1 model.
+
+Greedy speculative output must equal the non-speculative engine's token for token (sync and async loops, chunked
+prefill, prompts crossing the SWA window of 8 and the ratio-4 / ratio-16 compression groups), whatever the
+drafter proposes: rejected drafts must leave no trace in the rings, pages, Engram history or drafter state.
+Drafters:
+
+* ``random``: the model's own random MTP block (std 0.1): drafts are almost always rejected (rollback path).
+* ``friendly``: target layers' outputs scaled down and an MTP block that reproduces the target's "bigram" part,
+  so that many drafts are accepted and accepted runs (and stop tokens inside them) are exercised.
+* ``dspark``: tiny random V4.1 (SWA window 16, compression ratios 1 and 2, Engram) with its random DSpark
+  drafter.
+
+Also: seeded sampling with speculation is reproducible and the same under sync and async loops; metrics are
+consistent; nothing compiles after warm-up; bad input behaves as without speculation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dinfer_jax import LLM, SamplingParams
+from dinfer_jax.engine.runner import Buckets
+from dinfer_jax.models import load_config, random_model
+
+GEN = 20
+LENGTHS = [5, 23, 41, 70]
+K = 3
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(4, vocab, size=n)] for n in lengths]
+
+
+def _scale_block(block: dict, f: float) -> dict:
+    block = dict(block)
+    attn = dict(block["attn"])
+    attn["wo_b"] = attn["wo_b"] * f
+    ffn = dict(block["ffn"])
+    ffn["experts"] = {**ffn["experts"], "w2": ffn["experts"]["w2"] * f}
+    ffn["shared_experts"] = {**ffn["shared_experts"], "w2": ffn["shared_experts"]["w2"] * f}
+    block["attn"], block["ffn"] = attn, ffn
+    return block
+
+
+def _friendly(model, a: float):
+    """Target blocks' outputs × a; an MTP block that maps the next token through the target's head exactly as the
+    target maps its current token when a = 0 (so its drafts match a mostly-bigram target)."""
+    p = dict(model.params)
+    p["layers"] = [_scale_block(b, a) for b in p["layers"]]
+    m = _scale_block(p["mtp"][0], 0.0)
+    d = m["e_proj"].shape[0]
+    m.update(e_proj=jnp.eye(d, dtype=m["e_proj"].dtype), h_proj=jnp.zeros_like(m["h_proj"]),
+             enorm=jnp.ones_like(m["enorm"]), hc_head=p["hc_head"], norm=p["norm"])
+    p["mtp"] = [m]
+    return dataclasses.replace(model, params=jax.tree_util.tree_map(lambda x: x, p))
+
+
+def _buckets() -> Buckets:
+    return Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(32,))
+
+
+def _llm(model, **kw) -> LLM:
+    return LLM(model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, buckets=_buckets(),
+               progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def build():
+    """Engines built once per module: ``build(name) -> (name, reference LLM, speculative LLM)``."""
+    built: dict[str, tuple] = {}
+
+    def make(name: str) -> tuple:
+        if name not in built:
+            if name == "dspark":
+                model = random_model(load_config("tiny-v41"), seed=3, std=0.1, include_mtp=True)
+                built[name] = name, _llm(model), _llm(model, speculative="dspark", num_speculative_tokens=K)
+            else:
+                base = random_model(load_config("tiny-v4"), seed=3, std=0.1, include_mtp=True)
+                model = base if name == "random" else _friendly(base, 0.05)
+                built[name] = name, _llm(model), _llm(model, speculative="mtp", num_speculative_tokens=K)
+        return built[name]
+
+    return make
+
+
+@pytest.fixture(params=["random", "friendly", "dspark"])
+def engines(request, build):
+    return build(request.param)
+
+
+@pytest.fixture
+def friendly(build):
+    """The MTP engine whose drafts are often accepted (seeded sampling and bad input need only one drafter)."""
+    return build("friendly")
+
+
+def test_greedy_speculative_equals_non_speculative(engines):
+    name, ref_llm, spec = engines
+    prompts = _prompts(spec.config.vocab_size, LENGTHS)
+    greedy = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    compiled = spec.metrics()["compilations"]
+    assert compiled == len(spec.buckets.shapes())
+    want = [o.token_ids for o in ref_llm.generate(prompts, greedy, use_tqdm=False)]
+    for async_ in (False, True):
+        spec.configure(async_scheduling=async_)
+        outs = spec.generate(prompts, greedy, use_tqdm=False)
+        for i, o in enumerate(outs):
+            assert o.finish_reason == "length" and len(o.token_ids) == GEN
+            assert o.token_ids == want[i], f"{name} async={async_}: prompt {i} (len {LENGTHS[i]}) diverges"
+    m = spec.metrics()
+    assert m["compilations"] == compiled, "compiled outside warm-up"
+    assert m["spec_verify_steps"] > 0 and 0 <= m["spec_accepted_tokens"] <= m["spec_draft_tokens"]
+    assert m["spec_draft_tokens"] <= K * m["spec_verify_steps"]
+    assert m["mean_acceptance_length"] == pytest.approx(1 + m["spec_accepted_tokens"] / m["spec_verify_steps"])
+    assert m["mean_acceptance_length"] >= 1.0
+    if name == "friendly":
+        assert m["spec_accepted_tokens"] > 0, "the friendly drafter should get drafts accepted"
+
+
+def test_stop_token_inside_accepted_run_and_logprobs(engines):
+    name, ref_llm, spec = engines
+    prompts = _prompts(spec.config.vocab_size, LENGTHS, seed=1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    full = [o.token_ids for o in ref_llm.generate(prompts, greedy, use_tqdm=False)]
+    stops = [toks[GEN // 2] for toks in full]
+    params = [SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True, stop_token_ids=[s], logprobs=2)
+              for s in stops]
+    want = ref_llm.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason == "stop"
+        assert len(g.logprobs) == len(g.token_ids)
+        assert [e["token"] for e in g.logprobs] == g.token_ids
+        assert all(len(e["top"]) == 2 for e in g.logprobs)
+
+
+def test_seeded_sampling_reproducible_sync_and_async(friendly):
+    _, _, spec = friendly
+    prompts = _prompts(spec.config.vocab_size, LENGTHS, seed=2)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=GEN, ignore_eos=True, seq_seed=100 + i)
+              for i in range(len(prompts))]
+    runs = []
+    for async_ in (False, True, False):
+        spec.configure(async_scheduling=async_)
+        runs.append([o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1] == runs[2]
+    assert all(len(t) == GEN for t in runs[0])
+
+
+def test_bad_input_behaves_as_without_speculation(friendly):
+    _, _, spec = friendly
+    outs = spec.generate([[1, 2, 3], ["x"], [], [5] * 200, [7, 8]],
+                         SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert outs[0].finish_reason in ("length", "stop") and outs[4].finish_reason in ("length", "stop")
+    assert [o.finish_reason for o in outs[1:4]] == ["error"] * 3
+    model = spec.model
+    with pytest.raises(ValueError, match="speculative"):
+        LLM(model, speculative="eagle", warmup=False, progress=False)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(model, speculative="mtp", num_speculative_tokens=0, warmup=False, progress=False)
+    with pytest.raises(ValueError, match="dspark"):
+        LLM(model, speculative="dspark", warmup=False, progress=False)
+    no_mtp = dataclasses.replace(model, params={**model.params, "mtp": []})
+    with pytest.raises(ValueError, match="MTP parameters"):
+        LLM(no_mtp, speculative="mtp", warmup=False, progress=False)
+
+
+def test_scheduler_runs_reserve_blocks_truncate_at_eos_and_clamp_drafts():
+    """Host bookkeeping alone (no device): a verify row reserves blocks for its drafts, process_step appends a run
+    token by token, drops what follows an EOS, advances the committed length by the accepted drafts, and draft
+    counts shrink near max_tokens."""
+    from dinfer_jax.engine.block_manager import BlockManager, StateSlots
+    from dinfer_jax.engine.scheduler import Scheduler, SchedulerConfig
+
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=4,
+                          num_speculative_tokens=3)
+    sched = Scheduler(cfg, BlockManager(32, 4), StateSlots(3), vocab_size=100)
+    a = sched.add_request("a", [1, 2, 3], SamplingParams(max_tokens=6), eos_token_ids=[99])
+    b = sched.add_request("b", [4, 5, 6, 7], SamplingParams(max_tokens=20), eos_token_ids=[99])
+    step = sched.schedule()
+    assert step.kind == "prefill"
+    sched.process_step(step, [10, 20])
+    assert a.has_drafts and b.has_drafts
+    step = sched.schedule()
+    assert step.kind == "decode" and [r.num_drafts for r in step.rows] == [3, 3]
+    assert [r.num_tokens for r in step.rows] == [4, 4]
+    assert len(a.block_ids) == 2 and len(b.block_ids) == 2  # positions 3..6 and 4..7 reserved
+    sched.process_step(step, [[11, 12], [21, 99, 22, 23]])
+    assert a.output_token_ids == [10, 11, 12] and a.num_computed_tokens == a.num_tokens - 1
+    assert b.output_token_ids == [20, 21, 99] and b.finish_reason == "stop"
+    assert step.rows[1].accepted_tokens == [21, 99]
+    step = sched.schedule()  # a: 3 outputs of 6 → at most 2 drafts
+    assert [r.num_drafts for r in step.rows] == [2]
+    sched.process_step(step, [[13, 14, 15]])
+    assert a.output_token_ids == [10, 11, 12, 13, 14, 15] and a.finish_reason == "length"
+    with pytest.raises(ValueError, match="list of ints"):
+        c = sched.add_request("c", [1, 2], SamplingParams(max_tokens=9))
+        sched.process_step(sched.schedule(), [5])
+        bad = sched.schedule()
+        sched.process_step(bad, [7])
+    assert c.num_computed_tokens >= 2
