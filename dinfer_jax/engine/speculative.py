@@ -31,7 +31,8 @@ from dinfer_jax.models.ops import linear, rms_norm
 from dinfer_jax.models.qweights import take_rows
 from dinfer_jax.models.step_state import CacheConfig, LayerCache, StepInput, single_layer_cache
 from dinfer_jax.sampling import SampleLogprobs, fused_sample
-from dinfer_jax.sampling.sampler import _canonical_zero
+from dinfer_jax.sampling.params import SAMPLING_EPS
+from dinfer_jax.sampling.sampler import _canonical_zero, processed_logprobs
 
 SPECULATIVE_METHODS = (None, "mtp", "dspark")
 
@@ -79,18 +80,29 @@ def _mtp_layer(params: Any, cache: LayerCache, streams: jax.Array, next_ids: jax
 
 def _sample_rows(logits: jax.Array, samp: Any, positions: jax.Array, *, tag: str, **verify: Any):
     """fused_sample over ``[N, V]`` rows with the per-row sampling tensors ``samp`` (already ``[N]``); greedy rows
-    take the argmax (as the non-speculative sampler does), and a greedy verify row accepts iff draft == argmax."""
-    res = fused_sample(logits, samp.temperature, samp.top_p, samp.top_k, (samp.seed_hi, samp.seed_lo), positions,
-                       tag=tag, **verify)
+    take the argmax (as the non-speculative sampler does), and a greedy verify row accepts iff draft == argmax.
+    Returns ``(tokens [N], accept [N] or None, processed logprobs [N, V])``. When every row is greedy or padding
+    the random draws are skipped (a ``lax.cond``): their results would all be overwritten."""
     argmax = jnp.argmax(_canonical_zero(logits.astype(jnp.float32)), axis=-1).astype(jnp.int32)
-    tokens = jnp.where(samp.greedy, argmax, res.tokens)
-    accept = res.accept
+
+    def drawn(lg: jax.Array):
+        res = fused_sample(lg, samp.temperature, samp.top_p, samp.top_k, (samp.seed_hi, samp.seed_lo), positions,
+                           tag=tag, min_p=samp.min_p, **verify)
+        return res.tokens, (res.accept if verify else None), res.logprobs
+
+    def greedy_only(lg: jax.Array):
+        lp = processed_logprobs(lg, jnp.where(samp.greedy, jnp.float32(SAMPLING_EPS), samp.temperature),
+                                samp.top_p, samp.top_k, samp.min_p)
+        return argmax, (jnp.ones(argmax.shape, bool) if verify else None), lp
+
+    tokens, accept, lp = jax.lax.cond(jnp.all(samp.greedy | ~samp.valid), greedy_only, drawn, logits)
+    tokens = jnp.where(samp.greedy, argmax, tokens)
     if accept is not None:
         acc_greedy = jnp.where(verify["is_verify"], verify["draft_token_ids"] == argmax, True)
         accept = jnp.where(samp.greedy, acc_greedy, accept)
         tokens = jnp.where(samp.greedy, argmax, jnp.where(verify["is_verify"] & accept,
-                                                          verify["draft_token_ids"], res.tokens))
-    return tokens, accept, res.logprobs
+                                                          verify["draft_token_ids"], tokens))
+    return tokens, accept, lp
 
 
 def _rows(samp: Any, q: int) -> Any:

@@ -137,10 +137,14 @@ def processed_logprobs(
     inv_t = jnp.float32(1.0) / temperature
     x = x * inv_t[:, None]
     if use_filters:
-        keep = top_p_top_k_mask(x, top_p, top_k)
+        # The masks are all-true when no row filters; the conds skip their sorts then (same result, far cheaper).
+        keep = lax.cond(jnp.any(top_p < 1.0) | jnp.any(top_k >= 0),
+                        lambda y: top_p_top_k_mask(y, top_p, top_k), lambda y: jnp.ones(y.shape, bool), x)
         x = jnp.where(keep, x, -jnp.inf)
         if min_p is not None:
-            x = jnp.where(min_p_mask(x, min_p), x, -jnp.inf)
+            keep = lax.cond(jnp.any(min_p > 0.0), lambda y: min_p_mask(y, min_p),
+                            lambda y: jnp.ones(y.shape, bool), x)
+            x = jnp.where(keep, x, -jnp.inf)
     return jax.nn.log_softmax(x, axis=-1)
 
 
@@ -178,11 +182,15 @@ def sample(
     st = params_tensors
     logprobs = process_logits(logits, st)
     seeds = add_seed_offset(U64(st.seed_hi, st.seed_lo), seed_offset)
-    tokens = random_sampling(jnp.exp(logprobs), seeds, st.position, method=method)
     if greedy_fast_path:
         raw = jnp.where(st.valid[:, None], logits.astype(jnp.float32), 0.0)
         argmax = jnp.argmax(_canonical_zero(raw), axis=-1).astype(jnp.int32)
-        tokens = jnp.where(st.greedy, argmax, tokens)
+        # every row greedy or padding: the random draw would be overwritten, so it is skipped
+        drawn = lax.cond(jnp.all(st.greedy | ~st.valid), lambda p: jnp.zeros(p.shape[:1], jnp.int32),
+                         lambda p: random_sampling(p, seeds, st.position, method=method), jnp.exp(logprobs))
+        tokens = jnp.where(st.greedy, argmax, drawn)
+    else:
+        tokens = random_sampling(jnp.exp(logprobs), seeds, st.position, method=method)
     tokens = jnp.where(st.valid, tokens, 0)
 
     if logprobs_mode == "raw":

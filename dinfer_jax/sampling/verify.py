@@ -91,12 +91,13 @@ def _check_shape(name: str, x: Any, shape: tuple[int, ...]) -> None:
 
 @partial(jax.jit, static_argnames=("seed_offset", "method", "verify"))
 def _fused_sample_impl(logits, temperatures, top_ps, top_ks, seed_hi, seed_lo, positions, is_verify,
-                       draft_logprobs, draft_token_ids, *, seed_offset: int, method: str, verify: bool):
+                       draft_logprobs, draft_token_ids, min_p, *, seed_offset: int, method: str, verify: bool):
     greedy = temperatures < jnp.float32(SAMPLING_EPS)
     temperatures = jnp.where(greedy, jnp.float32(SAMPLING_EPS), temperatures)
     top_ps = jnp.where(greedy, jnp.float32(1.0), top_ps)
     top_ks = jnp.where(greedy, jnp.int32(-1), top_ks)
-    logprobs = processed_logprobs(logits, temperatures, top_ps, top_ks)
+    min_p = jnp.where(greedy, jnp.float32(0.0), min_p)
+    logprobs = processed_logprobs(logits, temperatures, top_ps, top_ks, min_p)
     probs = jnp.exp(logprobs)
     seeds = add_seed_offset(U64(seed_hi, seed_lo), seed_offset)
     fresh = random_sampling(probs, seeds, positions, method=method)
@@ -135,6 +136,7 @@ def fused_sample(
     draft_logprobs: jax.Array | None = None,
     draft_token_ids: jax.Array | None = None,
     method: str = "auto",
+    min_p: jax.Array | None = None,
 ) -> FusedSampleResult:
     """Temperature -> top-p -> top-k -> log-softmax -> sample, with optional per-row draft verification; equal to
     DeepInfer's ``fused_sample_ref`` (see the module docstring for the exact rule).
@@ -157,6 +159,9 @@ def fused_sample(
         draft_token_ids: [Q] int32 draft token of each row; -1 is a sentinel that forces rejection. Required with
             ``draft_logprobs``. Other ids outside [0, V) raise when concrete and count as sentinels when traced.
         method: ``random_sampling`` method (``"auto"`` or ``"exact"``; same tokens).
+        min_p: [N] f32 or None. An addition to DeepInfer's contract (its ``fused_sample`` has no min-p): rows
+            with ``min_p > 0`` drop tokens below ``min_p`` times the top probability after top-k, as
+            :func:`~dinfer_jax.sampling.sample` does. None (default) or all zeros: the reference's result.
 
     Returns:
         :class:`FusedSampleResult` ``(logprobs [Q, V] f32, tokens [Q] int32, accept [Q] bool,
@@ -180,6 +185,8 @@ def fused_sample(
         _check_shape(name, x, (q,))
     seeds = seeds_to_u64(seq_seeds)
     _check_shape("seq_seeds", seeds.lo, (q,))
+    if min_p is not None:
+        _check_shape("min_p", min_p, (q,))
 
     verify = draft_logprobs is not None
     if not verify:
@@ -218,6 +225,7 @@ def fused_sample(
         jnp.asarray(is_verify, bool),
         jnp.asarray(draft_logprobs),
         jnp.asarray(draft_token_ids, jnp.int32),
+        jnp.zeros((q,), jnp.float32) if min_p is None else jnp.asarray(min_p, jnp.float32),
         seed_offset=seed_offset,
         method=method,
         verify=verify,
