@@ -12,6 +12,12 @@ warm-up and is excluded; each configuration is timed over ``--repeats`` runs and
 ``--max-model-lens 256,8192`` instead measures how output tokens/s depends on ``max_model_len`` on the same short
 prompts (asynchronous scheduling, no transformers baseline): one row per model and length, with the ratio to the
 first length. A step should read only the pages its batch can need, so the ratio should stay near 1.
+
+``--speculative K`` instead measures speculative decoding on the bundled default model (trained weights, so drafts
+mean something): ``examples/prompts.txt`` (repeated to ``--batch`` prompts), greedy, ``--max-tokens`` new tokens,
+output tokens/s with DSpark verifying K drafts per step against the same engine without it, asynchronous and
+synchronous loops, with the mean acceptance length (tokens emitted per verification step). Outputs are checked to be
+identical with and without speculation.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-torch", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--max-model-lens", default=None,
                     help="comma-separated max_model_len values: compare tokens/s across them instead")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K",
+                    help="compare DSpark speculation (K drafts per verification) on the default model instead")
     return ap.parse_args(argv)
 
 
@@ -119,8 +127,54 @@ def bench_max_model_len(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_speculative(args: argparse.Namespace) -> int:
+    """Output tokens/s on the default model with and without DSpark speculation (greedy, identical outputs)."""
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from dinfer_jax import LLM, SamplingParams
+
+    k = args.speculative
+    lines = [ln.rstrip("\n") for ln in open(Path(__file__).resolve().parents[1] / "examples" / "prompts.txt")
+             if ln.strip()]
+    prompts = [lines[i % len(lines)] for i in range(args.batch)]
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    table = Table(title=f"LLM.generate on CPU, default model: {args.batch} prompts of examples/prompts.txt, "
+                        f"{args.max_tokens} new tokens, greedy fp32 (median of {args.repeats})")
+    for col in ("loop", "speculation", "output tok/s", "vs off", "mean acceptance length", "same tokens as off"):
+        table.add_column(col, justify="left" if col in ("loop", "speculation") else "right")
+    engines = {spec: LLM("default", max_num_seqs=args.batch, max_model_len=256, progress=False, speculative=spec,
+                         num_speculative_tokens=k if spec else 5) for spec in (None, "dspark")}
+    for async_ in (True, False):
+        base, ref = None, None
+        for spec, llm in engines.items():
+            llm.configure(async_scheduling=async_)
+            before = llm.metrics()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            rates = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+                rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+            rate = statistics.median(rates)
+            toks = [o.token_ids for o in outs]
+            base, ref = (rate, toks) if spec is None else (base, ref)
+            m = llm.metrics()
+            steps = m["spec_verify_steps"] - before["spec_verify_steps"]
+            acc = (m["spec_accepted_tokens"] - before["spec_accepted_tokens"] + steps) / steps if steps else 0.0
+            table.add_row("async" if async_ else "sync", f"dspark k={k}" if spec else "off", f"{rate:.1f}",
+                          f"{rate / base:.2f}×", f"{acc:.2f}" if spec else "—",
+                          "—" if spec is None else str(toks == ref))
+    Console(width=140).print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.speculative:
+        return bench_speculative(args)
     if args.max_model_lens:
         return bench_max_model_len(args)
     from rich.console import Console

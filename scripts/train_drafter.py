@@ -107,7 +107,7 @@ def save_drafter(path: Path, cfg, mtp) -> int:
     """Rewrite the DSpark tensors of ``path/model.safetensors`` (stored dtypes kept); returns how many changed."""
     specs = param_specs(cfg, include_mtp=True)["mtp"]
     src = SafetensorsFile(path / "model.safetensors")
-    tensors = {name: src.get(name) for name in src.keys()}
+    tensors = {name: np.array(src.get(name)) for name in src.keys()}  # copies: the file is replaced below
     src.close()
     n = 0
     for spec, val in zip(jax.tree_util.tree_leaves(specs, is_leaf=is_spec), jax.tree_util.tree_leaves(mtp),
@@ -120,7 +120,9 @@ def save_drafter(path: Path, cfg, mtp) -> int:
             dt = ml_dtypes.bfloat16 if old.dtype == ml_dtypes.bfloat16 else old.dtype
             tensors[name] = part.astype(dt).reshape(old.shape)
             n += 1
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    tmp = path / "model.safetensors.tmp"
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    tmp.replace(path / "model.safetensors")
     return n
 
 
@@ -143,13 +145,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gen", type=int, default=160)
-    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--steps", type=int, default=2500)
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
     ap.add_argument("--anchors", type=int, default=16, help="anchors per sequence")
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--k", type=int, default=4, help="drafts per verification in the evaluation")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--data-cache", default="", help="npz file for the greedy sequences and features (reused if "
+                    "present; delete it after changing the model or the data arguments)")
     ap.add_argument("--metrics", default=str(REPO / "docs" / "default_model_drafter.json"))
     args = ap.parse_args()
 
@@ -161,9 +165,16 @@ def main() -> None:
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     prompts = make_prompts(tok, args.prompts, args.prompt_len, args.seed)
-    seqs = greedy_sequences(model, prompts, args.gen)
+    cache = Path(args.data_cache) if args.data_cache else None
+    if cache is not None and cache.is_file():  # the same prompts, model and lengths: reuse the greedy data
+        data = np.load(cache)
+        seqs, feats, mismatch = data["seqs"], data["feats"], float(data["mismatch"])
+    else:
+        seqs = greedy_sequences(model, prompts, args.gen)
+        feats, mismatch = target_features(model, seqs, 32)
+        if cache is not None:
+            np.savez(cache, seqs=seqs, feats=feats, mismatch=mismatch)
     t_gen = time.time() - t0
-    feats, mismatch = target_features(model, seqs, 32)
     print(f"{len(seqs)} greedy sequences of {seqs.shape[1]} tokens in {t_gen:.0f}s; forward/engine argmax "
           f"mismatch {mismatch:.4%}", flush=True)
 

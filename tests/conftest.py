@@ -1,15 +1,14 @@
 """Test session setup: 8 host CPU devices (for the dp/cp/ep mesh tests) before jax is imported."""
 
 import os
-import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The on-disk compilation cache LLM turns on is a fresh directory per test run: engines built with the same shapes
-# in one run still share compiled steps (turning it off made test_step_pages several times slower), but a run never
-# depends on what earlier runs compiled nor shares files with concurrent runs (a suite whose cache directory was
-# written by other processes at the same time died with SIGSEGV in jax's cache write, 2026-12-01).
-os.environ.setdefault("DINFER_JAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="dinfer_jax_test_xla_cache_"))
+# No on-disk compilation cache in tests: jaxlib 0.10.2 segfaulted while writing it in two suite runs (2026-12-01, once
+# with a fresh per-run directory and no other writer), and a run must not depend on earlier runs. Engines over the
+# same model and shapes share compiled steps in-process anyway (the runner's jits take the configuration as static
+# arguments).
+os.environ["DINFER_JAX_COMPILATION_CACHE"] = "off"
 
 import jax  # noqa: E402
 

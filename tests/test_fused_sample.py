@@ -9,8 +9,11 @@ What is compared, and how strictly:
   while the torch reference can drop tail tokens whose fp32 exclusive cumsum rounds above 1.0 (a documented
   choice of ``sampler.py``, checked here to drop negligible mass). Exactness end to end also needs the fp32
   logprobs (XLA vs ATen ``log_softmax``, a few ulps apart) not to move a CDF boundary or the acceptance
-  comparison; that is rare (~1e-6 per row) and did not happen for these seeds. The decision stage alone is
-  checked exactly on every row, with no such caveat, by ``test_decisions_exact_given_logprobs``.
+  comparison. That is rare, but the zero-residual rows (residual mass ~5e-5 spread over 1000 columns) are
+  ulp-sensitive by construction, and on one CPU (2026-12-01) one such row resampled the neighbouring token. So a
+  row may differ only if the reference's own decision rule applied to our logprobs gives exactly our result, on
+  at most 1 row in 500. The decision stage alone is checked exactly on every row, with no such caveat, by
+  ``test_decisions_exact_given_logprobs``.
 * processed logprobs: ``atol=2e-5, rtol=4e-6`` where both are finite (fp32 ``log_softmax`` from two libraries:
   different exp/log and summation order; a few ulps of values up to ~|logit range|).
 * ``accept_probs``: ``atol = 2e-6 + V * 2e-9``: ``1 - sum(residual)`` over V fp32 terms, summed in different
@@ -170,7 +173,30 @@ def _ours(c: Case, tag: str, verify: bool = True):
     return [None if o is None else np.asarray(o) for o in out]
 
 
-def _compare(c: Case, ours, ref, *, verify: bool) -> dict:
+def _ref_rule_on(refs, c: Case, lp: np.ndarray, tag: str) -> tuple[np.ndarray, np.ndarray]:
+    """``fused_sample_ref``'s decision stage (DeepInfer's kernel test does the same with ``random_sampling_ref`` and
+    ``_hash_to_uniform``) applied to the logprobs ``lp [Q, V]``: ``(accept [Q] bool, tokens [Q] int)``."""
+    offset = MTP_SEED_OFFSET if tag != "default" else 0
+    seed_block = torch.from_numpy(c.seeds.copy()).to(torch.int64) + offset
+    pos = torch.from_numpy(c.pos.copy())
+    probs = torch.from_numpy(lp.copy()).exp()
+    draft = torch.from_numpy(c.draft_lp.copy())
+    ids = torch.from_numpy(c.draft_ids.copy())
+    safe = ids.clamp(min=0).long().unsqueeze(1)
+    residual = (probs - (draft - refs.penalty).exp()).relu()
+    ratio = (torch.from_numpy(lp.copy()).gather(1, safe) - draft.gather(1, safe)).squeeze(1).clamp(max=0).exp()
+    vseq = pos.to(torch.int64) * 3 + 2
+    golden = 0x9E3779B97F4A7C15 - (1 << 64)
+    u = refs.hash_to_uniform(seed_block ^ (vseq * golden)).to(torch.float32)
+    accepted = (ratio > u) & (ids >= 0)
+    verify = torch.from_numpy(c.is_verify.copy())
+    acc = torch.where(verify, accepted, True)
+    fresh = refs.random_sampling(probs, seed_block, pos)
+    resample = refs.random_sampling(residual, seed_block, pos, True)
+    return acc.numpy(), torch.where(verify, torch.where(acc, ids, resample), fresh).numpy()
+
+
+def _compare(c: Case, ours, ref, *, verify: bool, refs=None, tag: str = "default") -> dict:
     """Assert the module docstring's contract; returns counts for the caller's sanity checks."""
     lp, tok, acc, dsel, aprob = ours
     lp_r, tok_r, acc_r, dsel_r, aprob_r = ref
@@ -188,6 +214,18 @@ def _compare(c: Case, ours, ref, *, verify: bool) -> dict:
     both = fin & fin_r
     np.testing.assert_allclose(lp[both], lp_r[both], atol=2e-5, rtol=4e-6)
     rows = same_mask
+    differ = rows & ((tok != tok_r) | (verify and acc is not None and (acc != acc_r)))
+    if differ.any():
+        # An ulp of logprob moved a CDF boundary or the acceptance comparison (see the module docstring): allowed
+        # on at most 1 row in 500, and only where the reference's own rule applied to our logprobs gives exactly
+        # our decision (the difference comes from the log_softmax, not from the decision stage).
+        assert refs is not None and differ.sum() <= max(1, c.logits.shape[0] // 500), np.flatnonzero(differ)
+        c_for_rule = c if verify else c._replace(is_verify=np.zeros_like(c.is_verify))
+        acc_rule, tok_rule = _ref_rule_on(refs, c_for_rule, lp, tag)
+        np.testing.assert_array_equal(tok[differ], tok_rule[differ])
+        if verify:
+            np.testing.assert_array_equal(acc[differ], acc_rule[differ])
+    rows = rows & ~differ
     np.testing.assert_array_equal(tok[rows], tok_r[rows])
     if not verify:
         assert acc is None and dsel is None and aprob is None
@@ -219,7 +257,7 @@ def test_fused_sample_matches_ref(refs, seed: int, tag: str) -> None:
     remove the draft, sentinel drafts."""
     rng = np.random.default_rng(100 + seed)
     c = _make_case(rng, 1024, 1024)
-    counts = _compare(c, _ours(c, tag), _ref(refs, c, tag), verify=True)
+    counts = _compare(c, _ours(c, tag), _ref(refs, c, tag), verify=True, refs=refs, tag=tag)
     # the mix exercises every branch
     assert counts["accepted"] > 50 and counts["rejected"] > 50
     assert counts["filtered_draft"] > 10 and counts["sentinel"] > 10
@@ -228,21 +266,22 @@ def test_fused_sample_matches_ref(refs, seed: int, tag: str) -> None:
 def test_fused_sample_without_verification_matches_ref(refs) -> None:
     rng = np.random.default_rng(7)
     c = _make_case(rng, 1024, 1024)  # the shapes of the verify tests: shares their compiled programs
-    _compare(c, _ours(c, "default", verify=False), _ref(refs, c, "default", verify=False), verify=False)
+    _compare(c, _ours(c, "default", verify=False), _ref(refs, c, "default", verify=False), verify=False,
+             refs=refs)
 
 
 @pytest.mark.parametrize("v", [1, 2, 37])
 def test_fused_sample_tiny_vocab(refs, v: int) -> None:
     rng = np.random.default_rng(20 + v)
     c = _make_case(rng, 256, v)
-    _compare(c, _ours(c, "default"), _ref(refs, c, "default"), verify=True)
+    _compare(c, _ours(c, "default"), _ref(refs, c, "default"), verify=True, refs=refs)
 
 
 def test_fused_sample_full_vocab(refs) -> None:
     """V = 129280 (DeepSeek's vocabulary), few rows to keep the CPU test fast."""
     rng = np.random.default_rng(31)
     c = _make_case(rng, 12, 129280, verify_frac=0.75)
-    _compare(c, _ours(c, "default"), _ref(refs, c, "default"), verify=True)
+    _compare(c, _ours(c, "default"), _ref(refs, c, "default"), verify=True, refs=refs)
 
 
 def test_small_and_zero_residual_rows(refs) -> None:
@@ -266,7 +305,7 @@ def test_small_and_zero_residual_rows(refs) -> None:
     c = Case(x, ones, ones, np.full(q, -1, np.int32), np.arange(q, dtype=np.uint64), np.zeros(q, np.int32),
              np.ones(q, bool), draft_lp, ids)
     ours, ref = _ours(c, "default"), _ref(refs, c, "default")
-    _compare(c, ours, ref, verify=True)
+    _compare(c, ours, ref, verify=True, refs=refs)
     tok, acc, aprob = ours[1], ours[2], ours[4]
     np.testing.assert_array_equal(acc[~zero_rows], ids[~zero_rows] > 0)
     assert (~acc[zero_rows & (ids != 1)]).all()  # target prob ~1/v < u almost surely; 0 and -1 never pass
@@ -283,24 +322,7 @@ def test_decisions_exact_given_logprobs(refs) -> None:
     rng = np.random.default_rng(41)
     c = _make_case(rng, 1024, 1024)
     lp, tok, acc, dsel, _ = _ours(c, "mtp")
-    lp = lp.copy()
-    seed_block = torch.from_numpy(c.seeds.copy()).to(torch.int64) + MTP_SEED_OFFSET
-    pos = torch.from_numpy(c.pos.copy())
-    probs = torch.from_numpy(lp).exp()
-    draft = torch.from_numpy(c.draft_lp.copy())
-    ids = torch.from_numpy(c.draft_ids.copy())
-    safe = ids.clamp(min=0).long().unsqueeze(1)
-    residual = (probs - (draft - refs.penalty).exp()).relu()
-    ratio = (torch.from_numpy(lp).gather(1, safe) - draft.gather(1, safe)).squeeze(1).clamp(max=0).exp()
-    vseq = pos.to(torch.int64) * 3 + 2
-    golden = 0x9E3779B97F4A7C15 - (1 << 64)
-    u = refs.hash_to_uniform(seed_block ^ (vseq * golden)).to(torch.float32)
-    accepted = (ratio > u) & (ids >= 0)
-    verify = torch.from_numpy(c.is_verify.copy())
-    expect_acc = torch.where(verify, accepted, True).numpy()
-    fresh = refs.random_sampling(probs, seed_block, pos)
-    resample = refs.random_sampling(residual, seed_block, pos, True)
-    expect_tok = torch.where(verify, torch.where(torch.from_numpy(expect_acc), ids, resample), fresh).numpy()
+    expect_acc, expect_tok = _ref_rule_on(refs, c, lp, "mtp")
     np.testing.assert_array_equal(acc, expect_acc)
     np.testing.assert_array_equal(tok, expect_tok)
     # acceptance is close to a coin flip on many rows: the comparison really is exercised near its boundary

@@ -11,6 +11,8 @@ Drafters:
   so that many drafts are accepted and accepted runs (and stop tokens inside them) are exercised.
 * ``dspark``: tiny random V4.1 (SWA window 16, compression ratios 1 and 2, Engram) with its random DSpark
   drafter.
+* ``default``: the bundled trained V4.1 model with its self-distilled DSpark drafter (``scripts/train_drafter.py``),
+  on text prompts.
 
 Also: seeded sampling with speculation is reproducible and the same under sync and async loops; metrics are
 consistent; nothing compiles after warm-up; bad input behaves as without speculation.
@@ -19,6 +21,7 @@ consistent; nothing compiles after warm-up; bad input behaves as without specula
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +82,9 @@ def build():
 
     def make(name: str) -> tuple:
         if name not in built:
-            if name == "dspark":
+            if name == "default":
+                built[name] = name, _llm("default"), _llm("default", speculative="dspark", num_speculative_tokens=K)
+            elif name == "dspark":
                 model = random_model(load_config("tiny-v41"), seed=3, std=0.1, include_mtp=True)
                 built[name] = name, _llm(model), _llm(model, speculative="dspark", num_speculative_tokens=K)
             else:
@@ -91,7 +96,7 @@ def build():
     return make
 
 
-@pytest.fixture(params=["random", "friendly", "dspark"])
+@pytest.fixture(params=["random", "friendly", "dspark", "default"])
 def engines(request, build):
     return build(request.param)
 
@@ -102,27 +107,35 @@ def friendly(build):
     return build("friendly")
 
 
+def _text_prompts(llm: LLM) -> list[list[int]]:
+    """The default model's prompts: growing prefixes of examples/prompts.txt (about 6 to 70 tokens, so the longest
+    crosses its 64-token SWA window)."""
+    lines = [ln.strip() for ln in open(Path(__file__).resolve().parents[1] / "examples" / "prompts.txt") if ln.strip()]
+    return [llm.tokenizer.encode(" ".join(lines[:j])).ids for j in (1, 3, 6, 10)]
+
+
 def test_greedy_speculative_equals_non_speculative(engines):
     name, ref_llm, spec = engines
-    prompts = _prompts(spec.config.vocab_size, LENGTHS)
+    prompts = _text_prompts(spec) if name == "default" else _prompts(spec.config.vocab_size, LENGTHS)
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
     compiled = spec.metrics()["compilations"]
-    assert compiled == len(spec.buckets.shapes())
+    assert spec.runner.compiled_shapes == {(*s, i < len(spec.buckets.decode_batch) * len(spec.buckets.pages))
+                                           for i, s in enumerate(spec.buckets.shapes())}, "warm-up missed a shape"
     want = [o.token_ids for o in ref_llm.generate(prompts, greedy, use_tqdm=False)]
     for async_ in (False, True):
         spec.configure(async_scheduling=async_)
         outs = spec.generate(prompts, greedy, use_tqdm=False)
         for i, o in enumerate(outs):
             assert o.finish_reason == "length" and len(o.token_ids) == GEN
-            assert o.token_ids == want[i], f"{name} async={async_}: prompt {i} (len {LENGTHS[i]}) diverges"
+            assert o.token_ids == want[i], f"{name} async={async_}: prompt {i} (len {len(prompts[i])}) diverges"
     m = spec.metrics()
     assert m["compilations"] == compiled, "compiled outside warm-up"
     assert m["spec_verify_steps"] > 0 and 0 <= m["spec_accepted_tokens"] <= m["spec_draft_tokens"]
     assert m["spec_draft_tokens"] <= K * m["spec_verify_steps"]
     assert m["mean_acceptance_length"] == pytest.approx(1 + m["spec_accepted_tokens"] / m["spec_verify_steps"])
     assert m["mean_acceptance_length"] >= 1.0
-    if name == "friendly":
-        assert m["spec_accepted_tokens"] > 0, "the friendly drafter should get drafts accepted"
+    if name in ("friendly", "default"):
+        assert m["spec_accepted_tokens"] > 0, f"the {name} drafter should get drafts accepted"
 
 
 def test_stop_token_inside_accepted_run_and_logprobs(engines):

@@ -79,16 +79,16 @@ class ModelRunner:
         self.cache = init_cache(self.cfg, cache_config, model.dtype)
         self.params = stack_params(self.cfg, model.params)
         self.compiled_shapes: set[tuple[int, int, int]] = set()
-        self.num_compilations = 0
+        self.num_compilations = 0  # compilations this runner's calls caused (shared steps: see _CompileCounter)
+        self._seen: set[tuple] = set()
         cmap = None
         efn = None
         if self.cfg.engram_layer_ids:
             cmap = jnp.asarray(model.engram.compressed_map, jnp.int32)
-            efn = functools.partial(_engram_callback, self.cfg, model.engram.tables)
+            efn = model.engram.gather_fn(self.cfg, lambda c, t: functools.partial(_engram_callback, c, t))
         self._cmap = cmap
-        step_fn = functools.partial(_device_step, cfg=self.cfg, dtype=model.dtype, moe_impl=model.moe_impl,
-                                    engram_fn=efn, max_rows=self.max_rows)
-        self._step = jax.jit(step_fn, donate_argnums=(1,))
+        self._static = dict(cfg=self.cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=efn,
+                            max_rows=self.max_rows)
         self.speculative = speculative
         self.k = num_speculative_tokens if speculative else 0
         self.spec: SpecState | None = None
@@ -96,11 +96,6 @@ class ModelRunner:
             if self.buckets.decode_len != 1 + self.k:
                 raise ValueError(f"speculative decode buckets need decode_len = 1 + {self.k}")
             self.spec = init_spec_state(self.cfg, cache_config, self.k, model.dtype, speculative)
-            kw = dict(cfg=self.cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=efn, max_rows=self.max_rows,
-                      k=self.k, method=speculative)
-            self._spec_steps = {
-                dec: jax.jit(functools.partial(_device_step_spec, decode=dec, **kw), donate_argnums=(1, 2))
-                for dec in (False, True)}
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
         self._prev_step_id: int | None = None
 
@@ -128,12 +123,9 @@ class ModelRunner:
     def _call(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any,
               shape: tuple[int, int, int]):
         self.compiled_shapes.add(shape)
-        out = self._step(self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
-                         self._cmap)
-        # jit's own cache size when available (counts any retrace, not just new shapes); else distinct shapes.
-        cache_size = getattr(self._step, "_cache_size", None)
-        self.num_compilations = cache_size() if callable(cache_size) else len(self.compiled_shapes)
-        return out
+        with _CompileCounter(self, _STEP, shape):
+            return _STEP(self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
+                         self._cmap, **self._static)
 
     def _spec_extra(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Speculative per-row inputs: drafts to verify, next token of a prefill chunk, rows that sample."""
@@ -143,12 +135,11 @@ class ModelRunner:
                    shape: tuple[int, int, int], decode: bool, ndraft: np.ndarray, next_tok: np.ndarray,
                    sample_mask: np.ndarray):
         self.compiled_shapes.add((*shape, decode))
-        toks, nacc, logprobs, self.cache, self.spec = self._spec_steps[decode](
-            self.params, self.cache, self.spec, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
-            self._cmap, ndraft, next_tok, sample_mask)
-        sizes = [getattr(f, "_cache_size", None) for f in self._spec_steps.values()]
-        self.num_compilations = (sum(c() for c in sizes) if all(callable(c) for c in sizes)
-                                 else len(self.compiled_shapes))
+        with _CompileCounter(self, _STEP_SPEC, (*shape, decode)):
+            toks, nacc, logprobs, self.cache, self.spec = _STEP_SPEC(
+                self.params, self.cache, self.spec, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
+                self._cmap, ndraft, next_tok, sample_mask, k=self.k, method=self.speculative, decode=decode,
+                **self._static)
         return toks, nacc, logprobs
 
     @staticmethod
@@ -307,3 +298,27 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
         spec = draft(params, spec, streams, nxt, inp, inp.n, sample_mask, samp, **kw)
     out = jnp.zeros((max_rows,), jnp.int32).at[:B].set(toks)
     return out, jnp.zeros((max_rows,), jnp.int32), logprobs, cache, spec
+
+
+_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "max_rows")
+# Module-level jits with the engine's configuration as static arguments: engines over the same model and shapes
+# share compiled steps within a process (what the on-disk compilation cache would otherwise provide).
+_STEP = jax.jit(_device_step, static_argnames=_STATIC + ("ep_manual", "cp_manual", "copies_manual"),
+                donate_argnums=(1,))
+_STEP_SPEC = jax.jit(_device_step_spec, static_argnames=_STATIC + ("k", "decode", "method"), donate_argnums=(1, 2))
+
+
+class _CompileCounter:
+    """Adds to ``runner.num_compilations`` the entries a call adds to a shared jit's cache (any retrace counts);
+    without ``_cache_size`` (other jax versions) a shape new to this runner counts as one."""
+
+    def __init__(self, runner: Any, fn: Any, key: tuple) -> None:
+        self.runner, self.size, self.new = runner, getattr(fn, "_cache_size", None), key not in runner._seen
+        runner._seen.add(key)
+
+    def __enter__(self) -> None:
+        self.before = self.size() if callable(self.size) else 0
+
+    def __exit__(self, *exc: Any) -> None:
+        grown = (self.size() - self.before) if callable(self.size) else int(self.new)
+        self.runner.num_compilations += grown

@@ -91,8 +91,9 @@ def _sample_rows(logits: jax.Array, samp: Any, positions: jax.Array, *, tag: str
         return res.tokens, (res.accept if verify else None), res.logprobs
 
     def greedy_only(lg: jax.Array):
+        # greedy rows have no filters (DeepInfer's substitution), nor do padding rows: no sorts needed
         lp = processed_logprobs(lg, jnp.where(samp.greedy, jnp.float32(SAMPLING_EPS), samp.temperature),
-                                samp.top_p, samp.top_k, samp.min_p)
+                                samp.top_p, samp.top_k, use_filters=False)
         return argmax, (jnp.ones(argmax.shape, bool) if verify else None), lp
 
     tokens, accept, lp = jax.lax.cond(jnp.all(samp.greedy | ~samp.valid), greedy_only, drawn, logits)

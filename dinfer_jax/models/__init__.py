@@ -25,6 +25,15 @@ class EngramRuntime:
 
     tables: list[Any]
     compressed_map: np.ndarray
+    # one host-gather callback per config, so compiled engine steps (which take it as a static argument) are shared
+    # by every engine over this runtime
+    _gather_fns: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def gather_fn(self, cfg: ModelConfig, make: Any) -> Any:
+        """``make(cfg, tables)`` built once per config and kept (a stable identity for ``jax.jit``'s cache)."""
+        if cfg not in self._gather_fns:
+            self._gather_fns[cfg] = make(cfg, self.tables)
+        return self._gather_fns[cfg]
 
 
 @dataclasses.dataclass

@@ -137,14 +137,10 @@ def processed_logprobs(
     inv_t = jnp.float32(1.0) / temperature
     x = x * inv_t[:, None]
     if use_filters:
-        # The masks are all-true when no row filters; the conds skip their sorts then (same result, far cheaper).
-        keep = lax.cond(jnp.any(top_p < 1.0) | jnp.any(top_k >= 0),
-                        lambda y: top_p_top_k_mask(y, top_p, top_k), lambda y: jnp.ones(y.shape, bool), x)
+        keep = top_p_top_k_mask(x, top_p, top_k)
         x = jnp.where(keep, x, -jnp.inf)
         if min_p is not None:
-            keep = lax.cond(jnp.any(min_p > 0.0), lambda y: min_p_mask(y, min_p),
-                            lambda y: jnp.ones(y.shape, bool), x)
-            x = jnp.where(keep, x, -jnp.inf)
+            x = jnp.where(min_p_mask(x, min_p), x, -jnp.inf)
     return jax.nn.log_softmax(x, axis=-1)
 
 

@@ -89,14 +89,15 @@ def _check_shape(name: str, x: Any, shape: tuple[int, ...]) -> None:
         raise ValueError(f"fused_sample: {name} must have shape {shape}, got {tuple(np.shape(x))}")
 
 
-@partial(jax.jit, static_argnames=("seed_offset", "method", "verify"))
+@partial(jax.jit, static_argnames=("seed_offset", "method", "verify", "use_min_p"))
 def _fused_sample_impl(logits, temperatures, top_ps, top_ks, seed_hi, seed_lo, positions, is_verify,
-                       draft_logprobs, draft_token_ids, min_p, *, seed_offset: int, method: str, verify: bool):
+                       draft_logprobs, draft_token_ids, min_p, *, seed_offset: int, method: str, verify: bool,
+                       use_min_p: bool):
     greedy = temperatures < jnp.float32(SAMPLING_EPS)
     temperatures = jnp.where(greedy, jnp.float32(SAMPLING_EPS), temperatures)
     top_ps = jnp.where(greedy, jnp.float32(1.0), top_ps)
     top_ks = jnp.where(greedy, jnp.int32(-1), top_ks)
-    min_p = jnp.where(greedy, jnp.float32(0.0), min_p)
+    min_p = jnp.where(greedy, jnp.float32(0.0), min_p) if use_min_p else None
     logprobs = processed_logprobs(logits, temperatures, top_ps, top_ks, min_p)
     probs = jnp.exp(logprobs)
     seeds = add_seed_offset(U64(seed_hi, seed_lo), seed_offset)
@@ -229,4 +230,5 @@ def fused_sample(
         seed_offset=seed_offset,
         method=method,
         verify=verify,
+        use_min_p=min_p is not None,
     )
