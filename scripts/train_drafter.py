@@ -10,7 +10,8 @@ drafter learns, at anchors a inside the continuation, to predict tokens a+2 … 
 up to a and the token at a+1 (teacher-forced Markov chain, the same inference code as ``train_tiny.py``'s drafter
 loss). The confidence head learns whether each draft row is right.
 
-Reproducible (fixed seeds); on the project's 2-core CPU it takes a few minutes::
+Reproducible (fixed seeds); on the project's 2-core CPU it takes about 30 minutes (5 to generate the data, 22 to
+train, the rest to evaluate)::
 
     python scripts/train_drafter.py          # rewrites the draft tensors of dinfer_jax/bundled/default/
 

@@ -13,3 +13,18 @@ os.environ["DINFER_JAX_COMPILATION_CACHE"] = "off"
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop every module's compiled programs and engines when it ends. Twice (2026-12-01) jaxlib 0.10.2's XLA CPU
+    compiler segfaulted late in a full-suite run, at a compile that passes when its test file runs alone; keeping
+    the process's accumulated executables small is the mitigation (cross-module reuse of compiled steps is rare)."""
+    yield
+    gc.collect()
+    jax.clear_caches()

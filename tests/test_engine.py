@@ -58,8 +58,8 @@ def test_greedy_generation_equals_full_forward_argmax(model):
     # One engine (one set of compiled buckets); scheduling switches are host-side only.
     llm = LLM(model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32,
               buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(32, 128)))
-    compiled = llm.metrics()["compilations"]
-    assert compiled == len(llm.buckets.shapes())
+    compiled = llm.metrics()["compilations"]  # may be below the shape count: same-model engines share steps
+    assert llm.runner.compiled_shapes == set(llm.buckets.shapes())
     variants = {"async+chunked": dict(async_scheduling=True, max_num_batched_tokens=32),
                 "sync+unchunked": dict(async_scheduling=False, max_num_batched_tokens=128)}
     results = {}
