@@ -4,10 +4,10 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# No on-disk compilation cache in tests: jaxlib 0.10.2 segfaulted while writing it in two suite runs (2026-12-01, once
-# with a fresh per-run directory and no other writer), and a run must not depend on earlier runs. Engines over the
-# same model and shapes share compiled steps in-process anyway (the runner's jits take the configuration as static
-# arguments).
+# No on-disk compilation cache in tests: a run must not depend on what earlier runs compiled. (Two full-suite runs
+# on 2026-12-01 died with SIGSEGV inside XLA's CPU compile, once with the cache on and once with it off, at a test
+# that passes alone; see _release_compiled_programs below.) Engines over the same model and shapes share compiled
+# steps in-process anyway (the runner's jits take the configuration as static arguments).
 os.environ["DINFER_JAX_COMPILATION_CACHE"] = "off"
 
 import jax  # noqa: E402
