@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.moe import reference  # noqa: E402
+from pallas_kernels.moe.fp4_mma import to_mma_layout  # noqa: E402
 from pallas_kernels.moe.kernel_sm90 import TileConfig, experts_sm90  # noqa: E402
 from pallas_kernels.moe.tuning import pick_configs  # noqa: E402
 
@@ -143,6 +144,8 @@ def bench_moe(args, on_row=lambda rows: None) -> list[dict]:
     keys = jax.random.split(jax.random.key(42), 4)
     w1, w3 = random_fp4(keys[0], G, I, D), random_fp4(keys[1], G, I, D)
     w2 = random_fp4(keys[2], G, D, I)
+    mma = args.decode == "mma"     # the kernel reads the fp4_mma rearrangement; the references the released layout
+    kw = [jax.jit(to_mma_layout)(m) for m in (w1, w3, w2)] if mma else [w1, w3, w2]
     token_counts = args.tokens
     rows = []
     for n in token_counts:
@@ -166,23 +169,26 @@ def bench_moe(args, on_row=lambda rows: None) -> list[dict]:
             except Exception as e:  # noqa: BLE001 - a failing baseline is reported, not fatal
                 rows.append(dict(tokens=n, variant="XLA ragged_dot bf16 (baseline)", error=repr(e)[:300]))
             del dense
-        variants = [(c, "") for c in pick_configs(n * K, sweep=n in args.sweep)]
+        variants = [(c, "") for c in pick_configs(n * K, sweep=n in args.sweep)
+                    if not mma or (c[0].consumers == 2 and c[1].consumers == 2)]
         if n in args.ablate:   # the table's config and the first warp-specialised candidate, stages removed
             ablated = pick_configs(n * K, sweep=False)[:1] + [c for c in pick_configs(n * K, sweep=True)
                                                               if c[0].consumers == 2][:1]
-            variants += [(c, a) for c in ablated for a in ("scale", "decode")]
+            variants += [(c, a) for c in ablated for a in ("scale", "decode")
+                         if not mma or (a == "scale" and c[0].consumers == 2)]
         for (up_cfg, down_cfg), ablate in variants:
             name = (f"pallas fp4 ({args.decode}) up{_c(up_cfg)} down{_c(down_cfg)}"
                     + (f" ablate={ablate}" if ablate else ""))
             try:
                 f = jax.jit(functools.partial(experts_sm90, swiglu_limit=limit, up_config=up_cfg,
-                                              down_config=down_cfg, decode=args.decode, ablate=ablate))
+                                              down_config=down_cfg, decode="bits" if mma else args.decode,
+                                              ablate=ablate))
                 t0 = time.perf_counter()
-                got = jax.block_until_ready(f(x, ids, rw, w1, w3, w2))
+                got = jax.block_until_ready(f(x, ids, rw, *kw))
                 compile_s = time.perf_counter() - t0
                 emax, emean = rel_err(got[:n_check], ref)
                 cmax, cmean = rel_err(got[:8], ref_cpu)
-                ms, per_kernel = device_times(f, x, ids, rw, w1, w3, w2)
+                ms, per_kernel = device_times(f, x, ids, rw, *kw)
                 gemm_ms = sum(v for k_, v in per_kernel.items() if k_.startswith("moe_"))
                 rows.append(dict(tokens=n, variant=name, ms=ms, gemm_ms=gemm_ms, compile_s=compile_s,
                                  GBps=nbytes / (ms * 1e-3) / 1e9, TFLOPs=flops / (ms * 1e-3) / 1e12,
@@ -250,8 +256,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192], help="token counts to run")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="token counts at which to sweep block sizes")
     p.add_argument("--no-baseline", action="store_true", help="skip the XLA ragged_dot baseline")
-    p.add_argument("--decode", default="bits", choices=["bits", "float", "packed"],
-                   help="the kernel's FP4 decode (float: single-warpgroup configs only; packed: warp-specialised only)")
+    p.add_argument("--decode", default="bits", choices=["bits", "float", "packed", "mma"],
+                   help="the kernel's FP4 decode (float: single-warpgroup configs only; packed: warp-specialised "
+                        "only; mma: the weights rearranged into the fp4_mma layout, warp-specialised only)")
     p.add_argument("--ablate", type=int, nargs="*", default=[],
                    help="token counts at which to time the kernel without its scale / decode stages")
     p.add_argument("--out", default=None, help="directory for the table (markdown) and raw rows (JSON)")

@@ -44,6 +44,44 @@ def copy_bandwidth() -> float:
     return ceilings()["copy_GBps"] * 1e9
 
 
+def kernel_times(fn) -> dict[str, float] | None:
+    """Device milliseconds per kernel name, summed over everything ``fn()`` launches (CUPTI, through the extension
+    behind ``jax.experimental.mosaic.gpu.profiler``; None where it is unavailable). The engine's host loop is not a
+    single jitted function, so the profiler's ``measure`` wrapper cannot take it; this opens the same CUPTI window
+    around a plain call."""
+    try:
+        from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+        ext = mosaic_gpu_lib._mosaic_gpu_ext
+    except Exception as e:  # noqa: BLE001 - an optional breakdown; the benchmark stands without it
+        print("kernel breakdown unavailable:", e)
+        return None
+    ext._cupti_init()
+    try:
+        fn()
+    finally:
+        timings = ext._cupti_get_timings(True)
+    out: dict[str, float] = {}
+    for name, ms in timings or []:
+        out[name] = out.get(name, 0.0) + ms
+    return out
+
+
+def decode_breakdown(llm, prompts, steps: int) -> list[tuple[str, float]]:
+    """Per-kernel device ms of one decode step: kernel times of ``generate`` with ``1 + steps`` tokens minus those
+    with 1 token (the prefill and first token), divided by ``steps``. Sorted, largest first."""
+    from dinfer_jax.sampling.params import SamplingParams as SP
+
+    def gen(n):
+        return lambda: llm.generate(prompts, SP(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+
+    short, full = kernel_times(gen(1)), kernel_times(gen(1 + steps))
+    if short is None or full is None:
+        return []
+    per_step = {k: (v - short.get(k, 0.0)) / steps for k, v in full.items()}
+    return sorted(((k, v) for k, v in per_step.items() if v > 1e-4), key=lambda kv: -kv[1])
+
+
 def run_one(preset: str, layers: int, args, bw: float) -> dict:
     from bench_compile import first_layers  # scripts/ is on sys.path when run as a script
 
@@ -91,7 +129,19 @@ def run_one(preset: str, layers: int, args, bw: float) -> dict:
                prefill_tokens=args.prefill_tokens, prefill_s=prefill_s,
                prefill_tok_per_s=args.prefill_tokens / prefill_s, first_tokens=out[0].token_ids,
                batch=args.batch, decode_steps=dsteps, decode_tokens=dtoks, decode_tok_per_s=dtoks / decode_s,
-               decode_step_ms=step_ms, roofline_step_ms=roofline_ms, roofline_fraction=roofline_ms / step_ms)
+               decode_step_ms=step_ms, roofline_step_ms=roofline_ms, roofline_fraction=roofline_ms / step_ms,
+               # over the timed decode run: how long the host sat waiting for results, and the engine's estimate
+               # of how long the device sat idle waiting for the host
+               host_waited_s=m1["host_waited_for_device_seconds"] - m0["host_waited_for_device_seconds"],
+               device_waited_s=m1["device_waited_for_host_seconds"] - m0["device_waited_for_host_seconds"],
+               generate_s=gen_s)
+    if args.breakdown:
+        parts = decode_breakdown(llm, prompts, args.max_tokens)
+        row["decode_kernels_ms"] = parts
+        total = sum(v for _, v in parts)
+        print(f"decode step, device time by kernel (sum {total:.2f} ms of {step_ms:.2f} ms wall):")
+        for name, v in parts[:40]:
+            print(f"  {v:8.3f} ms  {100 * v / max(total, 1e-9):5.1f}%  {name[:110]}")
     print(json.dumps(row, default=str), flush=True)
     del llm, model
     return row
@@ -103,11 +153,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    # long enough that the decode part dominates the difference of two generate calls (the prefill part of each
+    # is seconds with --lean-buckets, where every prompt prefills as its own [1, --prefill-tokens] step)
+    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--kv-gib", type=int, default=8)
     ap.add_argument("--lean-buckets", action="store_true",
                     help="compile only decode batch --batch and prefill [1, --prefill-tokens] (times the minimum)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also list the device time of one decode step by kernel (CUPTI)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cache = tempfile.mkdtemp(prefix="dinfer_jax_cold_cache_")

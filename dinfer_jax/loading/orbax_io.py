@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 
 from dinfer_jax.models.config import ModelConfig, config_from_dict
 from dinfer_jax.models.params import abstract_params
-from dinfer_jax.models.qweights import QuantizedWeight, is_quantized
+from dinfer_jax.models.qweights import QuantizedWeight, is_quantized, released_layout
 
 _META = "dinfer_meta.json"
 
@@ -29,6 +29,8 @@ def save_params(directory: str | Path, cfg: ModelConfig, params: Any, dtype: str
     """Write ``params`` (a pytree of arrays, dense or native, for ``cfg``) under ``directory`` (must not exist)."""
     directory = Path(directory).absolute()
     directory.mkdir(parents=True, exist_ok=False)
+    # saved in the released layouts (a GPU model may hold experts in the kernel's fp4_mma order)
+    params = jax.tree_util.tree_map(released_layout, params, is_leaf=is_quantized)
     quantized = _quantized_leaves(params)
     scale_dtypes: dict[str, str] = {}
     for q in quantized:

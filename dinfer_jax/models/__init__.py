@@ -95,7 +95,18 @@ def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None
     mode = _load_mode(weights, cfg)
     params = load_params(path, cfg, dtype=dtype, sharder=sharder, weights=mode, progress=progress)
     impl = moe_impl or ("ep" if sharder is not None else "auto")
-    return Model(cfg, params, dtype, sharder, impl, _load_engram(cfg, Path(path)))
+    return Model(cfg, _for_expert_kernel(params, dtype, impl), dtype, sharder, impl, _load_engram(cfg, Path(path)))
+
+
+def _for_expert_kernel(params: Any, dtype: str, impl: str) -> Any:
+    """On a GPU where the forward will run routed experts through the Mosaic GPU kernel (bf16, ``moe_impl`` "auto"
+    or "pallas", no expert parallelism), MXFP4 experts are rearranged once into the kernel's register order
+    (``fp4_mma``: same bytes, 2–3× faster to decode; docs/quantized_weights.md). Elsewhere ``params`` as given."""
+    if impl in ("auto", "pallas") and dtype == "bfloat16" and jax.default_backend() == "gpu":
+        from dinfer_jax.models.qweights import to_kernel_layout
+
+        return to_kernel_layout(params, release=True)
+    return params
 
 
 LOAD_MODES = ("native", "dequantized")
@@ -154,8 +165,8 @@ def random_model(config: ModelConfig | str, seed: int = 0, dtype: str = "float32
 
         shardings = map_specs(lambda s: sharder.named(s.axes, s.shape), param_specs(cfg, include_mtp))
         params = jax.device_put(params, shardings)
-    return Model(cfg, params, dtype, sharder, "ep" if sharder is not None else "auto",
-                 _random_engram(cfg, seed))
+    impl = "ep" if sharder is not None else "auto"
+    return Model(cfg, _for_expert_kernel(params, dtype, impl), dtype, sharder, impl, _random_engram(cfg, seed))
 
 
 def _validate_ids(model: Model, token_ids: Any, image_mask: np.ndarray | None = None) -> np.ndarray:

@@ -12,6 +12,10 @@ Formats (logical dense weight ``W [..., out, in]``; leading axes stack experts a
 * ``fmt="fp4"`` (MXFP4): ``data`` uint8 ``[..., out, in/2]``, two e2m1 codes per byte, low nibble = even column;
   ``scale`` float8_e8m0fnu ``[..., out/bo, in/bi]`` with ``block=(1, 32)``; ``W[i, j] = e2m1(nibble) · scale[i // bo,
   j // bi]``.
+* ``fmt="fp4_mma"``: the same MXFP4 bits rearranged for the Hopper expert kernel's registers
+  (:mod:`pallas_kernels.moe.fp4_mma`): ``data`` int32 ``[..., out/64, in/16, 128]``, ``scale`` int32
+  ``[..., out/64, in/64, 32]`` (four UE8M0 bytes per word), ``block=(1, 32)``. Same bytes as ``"fp4"``; a
+  permutation made once at load (:func:`to_kernel_layout`) for routed experts that the GPU kernel reads.
 
 Exactness of :func:`dequantize`: each code is a short binary significand (e4m3: 4 bits, e2m1: 2 bits) times a power
 of two, and a UE8M0 scale is a power of two, so the product is the same significand with a shifted exponent. It is
@@ -32,13 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FORMATS = ("fp8", "fp4")
+FORMATS = ("fp8", "fp4", "fp4_mma")
 FP4_BLOCK = (1, 32)
 
 # e2m1 value of each 4-bit code (bit 3 = sign, bits 2-1 = exponent with bias 1, bit 0 = mantissa).
 _E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                         np.float32)
-_DATA_DTYPE = {"fp8": jnp.dtype(jnp.float8_e4m3fn), "fp4": jnp.dtype(jnp.uint8)}
+_DATA_DTYPE = {"fp8": jnp.dtype(jnp.float8_e4m3fn), "fp4": jnp.dtype(jnp.uint8), "fp4_mma": jnp.dtype(jnp.int32)}
 _SCALE_DTYPES = (jnp.dtype(jnp.float8_e8m0fnu), jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -73,6 +77,8 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, ...]:
         """Logical dense shape ``[..., out, in]``."""
         s = tuple(self.data.shape)
+        if self.fmt == "fp4_mma":
+            return s[:-3] + (64 * s[-3], 16 * s[-2])
         return s[:-1] + (2 * s[-1],) if self.fmt == "fp4" else s
 
     @property
@@ -86,7 +92,7 @@ class QuantizedWeight:
 
     def __getitem__(self, index: int | slice) -> QuantizedWeight:
         """Index the leading (stacking) axis, e.g. one expert or one layer; the format is unchanged."""
-        if self.ndim < 3:
+        if self.ndim < (4 if self.fmt == "fp4_mma" else 3):
             raise IndexError("only stacked quantised weights ([..., out, in] with leading axes) can be indexed")
         return QuantizedWeight(self.data[index], self.scale[index], self.fmt, self.block)
 
@@ -112,6 +118,15 @@ def expected_scale_shape(fmt: str, data_shape: tuple[int, ...], block: tuple[int
 
 def _validate(w: QuantizedWeight) -> None:
     dshape, sshape = tuple(w.data.shape), tuple(w.scale.shape)
+    if w.fmt == "fp4_mma":
+        ok = (len(dshape) >= 3 and dshape[-1] == 128 and dshape[-2] % 4 == 0 and w.block == FP4_BLOCK
+              and jnp.dtype(w.data.dtype) == jnp.int32 and jnp.dtype(w.scale.dtype) == jnp.int32
+              and sshape == dshape[:-2] + (dshape[-2] // 4, 32))
+        if not ok:
+            raise ValueError(f"fp4_mma weight must be int32 data [..., out/64, in/16, 128] and int32 scale "
+                             f"[..., out/64, in/64, 32] with block {FP4_BLOCK}; got data {dshape} "
+                             f"{jnp.dtype(w.data.dtype)}, scale {sshape} {jnp.dtype(w.scale.dtype)}, block {w.block}")
+        return
     if len(dshape) < 2:
         raise ValueError(f"quantised {w.fmt} data must be at least 2-D [..., out, in], got shape {dshape}")
     want = _DATA_DTYPE[w.fmt]
@@ -152,6 +167,8 @@ def dequantize(w: QuantizedWeight, dtype: Any = jnp.float32) -> jax.Array:
 
     Vectorised over any leading (expert / layer) axes; jit-friendly (static shapes only).
     """
+    if w.fmt == "fp4_mma":
+        w = released_layout(w)
     return (decode_codes(w) * expand_scale(w)).astype(dtype)
 
 
@@ -173,6 +190,53 @@ def take_rows(w: jax.Array | QuantizedWeight, rows: jax.Array, dtype: Any) -> ja
     return dequantize(sub, dtype).reshape(*rows.shape, w.shape[-1])
 
 
+def kernel_layout(w: QuantizedWeight) -> QuantizedWeight:
+    """MXFP4 ``"fp4"`` → ``"fp4_mma"`` (the same bits in the expert kernel's register order; widths multiples of
+    64)."""
+    from pallas_kernels.moe.fp4_mma import pack
+
+    if w.fmt != "fp4" or w.block != FP4_BLOCK:
+        raise ValueError(f"only MXFP4 weights (fp4, block {FP4_BLOCK}) have a kernel layout, got {w.fmt} {w.block}")
+    data, scale = pack(w.data, jax.lax.bitcast_convert_type(w.scale, jnp.uint8))
+    return QuantizedWeight(data, scale, "fp4_mma", FP4_BLOCK)
+
+
+def released_layout(w: Any) -> Any:
+    """Inverse of :func:`kernel_layout` (identity for the released formats and for dense arrays)."""
+    if not is_quantized(w) or w.fmt != "fp4_mma":
+        return w
+    from pallas_kernels.moe.fp4_mma import unpack
+
+    data, sbits = unpack(w.data, w.scale)
+    return QuantizedWeight(data, jax.lax.bitcast_convert_type(sbits, jnp.float8_e8m0fnu), "fp4", FP4_BLOCK)
+
+
+def kernel_layout_fits(w: Any) -> bool:
+    """Whether ``w`` is an MXFP4 weight whose widths the kernel layout and the kernel's tiles take."""
+    return (is_quantized(w) and w.fmt == "fp4" and w.block == FP4_BLOCK and w.shape[-2] % 128 == 0
+            and w.shape[-1] % 256 == 0)
+
+
+def to_kernel_layout(params: Any, *, release: bool = False) -> Any:
+    """``params`` with every routed-expert MXFP4 weight (a leaf under an ``"experts"`` key that
+    :func:`kernel_layout_fits`) in the ``"fp4_mma"`` layout; other leaves unchanged. Each weight is rearranged on
+    its device by one jitted call. ``release=True`` frees each released-layout weight once converted (the caller
+    must own ``params``), so peak memory grows by one weight, not by the experts of the whole model."""
+    convert = jax.jit(kernel_layout)
+
+    def one(path: Any, leaf: Any) -> Any:
+        under_experts = any(getattr(k, "key", None) == "experts" for k in path)
+        if not (under_experts and kernel_layout_fits(leaf)):
+            return leaf
+        out = jax.block_until_ready(convert(leaf))
+        if release:
+            for a in (leaf.data, leaf.scale):
+                a.delete()
+        return out
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quantized)
+
+
 def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedWeight)
 
@@ -192,6 +256,11 @@ def abstract_quantized(shape: tuple[int, ...], fmt: str, block: tuple[int, int],
                        scale_dtype: Any = jnp.float8_e8m0fnu) -> QuantizedWeight:
     """A :class:`QuantizedWeight` of ``jax.ShapeDtypeStruct`` for a dense ``[..., out, in]`` weight."""
     *lead, out, inn = shape
+    if fmt == "fp4_mma":
+        if out % 64 or inn % 64:
+            raise ValueError(f"fp4_mma needs widths that are multiples of 64, got shape {tuple(shape)}")
+        return QuantizedWeight(jax.ShapeDtypeStruct((*lead, out // 64, inn // 16, 128), jnp.int32),
+                               jax.ShapeDtypeStruct((*lead, out // 64, inn // 64, 32), jnp.int32), fmt, FP4_BLOCK)
     if fmt == "fp4" and inn % 2:
         raise ValueError(f"fp4 needs an even input dimension, got shape {tuple(shape)}")
     dshape = (*lead, out, inn // 2) if fmt == "fp4" else tuple(shape)

@@ -116,8 +116,10 @@ def _check_gemm(x_t: jax.Array, w: ExpertWeight, w_up: ExpertWeight | None, swig
         raise ValueError("gate and up weights must have the same shape and format")
     if w_up is not None and swiglu_limit is None:
         raise ValueError("the fused gate/up product needs swiglu_limit")
-    if w.fmt not in ("fp4", "bf16"):
-        raise ValueError(f"kernel supports fp4 and bf16 expert weights, got {w.fmt!r}")
+    if w.fmt not in ("fp4", "fp4_mma", "bf16"):
+        raise ValueError(f"kernel supports fp4, fp4_mma and bf16 expert weights, got {w.fmt!r}")
+    if w.fmt == "fp4_mma" and cfg.consumers != 2:
+        raise ValueError("fp4_mma weights are read by the warp-specialised kernel only (consumers=2)")
     return k, rows, n_out
 
 

@@ -60,6 +60,8 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
     k, rows, n_out = _check_gemm(x_t, w, w_up, swiglu_limit, cfg)
     if cfg.block_n % (64 * COMPUTE_WGS):
         raise ValueError(f"block_n={cfg.block_n} must be a multiple of {64 * COMPUTE_WGS} (64 rows per consumer)")
+    if w.fmt == "fp4_mma" and ablate == "decode":
+        raise ValueError("ablate='decode' is not implemented for fp4_mma weights")
     if decode not in DECODES:
         raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
     fused = w_up is not None
@@ -75,17 +77,27 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
 
     weights = [w] + ([w_up] if fused else [])
     nw = len(weights)
-    w_data, w_scales, w_dtype = _weight_operands(weights)
+    mma = fmt == "fp4_mma"
+    if mma:   # the bits are already where the registers want them (pallas_kernels.moe.fp4_mma)
+        w_data, w_scales, w_dtype = [m.data for m in weights], [m.scale for m in weights], jnp.int32
+    else:
+        w_data, w_scales, w_dtype = _weight_operands(weights)
     ns = len(w_scales)
     # Two scale buffers (prefetch the next item's) when shared memory allows, else one (fetched per item).
     pipeline_bytes = stages * (bk * bm * 2 + nw * cta_n * bk * jnp.dtype(w_dtype).itemsize)
-    if fmt == "fp4":
+    if fmt in ("fp4", "fp4_mma"):
         pipeline_bytes = stages * (bk * bm * 2 + nw * cta_n * bk // 2)
     fixed = COMPUTE_WGS * bn * bm * jnp.dtype(out_dtype).itemsize + 2048
     scale_slots = 2 if pipeline_bytes + fixed + 2 * COMPUTE_WGS * ns * bn * kg <= SMEM_BYTES else 1
 
+    w_rows_cta = cta_n // 64 if mma else cta_n          # leading-dim extent of a CTA's weight rows
+    s_rows = bn // 64 if mma else bn                    # ... and of a consumer's scale rows
+    s_block = (bn // 64, k // 64, 32) if mma else (bn, kg)
     x_tr = _swizzle_transforms(plgpu, bm, jnp.bfloat16)
-    w_tr = _swizzle_transforms(plgpu, bk, w_dtype)
+    if mma:   # [row blocks, 4 rows per 64-column block, 128 words]; read as 16-byte pieces, no swizzle
+        w_spec = plgpu.BlockSpec((cta_n // 64, bk // 16, 128), lambda kk: (0, kk, 0))
+    else:
+        w_spec = plgpu.BlockSpec((cta_n, bk), lambda kk: (0, kk), transforms=_swizzle_transforms(plgpu, bk, w_dtype))
     o_tr = _swizzle_transforms(plgpu, bm, out_dtype)
     num_sms = getattr(jax.devices()[0], "core_count", None) or 132
 
@@ -94,8 +106,7 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
             step_fn,
             grid=(k_steps,),
             memory_registers=MEMORY_REGISTERS,
-            in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, 0), transforms=x_tr)]
-            + [plgpu.BlockSpec((cta_n, bk), lambda kk: (0, kk), transforms=w_tr)] * nw,
+            in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (kk, 0), transforms=x_tr)] + [w_spec] * nw,
             wg_axis="wg",
             num_compute_wgs=COMPUTE_WGS,
             max_concurrent_steps=stages,
@@ -121,8 +132,9 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
         def fetch_scales(i):
             _, ni, g = coords(i)
             slot = i % scale_slots
+            first = (ni * cta_n + wg * bn) // 64 if mma else ni * cta_n + wg * bn
             for j, s_gmem in enumerate(s_gmems):
-                plgpu.copy_gmem_to_smem(s_gmem.at[g, pl.ds(ni * cta_n + wg * bn, bn)], s_smem.at[wg, slot, j],
+                plgpu.copy_gmem_to_smem(s_gmem.at[g, pl.ds(first, s_rows)], s_smem.at[wg, slot, j],
                                         s_barrier.at[wg * scale_slots + slot])
 
         def ignore(*_, **__):
@@ -136,6 +148,12 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
                 w_smems, accs = rest[:nw], rest[nw]
                 (kk,) = idx
                 for j in range(nw):
+                    if mma:
+                        w_blocks = w_smems[j].at[pl.ds(wg * (bn // 64), bn // 64)]
+                        s_chunk = s_smem.at[wg, slot, j].at[:, pl.ds(kk * (bk // 64), bk // 64)]
+                        a = _decode_mma(plgpu, w_blocks, s_chunk, (bn, bk), scale=ablate != "scale")
+                        plgpu.wgmma(accs[j], a, x_smem)
+                        continue
                     w_rows = w_smems[j].at[pl.ds(wg * bn, bn)]
                     if fmt == "fp4":
                         r = w_rows[...]
@@ -191,8 +209,8 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
                     o_smem.at[wg], out_gmem.at[pl.ds(ni * cta_n + wg * bn, bn), pl.ds(ti * bm, bm)])
 
             pipeline = make_pipeline(step, context, state)
-            pipeline(x_gmem.at[:, pl.ds(ti * bm, bm)], *[wg_.at[g, pl.ds(ni * cta_n, cta_n)] for wg_ in w_gmems],
-                     allocations=allocs)
+            pipeline(x_gmem.at[:, pl.ds(ti * bm, bm)], *[wg_.at[g, pl.ds(ni * w_rows_cta, w_rows_cta)]
+                                                          for wg_ in w_gmems], allocations=allocs)
 
         allocs = None
 
@@ -220,13 +238,13 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
 
         template = make_pipeline(ignore, ignore, None)
         pl.run_scoped(scoped, template.get_allocations(
-            x_gmem.at[:, pl.ds(0, bm)], *[wg_.at[0, pl.ds(0, cta_n)] for wg_ in w_gmems]), collective_axes="wg")
+            x_gmem.at[:, pl.ds(0, bm)], *[wg_.at[0, pl.ds(0, w_rows_cta)] for wg_ in w_gmems]), collective_axes="wg")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     body.__name__ = f"moe_ws_{'gate_up' if fused else 'down'}_{fmt}"
     scratch = [
         plgpu.SMEM((COMPUTE_WGS, bn, bm), out_dtype, transforms=o_tr),
-        plgpu.SMEM((COMPUTE_WGS, scale_slots, max(ns, 1), bn, kg), jnp.uint8),
+        plgpu.SMEM((COMPUTE_WGS, scale_slots, max(ns, 1), *s_block), jnp.int32 if mma else jnp.uint8),
         plgpu.Barrier(num_arrivals=max(ns, 1), num_barriers=COMPUTE_WGS * scale_slots),
     ]
     kernel = plgpu.kernel(
@@ -301,3 +319,95 @@ def _decode_scale_packed(plgpu, s_ref, w, *, scale: bool = True):
         return fa.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
 
     return decoded(s_ref, w)
+
+
+def _decode_mma(plgpu, w_ref, s_ref, shape: tuple[int, int], *, scale: bool = True):
+    """Weights in the ``fp4_mma`` layout → bf16 ``e2m1(code) · 2^(S−127)`` in the WGMMA register layout.
+
+    ``w_ref``: int32 smem ``[rows / 64, bk / 16, 128]`` (this consumer's row blocks of one K step); ``s_ref``: int32
+    smem ``[rows / 64, bk / 64, 32]`` (their scale words). Per 64×64 block a thread issues one 16-byte load (four
+    words: its 32 codes) and one 4-byte scale load; each word becomes four bf16 pairs by the shifts and masks of
+    :func:`pallas_kernels.moe.fp4_mma.decode_word`, each multiplied by a ``bf16x2`` ``2^(S−1)``
+    (:func:`~pallas_kernels.moe.fp4_mma.scale_multiplier`) shared by the four pairs of a row and 32-column group.
+    ``scale=False`` (benchmark ablation) skips the multiply.
+    """
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, vector
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    from pallas_kernels.moe.fp4_mma import MASK
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, plgpu.Layout.WGMMA),
+    )
+    def decoded(_, w_smem, s_smem):
+        layout = fa.WGMMA_LAYOUT
+        i32 = ir.IntegerType.get_signless(32)
+        index = ir.IndexType.get()
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        words4 = ir.VectorType.get((4,), i32)
+
+        def c(v, ty=i32):
+            return arith.constant(ty, v - (1 << 32) if ty == i32 and v >= 1 << 31 else v)
+
+        def shl(x, n):
+            return arith.shli(x, c(n))
+
+        def shr(x, n):
+            return arith.shrui(x, c(n))
+
+        t = arith.remui(mgpu_utils.thread_idx(), c(128))
+        warp = shr(t, 5)
+        lane = arith.andi(t, c(31))
+        w_row = arith.index_cast(index, warp)                                 # word (4t + kc) of a block is
+        w_col = arith.index_cast(index, shl(lane, 2))                         # row t // 32, column 4 (t % 32) + kc
+        s_col = arith.index_cast(index, arith.addi(shl(warp, 3), shr(lane, 2)))   # scale word 8w + g
+
+        def decode(q):
+            m = c(MASK)
+            r3 = arith.ori(arith.ori(arith.andi(shr(q, 6), c(0x01800180)), arith.andi(shr(q, 4), c(0x00400040))),
+                           arith.andi(shl(q, 4), c(0x80008000)))
+            return [arith.andi(q, m), arith.andi(shl(q, 3), m), arith.andi(shl(q, 6), m), r3]
+
+        def multiplier(sw, byte):
+            s = arith.andi(shr(sw, 8 * byte), c(0xFF)) if byte else arith.andi(sw, c(0xFF))
+            return mgpu_utils.bitcast(shl(arith.addi(arith.muli(s, c(0x10001)), c(126 * 0x10001)), 7), bf16x2)
+
+        strides = mgpu_utils.get_contiguous_strides(shape)
+        tile_strides = layout.tiling.tile_strides(strides)
+        regs_shape = layout.registers_shape(shape)
+        out = np.empty(regs_shape, dtype=object)
+        words: dict = {}
+        s_words: dict = {}
+        regs: dict = {}
+        muls: dict = {}
+        for tile_idx in np.ndindex(regs_shape):
+            lin = sum(i * s for i, s in zip(tile_idx, tile_strides, strict=False))
+            d_row, d_col = divmod(lin, shape[1])
+            rb, rr = divmod(d_row, 64)
+            kb, kcol = divmod(d_col, 64)
+            q0, rrem = divmod(rr, 8)
+            kc, crem = divmod(kcol, 16)
+            q1, crem = divmod(crem, 8)
+            if rrem or crem or q0 > 1:
+                raise AssertionError(f"unexpected WGMMA register offset ({d_row}, {d_col})")
+            if (rb, kb) not in words:
+                vec = vector.load(words4, w_smem, [c(rb, index), arith.addi(c(4 * kb, index), w_row), w_col])
+                words[rb, kb] = [vector.extract(vec, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+                                 for i in range(4)]
+                if scale:
+                    s_words[rb, kb] = memref.load(s_smem, [c(rb, index), c(kb, index), s_col])
+            if (rb, kb, kc) not in regs:
+                regs[rb, kb, kc] = decode(words[rb, kb][kc])
+            val = mgpu_utils.bitcast(regs[rb, kb, kc][q0 + 2 * q1], bf16x2)
+            if scale:
+                byte = q0 + 2 * (kc // 2)
+                if (rb, kb, byte) not in muls:
+                    muls[rb, kb, byte] = multiplier(s_words[rb, kb], byte)
+                val = arith.mulf(val, muls[rb, kb, byte])
+            out[tile_idx] = val
+        return fa.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
+
+    return decoded(w_ref, s_ref)

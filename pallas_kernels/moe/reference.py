@@ -29,7 +29,9 @@ class ExpertWeight:
 
     ``fmt="fp4"``: ``data`` uint8 ``[G, out, in/2]`` (two e2m1 codes per byte, low nibble first), ``scale`` UE8M0
     (``float8_e8m0fnu`` or ``uint8`` bits) ``[G, out, in/32]``. ``fmt="bf16"``: ``data`` ``[G, out, in]``
-    (bf16, or fp32 for the reference only), ``scale`` None.
+    (bf16, or fp32 for the reference only), ``scale`` None. ``fmt="fp4_mma"``: the fp4 bits rearranged for the
+    Hopper kernel's registers (:mod:`pallas_kernels.moe.fp4_mma`), ``data`` int32 ``[G, out/64, in/16, 128]``,
+    ``scale`` int32 ``[G, out/64, in/64, 32]``.
     """
 
     data: jax.Array
@@ -38,6 +40,9 @@ class ExpertWeight:
 
     @property
     def shape(self) -> tuple[int, int, int]:
+        if self.fmt == "fp4_mma":
+            g, ob, i16, _ = self.data.shape
+            return g, ob * 64, i16 * 16
         g, o, i = self.data.shape
         return (g, o, i * 2) if self.fmt == "fp4" else (g, o, i)
 
@@ -49,9 +54,13 @@ class ExpertWeight:
         """Exact dequantisation ``[G, out, in]`` in ``dtype``."""
         if self.fmt == "fp4":
             return dequantize_fp4(self.data, self.scale, dtype)
+        if self.fmt == "fp4_mma":
+            from pallas_kernels.moe.fp4_mma import from_mma_layout
+
+            return from_mma_layout(self).dense(dtype)
         if self.fmt == "bf16":
             return self.data.astype(dtype)
-        raise ValueError(f"unknown expert weight format {self.fmt!r}; expected 'fp4' or 'bf16'")
+        raise ValueError(f"unknown expert weight format {self.fmt!r}; expected 'fp4', 'fp4_mma' or 'bf16'")
 
 
 def swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
