@@ -34,21 +34,23 @@ def _bytes(tree: Any) -> int:
     return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
-def bytes_per_block_and_slot(cfg: ModelConfig, block_size: int, dtype: Any) -> tuple[int, int]:
-    """Device bytes one page and one state slot cost (from the shapes of a 1-slot, 1-block cache)."""
-    one = cache_shapes(cfg, CacheConfig(1, 1, block_size), dtype)
-    two_blocks = cache_shapes(cfg, CacheConfig(1, 2, block_size), dtype)
-    two_slots = cache_shapes(cfg, CacheConfig(2, 1, block_size), dtype)
+def bytes_per_block_and_slot(cfg: ModelConfig, block_size: int, dtype: Any, backtrack: int = 0) -> tuple[int, int]:
+    """Device bytes one page and one state slot cost (from the shapes of a 1-slot, 1-block cache); ``backtrack``:
+    the rings' extra entries for speculative decoding (:class:`CacheConfig`)."""
+    one = cache_shapes(cfg, CacheConfig(1, 1, block_size, backtrack), dtype)
+    two_blocks = cache_shapes(cfg, CacheConfig(1, 2, block_size, backtrack), dtype)
+    two_slots = cache_shapes(cfg, CacheConfig(2, 1, block_size, backtrack), dtype)
     return _bytes(two_blocks) - _bytes(one), _bytes(two_slots) - _bytes(one)
 
 
 def size_pools(cfg: ModelConfig, *, memory_bytes: int, block_size: int, max_num_seqs: int, max_model_len: int,
-               dtype: Any) -> CacheConfig:
+               dtype: Any, backtrack: int = 0) -> CacheConfig:
     """Pools from a memory budget: state slots for ``max_num_seqs`` (+ the null slot), the rest in pages.
+    ``backtrack``: extra ring entries per slot (speculative decoding), part of the slots' cost.
 
     Raises ValueError when the budget cannot hold one ``max_model_len`` sequence.
     """
-    per_block, per_slot = bytes_per_block_and_slot(cfg, block_size, dtype)
+    per_block, per_slot = bytes_per_block_and_slot(cfg, block_size, dtype, backtrack)
     num_slots = max_num_seqs + 1
     left = memory_bytes - num_slots * per_slot
     num_blocks = left // max(per_block, 1) if per_block else 1 + max_num_seqs * -(-max_model_len // block_size)
@@ -57,7 +59,7 @@ def size_pools(cfg: ModelConfig, *, memory_bytes: int, block_size: int, max_num_
         raise ValueError(f"KV memory budget {memory_bytes} B holds {max(num_blocks, 0)} pages of {block_size} tokens; "
                          f"one sequence of max_model_len={max_model_len} needs {need} (page {per_block} B, "
                          f"state slot {per_slot} B)")
-    return CacheConfig(num_slots=num_slots, num_blocks=int(num_blocks), block_size=block_size)
+    return CacheConfig(num_slots=num_slots, num_blocks=int(num_blocks), block_size=block_size, backtrack=backtrack)
 
 
 def bytes_per_token(cfg: ModelConfig, *, kv_cache_dtype: str = "auto", dtype: Any = jnp.bfloat16) -> float:

@@ -22,6 +22,7 @@ import numpy as np
 from dinfer_jax.engine.block_manager import BlockManager, StateSlots
 from dinfer_jax.engine.dp_runner import DPModelRunner, DPStepOutput, parallel_layout
 from dinfer_jax.engine.kv_cache import CacheConfig, size_pools
+from dinfer_jax.engine.memory_plan import MemoryPlan, plan_memory
 from dinfer_jax.engine.runner import Buckets, ModelRunner, StepOutput
 from dinfer_jax.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from dinfer_jax.models import Model, load_config, load_model, random_model
@@ -81,6 +82,26 @@ def _enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def _draft_pool_bytes(cfg: Any, method: str | None, k: int, max_num_seqs: int, block_size: int, dtype: str) -> int:
+    """Device bytes of the speculative drafter's per-slot state (draft tokens, their log-prob rows, the drafter's
+    own rings; ``engine/speculative.py``), which the KV budget must also hold. 0 without speculation."""
+    if not method:
+        return 0
+    from dinfer_jax.engine.speculative import init_spec_state
+
+    cc = CacheConfig(num_slots=max_num_seqs + 1, num_blocks=1, block_size=block_size, backtrack=k + 1)
+    shapes = jax.eval_shape(lambda: init_spec_state(cfg, cc, k, dtype, method))
+    return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(shapes))
+
+
+def _largest_steps(buckets: Buckets) -> list[tuple[int, int, int]]:
+    """The step shapes whose activations bound the engine's: the largest prefill and decode buckets at the most
+    pages."""
+    p = max(buckets.pages)
+    return [(max(buckets.prefill_batch), max(buckets.prefill_len), p),
+            (max(buckets.decode_batch), buckets.decode_len, p)]
+
+
 def _resolve_model(model: str | Path | Model, dtype: str, seed: int,
                    progress: bool) -> tuple[Model, Path | None]:
     if isinstance(model, Model):
@@ -126,6 +147,14 @@ class LLM:
         max_num_seqs: running sequences (decode batch); max_model_len: prompt + generated tokens per sequence
             (default: min(config, 4096)); max_num_batched_tokens: tokens per prefill step.
         kv_cache_memory_bytes: device memory for the paged cache and state slots (pools are sized from it).
+            Default (None): planned from the device (:mod:`~dinfer_jax.engine.memory_plan`): ``memory_utilization``
+            of the memory the device offers (or of ``device_memory_bytes``), less the weights and the measured
+            activation peak of the largest prefill and decode steps; on a backend that reports no memory (XLA:CPU)
+            and without ``device_memory_bytes``, 256 MiB. ``memory_plan`` and ``kv_capacity_tokens`` say what was
+            chosen.
+        memory_utilization: fraction of the device's memory the engine may use in all (vLLM's
+            ``gpu_memory_utilization``); device_memory_bytes: the memory to plan against instead of the device's
+            own figure (e.g. to share an accelerator).
         block_size: tokens per KV page (default: the smallest multiple of every compression ratio ≥ 16).
         async_scheduling: keep one step in flight (default, zero overhead); False = synchronous.
         enable_chunked_prefill / preemption_mode: scheduler policies (``"stop"`` or ``"recompute"``).
@@ -149,12 +178,13 @@ class LLM:
 
     def __init__(self, model: str | Path | Model, dtype: str = "float32", max_num_seqs: int = 8,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 256,
-                 kv_cache_memory_bytes: int = DEFAULT_KV_BYTES, block_size: int | None = None,
+                 kv_cache_memory_bytes: int | None = None, block_size: int | None = None,
                  async_scheduling: bool = True, enable_chunked_prefill: bool = True, preemption_mode: str = "stop",
                  max_logprobs: int = 5, warmup: bool = True, seed: int = 0, buckets: Buckets | None = None,
                  num_kv_blocks: int | None = None, progress: bool = True, dp_size: int = 1, cp_size: int = 1,
                  ep_size: int = 1, speculative: str | None = None,
-                 num_speculative_tokens: int = 5):
+                 num_speculative_tokens: int = 5, memory_utilization: float = 0.9,
+                 device_memory_bytes: int | None = None):
         _enable_compilation_cache()
         self.parallel = parallel_layout(dp_size, cp_size, ep_size)
         self.dp_size = dp_size
@@ -171,21 +201,32 @@ class LLM:
         ratios = [r for r in cfg.compress_ratios if r] or [1]
         lcm = int(np.lcm.reduce(ratios))
         self.block_size = int(block_size or lcm * max(1, -(-16 // lcm)))
-        if num_kv_blocks is not None:
-            cache_cfg = CacheConfig(num_slots=max_num_seqs + 1, num_blocks=num_kv_blocks + 1,
-                                    block_size=self.block_size)
-        else:
-            cache_cfg = size_pools(cfg, memory_bytes=kv_cache_memory_bytes, block_size=self.block_size,
-                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, dtype=self.model.dtype)
-        if k:  # rings keep k + 1 extra entries: speculative writes never evict committed state (docs/spec/engine.md §5)
-            cache_cfg = dataclasses.replace(cache_cfg, backtrack=k + 1)
-        cache_cfg.validate(cfg)
         buckets = buckets or Buckets.default(max_num_seqs, max_num_batched_tokens)
         buckets = dataclasses.replace(buckets, decode_len=1 + k)
         self.buckets = buckets.resolve(-(-self.max_model_len // self.block_size), self.block_size)
         if max(self.buckets.decode_batch) < max_num_seqs or max(self.buckets.prefill_len) < max_num_batched_tokens:
             raise ValueError(f"buckets {self.buckets} must cover max_num_seqs={max_num_seqs} decode rows and "
                              f"max_num_batched_tokens={max_num_batched_tokens} prefill tokens")
+        self.memory_plan: MemoryPlan | None = None
+        if num_kv_blocks is not None:
+            cache_cfg = CacheConfig(num_slots=max_num_seqs + 1, num_blocks=num_kv_blocks + 1,
+                                    block_size=self.block_size)
+        else:
+            if kv_cache_memory_bytes is None and (dp_size, cp_size, ep_size) == (1, 1, 1):
+                self.memory_plan = plan_memory(
+                    self.model, _largest_steps(self.buckets), block_size=self.block_size,
+                    max_rows=max(max(self.buckets.decode_batch), max(self.buckets.prefill_batch)),
+                    max_logprobs=max_logprobs, utilization=memory_utilization,
+                    device_memory_bytes=device_memory_bytes)
+            budget = (kv_cache_memory_bytes if kv_cache_memory_bytes is not None
+                      else self.memory_plan.kv_bytes if self.memory_plan is not None else DEFAULT_KV_BYTES)
+            budget -= _draft_pool_bytes(cfg, self.speculative, k, max_num_seqs, self.block_size, self.model.dtype)
+            cache_cfg = size_pools(cfg, memory_bytes=budget, block_size=self.block_size,
+                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, dtype=self.model.dtype,
+                                   backtrack=k + 1 if k else 0)
+        if k:  # rings keep k + 1 extra entries: speculative writes never evict committed state (docs/spec/engine.md §5)
+            cache_cfg = dataclasses.replace(cache_cfg, backtrack=k + 1)
+        cache_cfg.validate(cfg)
         self.sched_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                             max_model_len=self.max_model_len, block_size=self.block_size,
                                             enable_chunked_prefill=enable_chunked_prefill,
@@ -200,6 +241,7 @@ class LLM:
                                                                    self.buckets, max_logprobs=max_logprobs,
                                                                    speculative=self.speculative,
                                                                    num_speculative_tokens=k)
+            self.model = self.runner.model   # the scan-layout weights: no second copy held by the engine
         else:
             self.runner = DPModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, self.parallel,
                                         max_logprobs=max_logprobs)
@@ -258,6 +300,11 @@ class LLM:
                              f"prefill bucket {max(self.buckets.prefill_len)}")
         if changes:
             self.sched_config = dataclasses.replace(self.sched_config, **changes)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the paged pool holds (all pages but the null page, per engine)."""
+        return (self.cache_config.num_blocks - 1) * self.cache_config.block_size
 
     def metrics(self) -> dict[str, Any]:
         """Counters: tokens, steps, compilations, and the time the device waited for the host (``async`` keeps it

@@ -5,7 +5,8 @@ of :mod:`dinfer_jax.engine.buckets`, the JAX analogue of DeepInfer's CUDA-graph 
 ``docs/spec/engine.md`` §13): padding rows have ``n = 0``, slot 0 and null pages, so they write nowhere. P is the
 smallest page bucket covering the batch's longest context after the step, so a step reads only pages that exist.
 The cache (a :class:`ModelCache`) is donated to the step. The runner holds the layer weights stacked in scan layout
-(:func:`stack_params`, done once here), a second copy next to the model's checkpoint-layout parameters. A decode row
+(:func:`stack_params`, done once here) and its ``model`` refers to those, not to the checkpoint layout, so the
+engine itself never keeps two copies (a caller that still holds the Model it passed keeps the other). A decode row
 whose input token is still in flight reads it from the previous
 step's device output (``docs/spec/engine.md`` §4), so step N+1 can be dispatched before the host has seen step N's
 tokens.
@@ -69,7 +70,6 @@ class ModelRunner:
 
     def __init__(self, model: Model, cache_config: CacheConfig, max_model_len: int, buckets: Buckets,
                  max_logprobs: int = 0, speculative: str | None = None, num_speculative_tokens: int = 0):
-        self.model = model
         self.cfg = model.config
         self.cache_config = cache_config
         self.max_pages = math.ceil(max_model_len / cache_config.block_size)
@@ -78,17 +78,14 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         self.cache = init_cache(self.cfg, cache_config, model.dtype)
         self.params = stack_params(self.cfg, model.params)
+        # The runner keeps only the scan layout: the checkpoint-layout layer weights stay alive only while the
+        # caller holds its own Model (LLM(path) holds none), instead of two copies of every layer for the engine's
+        # life. Every model function accepts either layout.
+        self.model = dataclasses.replace(model, params=self.params)
         self.compiled_shapes: set[tuple[int, int, int]] = set()
         self.num_compilations = 0  # compilations this runner's calls caused (shared steps: see _CompileCounter)
         self._seen: set[tuple] = set()
-        cmap = None
-        efn = None
-        if self.cfg.engram_layer_ids:
-            cmap = jnp.asarray(model.engram.compressed_map, jnp.int32)
-            efn = model.engram.gather_fn(self.cfg, lambda c, t: functools.partial(_engram_callback, c, t))
-        self._cmap = cmap
-        self._static = dict(cfg=self.cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=efn,
-                            max_rows=self.max_rows)
+        self._static, self._cmap = step_statics(model, self.max_rows)
         self.speculative = speculative
         self.k = num_speculative_tokens if speculative else 0
         self.spec: SpecState | None = None
@@ -182,6 +179,17 @@ class ModelRunner:
         toks, logprobs, self.cache = self._call(inp, feed, sampling, (b, q, p))
         self._prev_tokens, self._prev_step_id = toks, step.step_id
         return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p))
+
+
+def step_statics(model: Model, max_rows: int) -> tuple[dict[str, Any], jax.Array | None]:
+    """The step's static keyword arguments for ``model`` (configuration, dtype, MoE implementation, Engram
+    callback, output rows) and its compressed-id map (V4.1 Engram; None otherwise)."""
+    cfg = model.config
+    cmap = efn = None
+    if cfg.engram_layer_ids:
+        cmap = jnp.asarray(model.engram.compressed_map, jnp.int32)
+        efn = model.engram.gather_fn(cfg, lambda c, t: functools.partial(_engram_callback, c, t))
+    return dict(cfg=cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=efn, max_rows=max_rows), cmap
 
 
 def empty_inputs(b: int, q: int, p: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
