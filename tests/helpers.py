@@ -116,3 +116,18 @@ def engine_models() -> dict[str, Any]:
         "v41-random": lambda: random_model(load_config("tiny-v41"), seed=3, std=0.1, include_mtp=False),
         "v41-fixture": lambda: load_model(fixture_dir("v41-tiny")),
     }
+
+
+def record_step_shapes(llm: Any) -> list[tuple[str, tuple[int, int, int]]]:
+    """Wrap ``llm.runner.dispatch`` (on this engine object only) to record each dispatched step's kind and compiled
+    bucket ``(B, Q, P)``; returns the list it appends to."""
+    seen: list[tuple[str, tuple[int, int, int]]] = []
+    inner = llm.runner.dispatch
+
+    def dispatch(step, params, seeds):
+        out = inner(step, params, seeds)
+        seen.append((step.kind, out.shape))
+        return out
+
+    llm.runner.dispatch = dispatch
+    return seen

@@ -1,7 +1,9 @@
 """The serving engine against the full-sequence reference: greedy ``LLM.generate`` must produce exactly the tokens
 of step-by-step argmax over ``forward_logits`` on the growing sequence, for V4 and V4.1, whatever the scheduling
-(chunked or not, async or sync, batched or one at a time). Also: stop conditions, errors, preemption, compilation
-count after warm-up, metrics.
+(chunked or not, async or sync, batched or one at a time) and whatever page buckets a request's steps pass through
+(a step's page table is the smallest compiled bucket covering its rows' context; the indexer top-k and candidate
+blocks must see exactly the pages that exist). Also: stop conditions, errors, preemption, compilation count after
+warm-up, metrics.
 
 The reference is computed with one causal forward over each final sequence (right-padded to a common length):
 logits at position t depend only on tokens ≤ t, so argmax at positions P−1 … P+G−2 is exactly the greedy
@@ -16,7 +18,7 @@ import pytest
 from dinfer_jax import LLM, SamplingParams
 from dinfer_jax.engine.runner import Buckets
 from dinfer_jax.models import forward_logits, load_config, random_model
-from helpers import engine_models
+from helpers import engine_models, record_step_shapes
 
 GEN = 32
 
@@ -55,11 +57,14 @@ def test_greedy_generation_equals_full_forward_argmax(model):
     lengths = [5, 23, 41, 70]
     prompts = _prompts(cfg.vocab_size, lengths)
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
-    # One engine (one set of compiled buckets); scheduling switches are host-side only.
-    llm = LLM(model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32,
-              buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(32, 128)))
+    # One engine (one set of compiled buckets); scheduling switches are host-side only. Page buckets of 2 and 8 pages
+    # of 16 tokens: contexts up to 70 + GEN = 102 tokens, so requests move from the small table to the large one and
+    # rows of one step need different page counts; chunked prefill cuts block tables to the step's context.
+    llm = LLM(model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, progress=False,
+              buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(32, 128), pages=(2, 8)))
     compiled = llm.metrics()["compilations"]  # may be below the shape count: same-model engines share steps
-    assert llm.runner.compiled_shapes == set(llm.buckets.shapes())
+    assert llm.runner.compiled_shapes == set(llm.buckets.shapes()) and len(llm.buckets.shapes()) == 6
+    seen = record_step_shapes(llm)
     variants = {"async+chunked": dict(async_scheduling=True, max_num_batched_tokens=32),
                 "sync+unchunked": dict(async_scheduling=False, max_num_batched_tokens=128)}
     results = {}
@@ -71,6 +76,7 @@ def test_greedy_generation_equals_full_forward_argmax(model):
     llm.configure(async_scheduling=True, max_num_batched_tokens=32)
     results["async one-at-a-time"] = [llm.generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]
     assert llm.metrics()["compilations"] == compiled, "compiled outside warm-up"
+    assert {p for _, (_, _, p) in seen} == {2, 8}, "steps should pass through both page buckets"
     ref = _reference_continuations(model, prompts, results["async+chunked"])
     for name, toks in results.items():
         for i, (got, want) in enumerate(zip(toks, ref, strict=True)):

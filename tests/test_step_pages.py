@@ -1,9 +1,10 @@
 """The step reads only what exists: page tables follow the batch's context, not ``max_model_len``.
 
 A step's page table ``pages [B, P]`` has the smallest compiled page bucket covering its rows' ``start + n``; every
-compressed-KV / index-key / candidate gather covers those ``P`` pages only. Greedy tokens must still equal the full
-forward's argmax (the indexer top-k and the candidate blocks see exactly the pages that exist), whatever page buckets
-the steps of a request pass through, and serving must compile nothing after warm-up.
+compressed-KV / index-key / candidate gather covers those ``P`` pages only, and serving compiles nothing after
+warm-up. That greedy tokens still equal the full forward's argmax whatever page buckets a request's steps pass
+through is checked by ``tests/test_engine.py::test_greedy_generation_equals_full_forward_argmax`` (two page buckets,
+three models).
 """
 
 from __future__ import annotations
@@ -13,29 +14,13 @@ import pytest
 
 from dinfer_jax import LLM, SamplingParams
 from dinfer_jax.engine.buckets import Buckets, page_buckets, pages_needed
-from dinfer_jax.models import forward_logits, load_config, random_model
-from helpers import engine_models
-
-GEN = 24
+from dinfer_jax.models import load_config, random_model
+from helpers import record_step_shapes
 
 
 def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(4, vocab, size=n)] for n in lengths]
-
-
-def _record_shapes(llm: LLM) -> list[tuple[str, tuple[int, int, int]]]:
-    """Wrap ``llm.runner.dispatch`` to record each dispatched step's kind and compiled bucket ``(B, Q, P)``."""
-    seen: list[tuple[str, tuple[int, int, int]]] = []
-    inner = llm.runner.dispatch
-
-    def dispatch(step, params, seeds):
-        out = inner(step, params, seeds)
-        seen.append((step.kind, out.shape))
-        return out
-
-    llm.runner.dispatch = dispatch
-    return seen
 
 
 def test_page_buckets_and_pages_needed():
@@ -69,46 +54,6 @@ def test_buckets_resolve_and_pick():
     assert Buckets((2,), (2,), (32,), pages=(2, 8)).resolve(max_pages=8, block_size=16).pages == (2, 8)
 
 
-MODELS = engine_models()
-
-
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def model(request):
-    return MODELS[request.param]()
-
-
-def test_greedy_equals_full_forward_across_page_buckets(model):
-    """Fine page buckets (1, 2, 4, 8 pages of 16 tokens): each request's steps move through several of them, rows
-    of one step need different page counts, and chunked prefill cuts block tables to the step's context."""
-    cfg = model.config
-    lengths = [5, 23, 41, 70]  # contexts up to 70 + GEN = 94 tokens: 1 … 6 pages
-    prompts = _prompts(cfg.vocab_size, lengths)
-    greedy = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
-    llm = LLM(model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, progress=False,
-              buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(32, 128), pages=(1, 2, 4, 8)))
-    compiled = llm.metrics()["compilations"]  # 0 … 12: engines over the same model and shapes share compiled steps
-    assert llm.runner.compiled_shapes == set(llm.buckets.shapes()) and len(llm.buckets.shapes()) == 12
-    seen = _record_shapes(llm)
-    results = {}
-    for name, switches in {"async+chunked": dict(async_scheduling=True, max_num_batched_tokens=32),
-                           "sync+unchunked": dict(async_scheduling=False, max_num_batched_tokens=128)}.items():
-        llm.configure(**switches)
-        outs = llm.generate(prompts, greedy, use_tqdm=False)
-        assert all(o.finish_reason == "length" and len(o.token_ids) == GEN for o in outs), name
-        results[name] = [o.token_ids for o in outs]
-    llm.configure(async_scheduling=True, max_num_batched_tokens=32)
-    results["one at a time"] = [llm.generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]
-    assert llm.metrics()["compilations"] == compiled, "compiled outside warm-up"
-    assert {p for _, (_, _, p) in seen} == {1, 2, 4, 8}, "steps should pass through every page bucket"
-    seqs = [p + o for p, o in zip(prompts, results["async+chunked"], strict=True)]
-    S = max(len(s) for s in seqs)
-    logits = forward_logits(model, np.array([s + [s[-1]] * (S - len(s)) for s in seqs]))
-    for i, (p, o) in enumerate(zip(prompts, results["async+chunked"], strict=True)):
-        want = [int(t) for t in logits[i, len(p) - 1: len(p) + len(o) - 1].argmax(-1)]
-        for name, toks in results.items():
-            assert toks[i] == want, f"{name}: request {i} (prompt {len(p)})"
-
-
 def test_page_table_follows_context_not_max_model_len():
     """With ``max_model_len=4096`` (256 pages of 16 tokens; page buckets 16, 64, 256), short requests run with a
     16-page table, a longer one moves to 64 pages, and nothing compiles after warm-up."""
@@ -118,7 +63,7 @@ def test_page_table_follows_context_not_max_model_len():
     assert llm.buckets.pages == (16, 64, 256)
     compiled = llm.metrics()["compilations"]
     assert compiled == 6
-    seen = _record_shapes(llm)
+    seen = record_step_shapes(llm)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     short = llm.generate(_prompts(model.config.vocab_size, [3, 30]), greedy, use_tqdm=False)
     assert {shape for _, shape in seen} == {(2, 1, 16), (2, 64, 16)}

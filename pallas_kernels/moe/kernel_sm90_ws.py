@@ -44,11 +44,13 @@ def grouped_matmul_ws(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, nu
     ``config.block_n`` is the CTA's weight rows (each consumer takes ``block_n / 2``, a multiple of 64).
     ``decode``: "bits" (per element, :func:`~pallas_kernels.moe.fp4.signed_codes_to_scaled_bf16_bits`) or
     "packed" (two codes per 32-bit integer step, one scale load per row and 32-column group:
-    :func:`_decode_scale_packed`).
+    :func:`_decode_scale_packed`) for released-layout FP4. Weights in the ``fp4_mma`` layout
+    (:mod:`pallas_kernels.moe.fp4_mma`, the fastest) are always decoded by :func:`_decode_mma`.
 
     Args:
       x_t: ``bf16 [K, rows]``; column block t belongs to expert ``tile_group[t]``.
-      w: expert weight ``[G, N_out, K]`` ("fp4" or "bf16"); ``w_up`` the up projection for the fused SwiGLU.
+      w: expert weight ``[G, N_out, K]`` ("fp4", "fp4_mma" or "bf16"); ``w_up`` the up projection for the fused
+        SwiGLU.
       tile_group: ``int32 [rows / block_m]``; tiles ``≥ num_tiles`` are never read (their output is unwritten).
       num_tiles: ``int32`` scalar, tiles in use.
     Returns:
