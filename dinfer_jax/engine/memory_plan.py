@@ -5,7 +5,8 @@
 
 The steps whose peak is measured are compiled against a minimal pool (one page per page-table entry, one state slot
 per row): the cache is donated and updated in place, so the temporaries do not depend on the pool's size. Those
-two compilations (largest prefill bucket, largest decode bucket) are the price of planning; the persistent
+two compilations (largest prefill bucket, largest decode bucket; the plain step, also for speculative engines,
+whose verify step adds ``k`` rows per sequence) are the price of planning; the persistent
 compilation cache makes them reads on later runs, and ``LLM(kv_cache_memory_bytes=...)`` skips planning.
 """
 
@@ -24,7 +25,8 @@ class MemoryPlan:
 
     device_bytes: what the device offers (its ``bytes_limit``, or the caller's ``device_memory_bytes``).
     in_use_bytes: already allocated when planning (the weights; on a backend without memory statistics, the
-      model's parameter bytes).
+      model's parameter bytes), plus the scan-layout copy of the layer weights the runner is about to make
+      (:func:`restack_bytes`).
     activation_bytes: XLA's temporary buffers of the largest step, max over the measured shapes.
     activation_by_shape: ``{(B, Q, P): temporary bytes}`` of each measured step shape.
     utilization: the fraction of ``device_bytes`` the engine may use in all.
@@ -94,6 +96,16 @@ def measure_step_activations(model: Any, shapes: list[tuple[int, int, int]], blo
     return out
 
 
+def restack_bytes(model: Any) -> int:
+    """Bytes the runner will add by stacking the layer weights into scan layout: all of them when ``model`` holds
+    them in checkpoint layout (that copy stays alive as long as the caller holds the Model), else 0."""
+    from dinfer_jax.models.layer_plan import StackedLayers
+    from dinfer_jax.models.qweights import tree_nbytes
+
+    layers = model.params["layers"]
+    return 0 if isinstance(layers, StackedLayers) else tree_nbytes(layers)
+
+
 def plan_memory(model: Any, shapes: list[tuple[int, int, int]], *, block_size: int, max_rows: int,
                 max_logprobs: int, utilization: float, device_memory_bytes: int | None = None,
                 device: jax.Device | None = None) -> MemoryPlan | None:
@@ -106,6 +118,7 @@ def plan_memory(model: Any, shapes: list[tuple[int, int, int]], *, block_size: i
         return None
     if in_use is None:
         in_use = model.param_bytes
+    in_use += restack_bytes(model)
     by_shape = measure_step_activations(model, shapes, block_size, max_rows, max_logprobs)
     return MemoryPlan(device_bytes=int(limit), in_use_bytes=int(in_use), activation_bytes=max(by_shape.values()),
                       activation_by_shape=by_shape, utilization=float(utilization)).check()
