@@ -131,3 +131,10 @@ def record_step_shapes(llm: Any) -> list[tuple[str, tuple[int, int, int]]]:
 
     llm.runner.dispatch = dispatch
     return seen
+
+
+def e2m1_value(nibble: int) -> float:
+    """OCP MX FP4 E2M1: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0; exponent 0 is subnormal (m/2)."""
+    s, e, m = nibble >> 3, (nibble >> 1) & 0x3, nibble & 0x1
+    mag = m / 2 if e == 0 else math.ldexp(1 + m / 2, e - 1)
+    return -mag if s else mag

@@ -10,8 +10,6 @@ layout. The kernel itself runs on the H200 (tests/test_moe_kernel_gpu.py, ``-k m
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -28,14 +26,8 @@ from dinfer_jax.models.qweights import (
     to_kernel_layout,
     tree_nbytes,
 )
+from helpers import e2m1_value
 from pallas_kernels.moe import fp4_mma, reference
-
-
-def e2m1_value(nibble: int) -> float:
-    """OCP MX FP4 E2M1: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0; exponent 0 is subnormal (m/2)."""
-    s, e, m = nibble >> 3, (nibble >> 1) & 0x3, nibble & 0x1
-    mag = m / 2 if e == 0 else math.ldexp(1 + m / 2, e - 1)
-    return -mag if s else mag
 
 
 def _released(rng, lead, n, k):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dinfer_jax.models.qweights import QuantizedWeight, abstract_quantized, dequantize, tree_nbytes
-from helpers import check_resident_bytes
+from helpers import check_resident_bytes, e2m1_value
 from provision import fixture_dir
 
 # ---- closed-form decoders, written from the format definitions -------------------------------------------------
@@ -28,13 +28,6 @@ def e4m3_value(byte: int) -> float:
     if e == 0xF and m == 0x7:
         return math.nan
     mag = math.ldexp(m / 8, -6) if e == 0 else math.ldexp(1 + m / 8, e - 7)
-    return -mag if s else mag
-
-
-def e2m1_value(nibble: int) -> float:
-    """OCP MX FP4 E2M1: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0; exponent 0 is subnormal (m/2)."""
-    s, e, m = nibble >> 3, (nibble >> 1) & 0x3, nibble & 0x1
-    mag = m / 2 if e == 0 else math.ldexp(1 + m / 2, e - 1)
     return -mag if s else mag
 
 

@@ -84,7 +84,6 @@ class ModelRunner:
         self.model = dataclasses.replace(model, params=self.params)
         self.compiled_shapes: set[tuple[int, int, int]] = set()
         self.num_compilations = 0  # compilations this runner's calls caused (shared steps: see _CompileCounter)
-        self._seen: set[tuple] = set()
         self._static, self._cmap = step_statics(model, self.max_rows)
         self.speculative = speculative
         self.k = num_speculative_tokens if speculative else 0
@@ -119,7 +118,6 @@ class ModelRunner:
 
     def _call(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any,
               shape: tuple[int, int, int]):
-        self.compiled_shapes.add(shape)
         with _CompileCounter(self, _STEP, shape):
             return _STEP(self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
                          self._cmap, **self._static)
@@ -131,7 +129,6 @@ class ModelRunner:
     def _call_spec(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any,
                    shape: tuple[int, int, int], decode: bool, ndraft: np.ndarray, next_tok: np.ndarray,
                    sample_mask: np.ndarray):
-        self.compiled_shapes.add((*shape, decode))
         with _CompileCounter(self, _STEP_SPEC, (*shape, decode)):
             toks, nacc, logprobs, self.cache, self.spec = _STEP_SPEC(
                 self.params, self.cache, self.spec, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
@@ -321,8 +318,9 @@ class _CompileCounter:
     without ``_cache_size`` (other jax versions) a shape new to this runner counts as one."""
 
     def __init__(self, runner: Any, fn: Any, key: tuple) -> None:
-        self.runner, self.size, self.new = runner, getattr(fn, "_cache_size", None), key not in runner._seen
-        runner._seen.add(key)
+        self.runner, self.size = runner, getattr(fn, "_cache_size", None)
+        self.new = key not in runner.compiled_shapes
+        runner.compiled_shapes.add(key)
 
     def __enter__(self) -> None:
         self.before = self.size() if callable(self.size) else 0
