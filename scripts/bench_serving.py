@@ -96,9 +96,13 @@ def run_one(preset: str, layers: int, args, bw: float) -> dict:
     if args.lean_buckets:
         buckets = Buckets(decode_batch=(args.batch,), prefill_batch=(1,), prefill_len=(args.prefill_tokens,))
     llm = LLM(model, dtype="bfloat16", max_num_seqs=args.batch, max_model_len=args.prefill_tokens + 64,
-              max_num_batched_tokens=args.prefill_tokens, kv_cache_memory_bytes=args.kv_gib << 30,
+              max_num_batched_tokens=args.prefill_tokens,
+              kv_cache_memory_bytes=(args.kv_gib << 30) if args.kv_gib > 0 else None,
               progress=False, buckets=buckets)
     warm = llm.metrics()["warmup_seconds"]
+    plan = llm.memory_plan
+    if plan is not None:
+        print(f"memory plan: {plan}", flush=True)
     n_shapes = len(llm.buckets.shapes())
     rng = np.random.default_rng(0)
     greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -134,7 +138,7 @@ def run_one(preset: str, layers: int, args, bw: float) -> dict:
                # of how long the device sat idle waiting for the host
                host_waited_s=m1["host_waited_for_device_seconds"] - m0["host_waited_for_device_seconds"],
                device_waited_s=m1["device_waited_for_host_seconds"] - m0["device_waited_for_host_seconds"],
-               generate_s=gen_s)
+               generate_s=gen_s, kv_capacity_tokens=llm.kv_capacity_tokens)
     if args.breakdown:
         parts = decode_breakdown(llm, prompts, args.max_tokens)
         row["decode_kernels_ms"] = parts
@@ -157,7 +161,8 @@ def main() -> None:
     # is seconds with --lean-buckets, where every prompt prefills as its own [1, --prefill-tokens] step)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prefill-tokens", type=int, default=8192)
-    ap.add_argument("--kv-gib", type=int, default=8)
+    ap.add_argument("--kv-gib", type=int, default=8,
+                    help="KV pool GiB; 0 = planned from device memory (LLM's memory_utilization)")
     ap.add_argument("--lean-buckets", action="store_true",
                     help="compile only decode batch --batch and prefill [1, --prefill-tokens] (times the minimum)")
     ap.add_argument("--breakdown", action="store_true",
