@@ -13,6 +13,11 @@ warm-up and is excluded; each configuration is timed over ``--repeats`` runs and
 prompts (asynchronous scheduling, no transformers baseline): one row per model and length, with the ratio to the
 first length. A step should read only the pages its batch can need, so the ratio should stay near 1.
 
+``--attention-modes dense,sparse`` instead measures the decode rate with each way of reading compressed rows
+(``LLM(attention=...)``) on long prompts (``--prompt-len``): decode time is the generate time with ``--max-tokens``
+new tokens minus that with one (the prefill), so the table compares what a decode step costs when each query
+masks all of the step's compressed rows against gathering its top-k.
+
 ``--speculative K`` instead measures speculative decoding on the bundled default model (trained weights, so drafts
 mean something): ``examples/prompts.txt`` (repeated to ``--batch`` prompts), greedy, ``--max-tokens`` new tokens,
 output tokens/s with DSpark verifying K drafts per step against the same engine without it, asynchronous and
@@ -40,21 +45,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-torch", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--max-model-lens", default=None,
                     help="comma-separated max_model_len values: compare tokens/s across them instead")
+    ap.add_argument("--attention-modes", default=None,
+                    help="comma-separated LLM(attention=...) modes: compare decode rates across them instead")
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="compare DSpark speculation (K drafts per verification) on the default model instead")
     return ap.parse_args(argv)
 
 
 def bench_dinfer(model, prompts, max_tokens: int, async_scheduling: bool, repeats: int,
-                 max_model_len: int | None = None) -> dict[str, float]:
+                 max_model_len: int | None = None, attention: str = "auto",
+                 chunk: int | None = None, decode_rate: bool = False) -> dict[str, float]:
     from dinfer_jax import LLM, SamplingParams
     from dinfer_jax.engine.runner import Buckets
 
     B = len(prompts)
+    chunk = chunk or len(prompts[0])
     llm = LLM(model, max_num_seqs=B, max_model_len=max_model_len or len(prompts[0]) + max_tokens + 1,
-              max_num_batched_tokens=B * len(prompts[0]), async_scheduling=async_scheduling, progress=False,
-              buckets=Buckets(decode_batch=(B,), prefill_batch=(B,),
-                              prefill_len=(len(prompts[0]), B * len(prompts[0]))))
+              max_num_batched_tokens=B * chunk, async_scheduling=async_scheduling, progress=False,
+              attention=attention,
+              buckets=Buckets(decode_batch=(B,), prefill_batch=(B,), prefill_len=(chunk, B * chunk)))
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)  # warm the host paths too
     rates, waits = [], []
@@ -67,8 +76,22 @@ def bench_dinfer(model, prompts, max_tokens: int, async_scheduling: bool, repeat
         rates.append(sum(len(o.token_ids) for o in outs) / dt)
         waited = after["device_waited_for_host_seconds"] - before["device_waited_for_host_seconds"]
         waits.append(waited / dt)
-    return {"tok_s": statistics.median(rates), "device_wait": statistics.median(waits),
-            "compilations": llm.metrics()["compilations"], "warmup_s": llm.metrics()["warmup_seconds"]}
+    out = {"tok_s": statistics.median(rates), "device_wait": statistics.median(waits),
+           "compilations": llm.metrics()["compilations"], "warmup_s": llm.metrics()["warmup_seconds"]}
+    if decode_rate and max_tokens > 1:  # generate time with max_tokens new tokens minus that with one (the prefill)
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        full, first = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            full.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            llm.generate(prompts, one, use_tqdm=False)
+            first.append(time.perf_counter() - t0)
+        decode_s = max(statistics.median(full) - statistics.median(first), 1e-9)
+        out["decode_tok_s"] = B * (max_tokens - 1) / decode_s
+        out["prefill_s"] = statistics.median(first)
+    return out
 
 
 def bench_torch(model, prompts, max_tokens: int, repeats: int) -> dict[str, float]:
@@ -127,6 +150,29 @@ def bench_max_model_len(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_attention(args: argparse.Namespace) -> int:
+    """Decode rate per model and ``LLM(attention=...)`` mode on long prompts (async, greedy, fp32)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    modes = args.attention_modes.split(",")
+    table = Table(title=f"LLM decode on CPU by compressed-row attention: batch {args.batch}, prompt "
+                        f"{args.prompt_len}, {args.max_tokens} new tokens, greedy fp32, async (median of "
+                        f"{args.repeats})")
+    for col in ("model", "attention", "decode tok/s", f"vs {modes[0]}", "prefill s", "warm-up s"):
+        table.add_column(col, justify="left" if col in ("model", "attention") else "right")
+    for name, _cfg, model, prompts in _models_and_prompts(args):
+        base = None
+        for mode in modes:
+            r = bench_dinfer(model, prompts, args.max_tokens, True, args.repeats, attention=mode, chunk=256,
+                             decode_rate=True)
+            base = base or r["decode_tok_s"]
+            table.add_row(name, mode, f"{r['decode_tok_s']:.1f}", f"{r['decode_tok_s'] / base:.2f}×",
+                          f"{r['prefill_s']:.2f}", f"{r['warmup_s']:.1f}")
+    Console(width=140).print(table)
+    return 0
+
+
 def bench_speculative(args: argparse.Namespace) -> int:
     """Output tokens/s on the default model with and without DSpark speculation (greedy, identical outputs)."""
     from pathlib import Path
@@ -177,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_speculative(args)
     if args.max_model_lens:
         return bench_max_model_len(args)
+    if args.attention_modes:
+        return bench_attention(args)
     from rich.console import Console
     from rich.table import Table
 

@@ -1,5 +1,8 @@
 """Kernel benchmarks on the accelerator: ``python scripts/bench_kernels.py moe [--tokens N ...] [--sweep N ...]
-[--out DIR]``.
+[--out DIR]``, ``python scripts/bench_kernels.py attention [--contexts N ...] [--batches N ...] [--out DIR]``.
+
+``attention``: decode attention over paged compressed rows, masked vs gathered top-k, and the indexer
+(``scripts/bench_attention.py`` says what is measured).
 
 ``moe``: the routed-expert kernel (``pallas_kernels.moe``) at V4-Flash expert shapes (256 experts, hidden 4096,
 expert width 2048, top-6, MXFP4 weights):
@@ -252,7 +255,7 @@ def table(rows: list[dict], ceil: dict[str, float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["moe"])
+    p.add_argument("what", choices=["moe", "attention"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192], help="token counts to run")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="token counts at which to sweep block sizes")
     p.add_argument("--no-baseline", action="store_true", help="skip the XLA ragged_dot baseline")
@@ -262,6 +265,9 @@ def main() -> None:
     p.add_argument("--ablate", type=int, nargs="*", default=[],
                    help="token counts at which to time the kernel without its scale / decode stages")
     p.add_argument("--out", default=None, help="directory for the table (markdown) and raw rows (JSON)")
+    import bench_attention  # scripts/ is on sys.path when run as a script
+
+    bench_attention.add_arguments(p)
     args = p.parse_args()
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     ceil = ceilings()
@@ -274,6 +280,16 @@ def main() -> None:
             (out / "bench_moe.md").write_text(table(rows, ceil) + "\n")
             (out / "bench_moe.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, default=str, indent=1))
 
+    if args.what == "attention":
+        rows = bench_attention.bench_attention(args, device_times, ceil["copy_GBps"] * 1e9)
+        text = bench_attention.table(rows)
+        print(text)
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "bench_attention.md").write_text(text + "\n")
+            (out / "bench_attention.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, indent=1))
+        return
     rows = bench_moe(args, on_row=save)
     print(table(rows, ceil))
 

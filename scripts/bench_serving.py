@@ -100,6 +100,7 @@ def run_one(preset: str, layers: int, args, bw: float) -> dict:
               kv_cache_memory_bytes=(args.kv_gib << 30) if args.kv_gib > 0 else None,
               progress=False, buckets=buckets)
     warm = llm.metrics()["warmup_seconds"]
+    compiled_in_warmup = llm.metrics()["compilations"]
     plan = llm.memory_plan
     if plan is not None:
         print(f"memory plan: {plan}", flush=True)
@@ -115,9 +116,21 @@ def run_one(preset: str, layers: int, args, bw: float) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)
     m0 = llm.metrics()
+    prof = None
+    if args.host_profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     llm.generate(prompts, sp, use_tqdm=False)
     gen_s = time.perf_counter() - t0
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        print("host profile of the timed generate (cProfile, by own time):")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     m1 = llm.metrics()
     dsteps = m1["decode_steps"] - m0["decode_steps"]
     dtoks = m1["decode_tokens"] - m0["decode_tokens"]
@@ -129,7 +142,7 @@ def run_one(preset: str, layers: int, args, bw: float) -> dict:
     step_ms = 1e3 * decode_s / max(dsteps, 1)
     roofline_ms = 1e3 * model.param_bytes / bw
     row = dict(layers=layers, param_GB=model.param_bytes / 1e9, init_s=init_s, warmup_s=warm, shapes=n_shapes,
-               compilations_after_warmup=m1["compilations"] - n_shapes,
+               compilations_after_warmup=m1["compilations"] - compiled_in_warmup,
                prefill_tokens=args.prefill_tokens, prefill_s=prefill_s,
                prefill_tok_per_s=args.prefill_tokens / prefill_s, first_tokens=out[0].token_ids,
                batch=args.batch, decode_steps=dsteps, decode_tokens=dtoks, decode_tok_per_s=dtoks / decode_s,
@@ -138,7 +151,13 @@ def run_one(preset: str, layers: int, args, bw: float) -> dict:
                # of how long the device sat idle waiting for the host
                host_waited_s=m1["host_waited_for_device_seconds"] - m0["host_waited_for_device_seconds"],
                device_waited_s=m1["device_waited_for_host_seconds"] - m0["device_waited_for_host_seconds"],
-               generate_s=gen_s, kv_capacity_tokens=llm.kv_capacity_tokens)
+               generate_s=gen_s, kv_capacity_tokens=llm.kv_capacity_tokens,
+               # host time per step of the timed run by phase (ms): schedule, dispatch (inputs + launch), launch
+               # (the jitted call alone), process (tokens back into the requests)
+               host_ms_per_step={k: 1e3 * (m1[f"host_{k}_seconds"] - m0[f"host_{k}_seconds"])
+                                 / max(m1["decode_steps"] + m1["prefill_steps"]
+                                       - m0["decode_steps"] - m0["prefill_steps"], 1)
+                                 for k in ("schedule", "dispatch", "launch", "process", "waited_for_device")})
     if args.breakdown:
         parts = decode_breakdown(llm, prompts, args.max_tokens)
         row["decode_kernels_ms"] = parts
@@ -165,6 +184,8 @@ def main() -> None:
                     help="KV pool GiB; 0 = planned from device memory (LLM's memory_utilization)")
     ap.add_argument("--lean-buckets", action="store_true",
                     help="compile only decode batch --batch and prefill [1, --prefill-tokens] (times the minimum)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="cProfile the timed decode run and print the host functions by own time")
     ap.add_argument("--breakdown", action="store_true",
                     help="also list the device time of one decode step by kernel (CUPTI)")
     ap.add_argument("--out", default=None)

@@ -232,7 +232,8 @@ class DPModelRunner:
                 inp, feed = fill_step_inputs(step, b, q, p, bs, self._prev_step_id[e])
                 rows = step.rows
             samps.append(SamplingTensors.from_params(params[e], seeds[e], [r.end_pos for r in rows], pad_to=b,
-                                                     num_top_logprobs=self.max_logprobs, use_filters=True))
+                                                     num_top_logprobs=self.max_logprobs, use_filters=True,
+                                                     all_greedy=False))
             inps.append(inp)
             feeds.append(feed)
             active.append(step is not None)

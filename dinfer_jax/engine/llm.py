@@ -68,6 +68,12 @@ class EngineMetrics:
     spec_draft_tokens: int = 0  # drafts verified (sum of the verify rows' draft counts)
     spec_accepted_tokens: int = 0  # of those, accepted by the target
     spec_verify_steps: int = 0  # verify rows: (request, decode step) pairs that verified at least one draft
+    # host time of the generate loop by phase (the device runs meanwhile under async scheduling): choosing the
+    # next step, building its inputs and launching it (of which the jitted call itself: the runner's
+    # launch_seconds), and folding a finished step's tokens back into the requests
+    host_schedule_seconds: float = 0.0
+    host_dispatch_seconds: float = 0.0
+    host_process_seconds: float = 0.0
 
 
 def _enable_compilation_cache() -> None:
@@ -113,6 +119,27 @@ def _resolve_model(model: str | Path | Model, dtype: str, seed: int,
         return load_model(path, dtype=dtype, progress=progress), path
     cfg = load_config(model)  # a preset: random weights (benchmarks, smoke tests)
     return random_model(cfg, seed=seed, dtype=dtype, include_mtp=False), None
+
+
+def _with_kv_cache_dtype(model: Model, kv_cache_dtype: str) -> Model:
+    """``model`` with ``kv_fake_quant`` set for ``kv_cache_dtype="fp8"`` (ValueError naming the rule when its head
+    sizes have no such byte form or the option is unknown)."""
+    from dinfer_jax.engine.kv_cache import KV_CACHE_DTYPES
+    from dinfer_jax.engine.kv_formats import layout
+
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    cfg = model.config
+    if kv_cache_dtype == "auto" or cfg.kv_fake_quant:
+        return model
+    if not cfg.is_v41:
+        layout("model1", cfg.head_dim, rope_dim=cfg.rope_head_dim)
+        layout("fp4_index", cfg.index_head_dim)
+        di = cfg.index_head_dim
+        if di & (di - 1):
+            raise ValueError(f"kv_cache_dtype='fp8' rotates index keys with a Hadamard matrix: index_head_dim {di} "
+                             "must be a power of two")
+    return dataclasses.replace(model, config=dataclasses.replace(cfg, kv_fake_quant=True))
 
 
 def _check_speculative(model: Model, speculative: str | None, k: int) -> str | None:
@@ -174,6 +201,15 @@ class LLM:
             Under ``async_scheduling`` a sequence sits out the step after each of its verify steps (its next
             position is known only once the accepted count is read), other sequences fill the gap.
         num_speculative_tokens: drafts per verification (fixed; no confidence scheduling).
+        attention: how a query reads the compressed rows of CSA / V4.1 compressed layers: ``"auto"`` (default)
+            gathers each query's top-k rows when that reads fewer rows than masking all of the step's pages (decode
+            at long context), ``"sparse"`` always gathers, ``"dense"`` always masks; the same attention either way
+            (``docs/architecture.md``). The DP engines use ``"auto"``.
+        kv_cache_dtype: ``"auto"`` (default: the model's own numerics — V4 exact, V4.1 its FP8/FP4 caches) or
+            ``"fp8"``: quantised caches with the reference's numerics (``cfg.kv_fake_quant``), for V4 FlashMLA's
+            ``model1`` rows (FP8 non-RoPE dims, bf16 RoPE dims; 584 B a row in the release instead of 1024) and
+            Hadamard-rotated FP4 index keys (68 B instead of 512). This changes V4's values, in the full forward
+            as in serving (measured: ``docs/kv_formats.md``).
     """
 
     def __init__(self, model: str | Path | Model, dtype: str = "float32", max_num_seqs: int = 8,
@@ -184,11 +220,14 @@ class LLM:
                  num_kv_blocks: int | None = None, progress: bool = True, dp_size: int = 1, cp_size: int = 1,
                  ep_size: int = 1, speculative: str | None = None,
                  num_speculative_tokens: int = 5, memory_utilization: float = 0.9,
-                 device_memory_bytes: int | None = None):
+                 device_memory_bytes: int | None = None, attention: str = "auto", kv_cache_dtype: str = "auto"):
         _enable_compilation_cache()
+        if attention not in ("auto", "sparse", "dense"):
+            raise ValueError(f"attention must be 'auto', 'sparse' or 'dense', got {attention!r}")
         self.parallel = parallel_layout(dp_size, cp_size, ep_size)
         self.dp_size = dp_size
         self.model, self.path = _resolve_model(model, dtype, seed, progress)
+        self.model = _with_kv_cache_dtype(self.model, kv_cache_dtype)
         cfg = self.model.config
         self.config = cfg
         self.speculative = _check_speculative(self.model, speculative, num_speculative_tokens)
@@ -240,7 +279,7 @@ class LLM:
             self.runner: ModelRunner | DPModelRunner = ModelRunner(self.model, cache_cfg, self.max_model_len,
                                                                    self.buckets, max_logprobs=max_logprobs,
                                                                    speculative=self.speculative,
-                                                                   num_speculative_tokens=k)
+                                                                   num_speculative_tokens=k, attention=attention)
             self.model = self.runner.model   # the scan-layout weights: no second copy held by the engine
         else:
             self.runner = DPModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, self.parallel,
@@ -311,6 +350,7 @@ class LLM:
         near zero) and the host waited for the device."""
         m = dataclasses.asdict(self._metrics)
         m["compilations"] = self.runner.num_compilations
+        m["host_launch_seconds"] = getattr(self.runner, "launch_seconds", 0.0)
         busy = m["generate_seconds"]
         m["device_wait_fraction"] = m["device_waited_for_host_seconds"] / busy if busy else 0.0
         m["output_tokens_per_second"] = m["output_tokens"] / busy if busy else 0.0
@@ -363,12 +403,16 @@ class LLM:
                 progress.done()
         m = self._metrics
         while sched.has_unfinished() or inflight:
+            t_sched = time.perf_counter()
             step = sched.schedule()
+            t_disp = time.perf_counter()
+            m.host_schedule_seconds += t_disp - t_sched
             if step is not None:
                 if idle_since is not None:  # the device had finished everything queued; it waited until now
-                    m.device_waited_for_host_seconds += time.perf_counter() - idle_since
+                    m.device_waited_for_host_seconds += t_disp - idle_since
                 out = self.runner.dispatch(step, *self._row_sampling(step, by_id))
                 inflight.append(out)
+                m.host_dispatch_seconds += time.perf_counter() - t_disp
                 idle_since = None
                 if step.kind == "prefill":
                     m.prefill_steps += 1
@@ -407,6 +451,7 @@ class LLM:
                     progress.done(len(seq.output_token_ids))
                     if seq.finish_reason == "preempted":
                         m.preemptions += 1
+                m.host_process_seconds += time.perf_counter() - t1
             # Device idle detection (a lower bound: the moment we first see the queued step done, not when it ended).
             if idle_since is None and inflight and inflight[-1].tokens.is_ready():
                 idle_since = time.perf_counter()

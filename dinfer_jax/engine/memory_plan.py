@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -77,7 +78,7 @@ def measure_step_activations(model: Any, shapes: list[tuple[int, int, int]], blo
 
     ``model``: a :class:`~dinfer_jax.models.Model`; ``max_rows``: the runner's output width (largest bucket
     batch)."""
-    from dinfer_jax.engine.runner import _STEP, InFlight, empty_inputs, step_statics
+    from dinfer_jax.engine.runner import _SAMPLE, _STEP, InFlight, empty_inputs, step_statics
     from dinfer_jax.models.layer_plan import stack_params
     from dinfer_jax.models.step_state import CacheConfig, StepInput, cache_shapes
     from dinfer_jax.sampling.params import SamplingTensors
@@ -85,14 +86,20 @@ def measure_step_activations(model: Any, shapes: list[tuple[int, int, int]], blo
     cfg = model.config
     params = jax.eval_shape(lambda p: stack_params(cfg, p), model.params)
     statics, cmap = step_statics(model, max_rows)
+    statics.pop("max_rows")
     out = {}
     for b, q, p in shapes:
         cache = cache_shapes(cfg, CacheConfig(num_slots=b + 1, num_blocks=p + 1, block_size=block_size), model.dtype)
         inp, feed = empty_inputs(b, q, p)
-        samp = SamplingTensors.from_params([], [], [], pad_to=b, num_top_logprobs=max_logprobs, use_filters=True)
-        compiled = _STEP.lower(params, cache, StepInput(**inp), InFlight(**feed), np.zeros((max_rows,), np.int32),
-                               samp, cmap, **statics).compile()
-        out[(b, q, p)] = temp_bytes(compiled)
+        forward = _STEP.lower(params, cache, StepInput(**inp), InFlight(**feed), np.zeros((max_rows,), np.int32),
+                              cmap, **statics).compile()
+        # the sampler runs after the model (its own program): the step's peak is the larger of the two; the
+        # filtering variant (two sorts over the vocabulary) is the largest
+        samp = SamplingTensors.from_params([], [], [], pad_to=b, num_top_logprobs=max_logprobs, use_filters=True,
+                                           all_greedy=False)
+        sampler = _SAMPLE.lower(jax.ShapeDtypeStruct((b, cfg.vocab_size), jnp.float32), samp,
+                                max_rows=max_rows).compile()
+        out[(b, q, p)] = max(temp_bytes(forward), temp_bytes(sampler))
     return out
 
 

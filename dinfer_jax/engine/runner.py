@@ -69,7 +69,8 @@ class ModelRunner:
     ``self.buckets`` holds the resolved set."""
 
     def __init__(self, model: Model, cache_config: CacheConfig, max_model_len: int, buckets: Buckets,
-                 max_logprobs: int = 0, speculative: str | None = None, num_speculative_tokens: int = 0):
+                 max_logprobs: int = 0, speculative: str | None = None, num_speculative_tokens: int = 0,
+                 attention: str = "auto"):
         self.cfg = model.config
         self.cache_config = cache_config
         self.max_pages = math.ceil(max_model_len / cache_config.block_size)
@@ -83,8 +84,11 @@ class ModelRunner:
         # life. Every model function accepts either layout.
         self.model = dataclasses.replace(model, params=self.params)
         self.compiled_shapes: set[tuple[int, int, int]] = set()
+        self.compiled_samplers: set[tuple[int, bool, bool]] = set()  # (batch, use_filters, all_greedy)
         self.num_compilations = 0  # compilations this runner's calls caused (shared steps: see _CompileCounter)
-        self._static, self._cmap = step_statics(model, self.max_rows)
+        self.launch_seconds = 0.0  # host time inside the jitted step calls of dispatch (argument transfer, launch)
+        self._static, self._cmap = step_statics(model, self.max_rows, attention)
+        self._forward_static = {k: v for k, v in self._static.items() if k != "max_rows"}
         self.speculative = speculative
         self.k = num_speculative_tokens if speculative else 0
         self.spec: SpecState | None = None
@@ -114,13 +118,27 @@ class ModelRunner:
                                                      (b, q, p))
                 toks.block_until_ready()
                 bar.advance()
+        if self.spec is None:  # the speculative step samples inside its own program (one variant)
+            for b in sorted({b for b, _, _ in shapes}):
+                logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
+                for use_filters, all_greedy in SAMPLER_VARIANTS:
+                    samp = SamplingTensors.from_params([], [], [], pad_to=b, num_top_logprobs=self.max_logprobs,
+                                                       use_filters=use_filters, all_greedy=all_greedy)
+                    self._sample(logits, samp)[0].block_until_ready()
         return time.perf_counter() - t0
 
-    def _call(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any,
+    def _call(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: SamplingTensors,
               shape: tuple[int, int, int]):
         with _CompileCounter(self, _STEP, shape):
-            return _STEP(self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
-                         self._cmap, **self._static)
+            logits, cache = _STEP(self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens,
+                                  self._cmap, **self._forward_static)
+        toks, logprobs = self._sample(logits, samp)
+        return toks, logprobs, cache
+
+    def _sample(self, logits: jax.Array, samp: SamplingTensors) -> tuple[jax.Array, Any]:
+        key = (logits.shape[0], samp.use_filters, samp.all_greedy)
+        with _CompileCounter(self, _SAMPLE, key, self.compiled_samplers):
+            return _SAMPLE(logits, samp, max_rows=self.max_rows)
 
     def _spec_extra(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Speculative per-row inputs: drafts to verify, next token of a prefill chunk, rows that sample."""
@@ -142,9 +160,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ dispatch
     def _sampling(self, params: list[Any], seeds: list[int], positions: list[int], b: int) -> SamplingTensors:
-        # Static fields fixed per engine (one compiled variant per bucket).
+        # The plain step's sampler variant follows the rows (filters, all greedy); the speculative step samples
+        # inside its own program, so it keeps one variant per bucket.
+        fixed = self.spec is not None
         return SamplingTensors.from_params(params, seeds, positions, pad_to=b, num_top_logprobs=self.max_logprobs,
-                                           use_filters=True)
+                                           use_filters=True if fixed else None, all_greedy=False if fixed else None)
 
     def dispatch(self, step: ScheduledStep, params: list[Any], seeds: list[int]) -> StepOutput:
         """Build the padded inputs of ``step`` (``params``/``seeds``: one per row) and launch it asynchronously.
@@ -169,24 +189,31 @@ class ModelRunner:
             for i, r in enumerate(rows):
                 extra[0][i], extra[1][i], extra[2][i] = r.num_drafts, r.next_token, r.sample
             decode = step.kind == "decode"
+            t0 = time.perf_counter()
             toks, nacc, logprobs = self._call_spec(inp, feed, sampling, (b, q, p), decode, *extra)
+            self.launch_seconds += time.perf_counter() - t0
             first = toks[:, 0] if decode else toks
             self._prev_tokens, self._prev_step_id = first, step.step_id
             return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p), nacc if decode else None)
+        t0 = time.perf_counter()
         toks, logprobs, self.cache = self._call(inp, feed, sampling, (b, q, p))
+        self.launch_seconds += time.perf_counter() - t0
         self._prev_tokens, self._prev_step_id = toks, step.step_id
         return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p))
 
 
-def step_statics(model: Model, max_rows: int) -> tuple[dict[str, Any], jax.Array | None]:
+def step_statics(model: Model, max_rows: int,
+                 attention: str = "auto") -> tuple[dict[str, Any], jax.Array | None]:
     """The step's static keyword arguments for ``model`` (configuration, dtype, MoE implementation, Engram
-    callback, output rows) and its compressed-id map (V4.1 Engram; None otherwise)."""
+    callback, output rows, compressed-row attention mode) and its compressed-id map (V4.1 Engram; None
+    otherwise)."""
     cfg = model.config
     cmap = efn = None
     if cfg.engram_layer_ids:
         cmap = jnp.asarray(model.engram.compressed_map, jnp.int32)
         efn = model.engram.gather_fn(cfg, lambda c, t: functools.partial(_engram_callback, c, t))
-    return dict(cfg=cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=efn, max_rows=max_rows), cmap
+    return dict(cfg=cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=efn, max_rows=max_rows,
+                attention=attention), cmap
 
 
 def empty_inputs(b: int, q: int, p: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -205,15 +232,19 @@ def fill_step_inputs(step: ScheduledStep, b: int, q: int, p: int, block_size: in
     """Host buffers of ``step``'s rows padded to the bucket ``(b, q, p)``; ``prev_step_id``: the step whose
     device outputs in-flight input tokens are read from (RuntimeError if a row names another)."""
     inp, feed = empty_inputs(b, q, p)
-    bs = block_size
-    for i, r in enumerate(step.rows):
-        inp["start"][i], inp["n"][i], inp["slot"][i] = r.start_pos, r.num_tokens, r.state_slot
-        inp["last"][i] = r.num_tokens - 1
-        need = pages_needed([r.start_pos + r.num_tokens], bs)
-        if len(r.block_ids) < need:
+    rows = step.rows
+    n = len(rows)
+    start = np.fromiter((r.start_pos for r in rows), np.int32, n)
+    count = np.fromiter((r.num_tokens for r in rows), np.int32, n)
+    inp["start"][:n], inp["n"][:n] = start, count
+    inp["slot"][:n] = np.fromiter((r.state_slot for r in rows), np.int32, n)
+    inp["last"][:n] = count - 1
+    need = -(-(start.astype(np.int64) + count) // block_size)
+    for i, r in enumerate(rows):
+        if len(r.block_ids) < need[i]:
             raise RuntimeError(f"row of request {r.request_id} covers positions < {r.start_pos + r.num_tokens} "
-                               f"but has {len(r.block_ids)} blocks of {bs} tokens")
-        inp["pages"][i, :need] = r.block_ids[:need]
+                               f"but has {len(r.block_ids)} blocks of {block_size} tokens")
+        inp["pages"][i, : need[i]] = r.block_ids[: need[i]]
         if r.token_ids is None:
             src_step, src_row = r.input_src
             if src_step != prev_step_id:
@@ -239,23 +270,39 @@ def _engram_callback(cfg: Any, tables: list[Any], rows: jax.Array) -> jax.Array:
     return jax.pure_callback(host, shape, rows)
 
 
-def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
-                 cmap: Any, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int,
-                 ep_manual: int = 0, cp_manual: int = 0, copies_manual: int = 1):
-    """Traced step: resolve in-flight inputs on device, run the model, sample. Outputs padded to ``max_rows``."""
+def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, cmap: Any, *,
+                    cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, ep_manual: int = 0, cp_manual: int = 0,
+                    copies_manual: int = 1, attention: str = "auto") -> tuple[jax.Array, Any]:
+    """Traced model part of a step: resolve in-flight inputs on device, run the model. Returns ``(logits [B, V]
+    fp32 at each row's last token, cache)``."""
     first = jnp.where(feed.use_prev, prev_tokens[feed.prev_row], inp.tokens[:, 0])
     inp = dataclasses.replace(inp, tokens=inp.tokens.at[:, 0].set(first))
-    logits, cache = model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn,
-                               cmap=cmap, ep_manual=ep_manual, cp_manual=cp_manual,
-                               copies_manual=copies_manual)
+    return model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn, cmap=cmap,
+                      ep_manual=ep_manual, cp_manual=cp_manual, copies_manual=copies_manual, attention=attention)
+
+
+def _device_sample(logits: jax.Array, samp: SamplingTensors, *, max_rows: int) -> tuple[jax.Array, Any]:
+    """Traced sampling part of a step: tokens padded to ``max_rows`` ``[max_rows]`` int32, and the logprobs."""
     toks, logprobs = sample(logits, samp)
-    out = jnp.zeros((max_rows,), jnp.int32).at[: toks.shape[0]].set(toks)
-    return out, logprobs, cache
+    return jnp.zeros((max_rows,), jnp.int32).at[: toks.shape[0]].set(toks), logprobs
+
+
+def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
+                 cmap: Any, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int,
+                 ep_manual: int = 0, cp_manual: int = 0, copies_manual: int = 1, attention: str = "auto"):
+    """Forward and sampling traced as one program (the DP engines' per-device step). Returns ``(tokens
+    [max_rows], logprobs, cache)``."""
+    logits, cache = _device_forward(params, cache, inp, feed, prev_tokens, cmap, cfg=cfg, dtype=dtype,
+                                    moe_impl=moe_impl, engram_fn=engram_fn, ep_manual=ep_manual,
+                                    cp_manual=cp_manual, copies_manual=copies_manual, attention=attention)
+    toks, logprobs = _device_sample(logits, samp, max_rows=max_rows)
+    return toks, logprobs, cache
 
 
 def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: InFlight,
                       prev_tokens: jax.Array, samp: Any, cmap: Any, ndraft: jax.Array, next_tok: jax.Array,
                       sample_mask: jax.Array, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any,
+                      attention: str,
                       max_rows: int, k: int, decode: bool, method: str):
     """Traced step with speculative decoding (V4 MTP drafter, ``engine/speculative.py``).
 
@@ -275,7 +322,7 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
         tokens = tokens.at[:, 1:].set(jnp.where(jnp.arange(k)[None, :] < ndraft[:, None], drafts, 0))
     inp = dataclasses.replace(inp, tokens=tokens)
     hist0 = cache.ngram_hist
-    logits, cache, carry = model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl,
+    logits, cache, carry = model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, attention=attention,
                                       engram_fn=engram_fn, cmap=cmap, return_carry=True)
     streams = carry["streams"]
     kw = dict(cfg=cfg, dtype=dtype, moe_impl=moe_impl, k=k)
@@ -305,11 +352,17 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
     return out, jnp.zeros((max_rows,), jnp.int32), logprobs, cache, spec
 
 
-_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "max_rows")
+_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "max_rows", "attention")
 # Module-level jits with the engine's configuration as static arguments: engines over the same model and shapes
 # share compiled steps within a process (what the on-disk compilation cache would otherwise provide).
-_STEP = jax.jit(_device_step, static_argnames=_STATIC + ("ep_manual", "cp_manual", "copies_manual"),
-                donate_argnums=(1,))
+# The plain engine runs a step as two programs: the model (one per bucket) and the sampler (one per batch size and
+# host-decided variant: SamplingTensors.use_filters / all_greedy), so the sampler's variants cost small compiles
+# and the model step holds no data-dependent conditional (docs/perf/serving_h200.md).
+_FORWARD_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "ep_manual", "cp_manual", "copies_manual", "attention")
+_STEP = jax.jit(_device_forward, static_argnames=_FORWARD_STATIC, donate_argnums=(1,))
+_SAMPLE = jax.jit(_device_sample, static_argnames=("max_rows",))
+# the sampler variants every warm-up compiles: (use_filters, all_greedy)
+SAMPLER_VARIANTS = ((False, True), (False, False), (True, False))
 _STEP_SPEC = jax.jit(_device_step_spec, static_argnames=_STATIC + ("k", "decode", "method"), donate_argnums=(1, 2))
 
 
@@ -317,10 +370,11 @@ class _CompileCounter:
     """Adds to ``runner.num_compilations`` the entries a call adds to a shared jit's cache (any retrace counts);
     without ``_cache_size`` (other jax versions) a shape new to this runner counts as one."""
 
-    def __init__(self, runner: Any, fn: Any, key: tuple) -> None:
+    def __init__(self, runner: Any, fn: Any, key: tuple, seen: set | None = None) -> None:
         self.runner, self.size = runner, getattr(fn, "_cache_size", None)
-        self.new = key not in runner.compiled_shapes
-        runner.compiled_shapes.add(key)
+        seen = runner.compiled_shapes if seen is None else seen
+        self.new = key not in seen
+        seen.add(key)
 
     def __enter__(self) -> None:
         self.before = self.size() if callable(self.size) else 0

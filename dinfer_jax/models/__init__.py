@@ -50,9 +50,10 @@ class Model:
     moe_impl: str = "auto"
     engram: EngramRuntime | None = None
 
-    def options(self, collect: bool = False, yoco: str = "off", yoco_keep: int = 140) -> ForwardOptions:
+    def options(self, collect: bool = False, yoco: str = "off", yoco_keep: int = 140,
+                attention: str = "auto") -> ForwardOptions:
         return ForwardOptions(collect=collect, moe_impl=self.moe_impl, sharder=self.sharder, yoco=yoco,
-                              yoco_keep=yoco_keep)
+                              yoco_keep=yoco_keep, attention=attention)
 
     @property
     def num_params(self) -> int:
@@ -191,12 +192,13 @@ def _validate_ids(model: Model, token_ids: Any, image_mask: np.ndarray | None = 
 
 
 def run(model: Model, token_ids: Any, collect: bool = False, *, image_embeds: Any = None, image_mask: Any = None,
-        yoco: str = "off", yoco_keep: int = 140) -> ForwardOutput:
+        yoco: str = "off", yoco_keep: int = 140, attention: str = "auto") -> ForwardOutput:
     """Jitted full-sequence forward of ``token_ids [B,S]`` from position 0 (device arrays).
 
     V4.1: ``image_embeds [B,S,D]`` + ``image_mask [B,S]`` supply image rows (their ids may lie outside the text
     vocabulary); ``yoco`` selects the prefill truncation mode (``"compact"`` returns logits of the last
-    ``yoco_keep`` rows only). Engram rows are gathered on the host here.
+    ``yoco_keep`` rows only). Engram rows are gathered on the host here. ``attention``: how queries read compressed
+    rows (``"auto"``, ``"sparse"``, ``"dense"``; the same attention, see ``LLM``).
     """
     mask = None if image_mask is None else np.asarray(image_mask, bool)
     ids = _validate_ids(model, token_ids, mask)
@@ -213,7 +215,7 @@ def run(model: Model, token_ids: Any, collect: bool = False, *, image_embeds: An
         emb = jnp.asarray(engram_embeddings(cfg, model.engram.tables, ids, model.engram.compressed_map, mask),
                           dtype=model.dtype)
     return forward_jit(model.params, jnp.asarray(ids), cfg=cfg, dtype=model.dtype,
-                       options=model.options(collect, yoco, yoco_keep), engram_emb=emb,
+                       options=model.options(collect, yoco, yoco_keep, attention), engram_emb=emb,
                        image_embeds=None if image_embeds is None else jnp.asarray(image_embeds),
                        image_mask=None if mask is None else jnp.asarray(mask))
 

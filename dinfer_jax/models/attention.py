@@ -44,15 +44,18 @@ def index_scores(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, k_rows: jax.
     """Lightning-indexer scores ``[B,S,T]`` fp32: ``Σ_h relu(q_h · k_j) · w_h`` with −inf where ``j ≥ (p+1)//m``.
 
     h ``[B,S,D]``, cq ``[B,S,q_lora]``, k_rows ``[B,T,di]`` (index keys, RoPE'd), pos ``[S]`` or ``[B,S]`` absolute
-    positions of the query rows, rope the query positions' table. V4.1 (``kv_fake_quant``) rounds the index query
-    to FP4 (Q4u); V4's Hadamard + FP4 is reference-only and orthonormal, so it is omitted (as transformers does).
+    positions of the query rows, rope the query positions' table. With ``kv_fake_quant`` the index query is rounded
+    to FP4 (Q4u), V4's after the reference's Hadamard rotation (its keys are rotated where they are cached); without
+    it V4 omits the rotation, which changes no score (as transformers does).
     """
-    from dinfer_jax.models.fake_quant import maybe_fake_quant, q4u_fake
+    from dinfer_jax.models.fake_quant import hadamard, maybe_fake_quant, q4u_fake
 
     B, S, _ = h.shape
     Hi, di = cfg.index_n_heads, cfg.index_head_dim
     q = linear(cq, p["wq_b"]).reshape(B, S, Hi, di)
     q = apply_rope_tail(q, rope.cos[..., None, :], rope.sin[..., None, :]).astype(F32)
+    if cfg.kv_fake_quant and not cfg.is_v41:
+        q = hadamard(q)
     q = maybe_fake_quant(cfg.kv_fake_quant, q4u_fake, q, 32)
     w = linear(h.astype(F32), p["weights_proj"]) * (di ** -0.5) * (Hi ** -0.5)  # [B,S,Hi]
     dots = jnp.einsum("bshd,btd->bsht", q, k_rows.astype(F32), precision=jax.lax.Precision.HIGHEST)
@@ -100,6 +103,42 @@ def attend(q: jax.Array, kv: jax.Array, win_mask: jax.Array, ckv: jax.Array | No
     probs = jax.nn.softmax(jnp.concatenate([logits, sink_col], axis=-1), axis=-1)[..., :-1]
     v = jnp.concatenate(values, axis=1)
     return matmul("bhst,btd->bshd", probs.astype(dt), v).astype(dt)
+
+
+def attend_selected(q: jax.Array, kv: jax.Array, win_mask: jax.Array, rows: jax.Array, row_mask: jax.Array,
+                    sink: jax.Array) -> jax.Array:
+    """:func:`attend` with each query's own compressed rows instead of a mask over all of them (sparse attention).
+
+    q ``[B,S,H,d]``; kv ``[B,Sw,d]`` window rows with ``win_mask`` ``[S,Sw]`` (or ``[B,S,Sw]``); rows ``[B,S,K,d]``
+    the compressed rows query ``s`` selected (its top-k, gathered) with ``row_mask`` ``[B,S,K]`` (False: no entry);
+    sink ``[H]``. Returns o ``[B,S,H,d]`` (q's dtype). The same function of the same visible set as
+    :func:`attend` (masked entries add nothing there), computed over ``K`` instead of all ``T`` compressed rows.
+    """
+    B, S, H, d = q.shape
+    dt = q.dtype
+    scale = d ** -0.5
+    wm = win_mask if win_mask.ndim == 3 else win_mask[None]
+    rows = rows.astype(dt)
+    w_logits = jnp.where(wm[:, None], matmul("bshd,btd->bhst", q, kv) * scale, -jnp.inf)
+    c_logits = jnp.where(row_mask[:, None], matmul("bshd,bskd->bhsk", q, rows) * scale, -jnp.inf)
+    sink_col = jnp.broadcast_to(sink.astype(F32)[None, :, None, None], (B, H, S, 1))
+    probs = jax.nn.softmax(jnp.concatenate([w_logits, c_logits, sink_col], axis=-1), axis=-1)
+    sw = kv.shape[1]
+    pw, pc = probs[..., :sw].astype(dt), probs[..., sw:-1].astype(dt)
+    o = matmul("bhst,btd->bshd", pw, kv) + matmul("bhsk,bskd->bshd", pc, rows)
+    return o.astype(dt)
+
+
+def use_selected_rows(mode: str, queries: int, topk: int, rows: int) -> bool:
+    """Whether a step attends to gathered top-k rows (:func:`attend_selected`) rather than masking all ``rows``
+    compressed rows (:func:`attend`). ``mode``: ``"auto"`` (gather when ``queries · topk < rows``, i.e. when the
+    gathered rows are fewer than the rows a dense pass reads: decode steps at long context), ``"sparse"`` or
+    ``"dense"``."""
+    if mode not in ("auto", "sparse", "dense"):
+        raise ValueError(f"attention mode must be 'auto', 'sparse' or 'dense', got {mode!r}")
+    if mode == "auto":
+        return queries * topk < rows
+    return mode == "sparse"
 
 
 def output_projection(p: Mapping[str, Any], o: jax.Array, *, cfg: ModelConfig, rope: RopeTable) -> jax.Array:

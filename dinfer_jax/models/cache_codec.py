@@ -36,6 +36,7 @@ class RowCodec:
     dtype: Any
     fmt: str | None = None
     reciprocal: bool = True
+    rope_dim: int = 64  # model1: trailing dims stored as bf16
 
     @property
     def stored(self) -> tuple[int, Any]:
@@ -44,7 +45,7 @@ class RowCodec:
             return self.width, jnp.dtype(self.dtype)
         from dinfer_jax.engine.kv_formats import layout
 
-        return layout(self.fmt, self.width).bytes_per_row, jnp.dtype(U8)
+        return layout(self.fmt, self.width, rope_dim=self.rope_dim).bytes_per_row, jnp.dtype(U8)
 
     def pack(self, x: jax.Array) -> jax.Array:
         """Rows ``[..., width]`` → stored ``[..., stored[0]]``."""
@@ -52,7 +53,7 @@ class RowCodec:
             return x.astype(self.dtype)
         from dinfer_jax.engine.kv_formats import encode
 
-        data, scales = encode(x, self.fmt, reciprocal=self.reciprocal)
+        data, scales = encode(x, self.fmt, reciprocal=self.reciprocal, rope_dim=self.rope_dim)
         return jnp.concatenate([data, scales], axis=-1)
 
     def unpack(self, stored: jax.Array) -> jax.Array:
@@ -61,8 +62,8 @@ class RowCodec:
             return stored.astype(self.dtype)
         from dinfer_jax.engine.kv_formats import decode, layout
 
-        nd = layout(self.fmt, self.width).data_bytes
-        return decode(stored[..., :nd], stored[..., nd:], self.fmt, dtype=self.dtype)
+        nd = layout(self.fmt, self.width, rope_dim=self.rope_dim).data_bytes
+        return decode(stored[..., :nd], stored[..., nd:], self.fmt, dtype=self.dtype, rope_dim=self.rope_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +84,17 @@ class CacheCodecs:
 def cache_codecs(cfg: ModelConfig, dtype: Any) -> CacheCodecs:
     """The storage of ``cfg``'s caches for activations in ``dtype``: V4.1 with ``kv_fake_quant`` in byte formats
     (``v41`` ring, ``v41_fp4`` compressed KV quantised with ``x / s`` as the model's Q4e does, ``fp4_index`` keys);
-    otherwise values (KV in ``dtype``, index keys in fp32), as before byte caches existed."""
+    V4 with ``kv_fake_quant`` (``LLM(kv_cache_dtype="fp8")``) in FlashMLA's ``model1`` (ring and compressed KV) and
+    ``fp4_index`` (CSA index keys, Hadamard-rotated); otherwise values (KV in ``dtype``, index keys in fp32), as
+    before byte caches existed."""
     dt = jnp.dtype(dtype)
     d, di = cfg.head_dim, cfg.index_head_dim
     if cfg.is_v41 and cfg.kv_fake_quant:
         return CacheCodecs(swa=RowCodec(d, dt, "v41"), ckv=RowCodec(d, dt, "v41_fp4", reciprocal=False),
                            ik=RowCodec(di, jnp.float32, "fp4_index"), ikv=RowCodec(di, jnp.float32))
+    if cfg.kv_fake_quant:
+        r = cfg.rope_head_dim
+        return CacheCodecs(swa=RowCodec(d, dt, "model1", rope_dim=r), ckv=RowCodec(d, dt, "model1", rope_dim=r),
+                           ik=RowCodec(di, jnp.float32), ikv=RowCodec(di, jnp.float32, "fp4_index"))
     return CacheCodecs(swa=RowCodec(d, dt), ckv=RowCodec(d, dt), ik=RowCodec(di, jnp.float32),
                        ikv=RowCodec(di, jnp.float32))

@@ -56,6 +56,23 @@ def pages_read(pool: jax.Array, k: jax.Array, pages: jax.Array) -> jax.Array:
     return g.reshape(pages.shape[0], -1, pool.shape[-1])
 
 
+def pages_gather(pool: jax.Array, k: jax.Array, pages: jax.Array, rows: jax.Array) -> jax.Array:
+    """Rows ``rows [B, ...]`` (sequence row index; negative = none, read as row 0) of each sequence from layer ``k``
+    of ``pool [L, N, rpb, C]`` through its page table ``pages [B,P]`` → ``[B, ..., C]``. Reads only those rows."""
+    B = rows.shape[0]
+    rpb = pool.shape[2]
+    flat = jnp.maximum(rows.reshape(B, -1), 0)
+    page = jnp.take_along_axis(pages, jnp.clip(flat // rpb, 0, pages.shape[1] - 1), axis=1)
+    return pool[k, page, jnp.mod(flat, rpb)].reshape(*rows.shape, pool.shape[-1])
+
+
+def take_rows(rows_all: jax.Array, idx: jax.Array) -> jax.Array:
+    """``rows_all [B,T,C]`` at ``idx [B, ...]`` (negative = none, read as row 0) → ``[B, ..., C]``."""
+    B = idx.shape[0]
+    flat = jnp.clip(idx.reshape(B, -1), 0, rows_all.shape[1] - 1)
+    return jnp.take_along_axis(rows_all, flat[..., None], axis=1).reshape(*idx.shape, rows_all.shape[-1])
+
+
 def pages_write(pool: jax.Array, k: jax.Array, pages: jax.Array, rows: jax.Array, valid: jax.Array,
                 values: jax.Array) -> jax.Array:
     """Write compressed rows ``rows [B,W]`` (sequence row index) of each sequence into layer ``k`` of

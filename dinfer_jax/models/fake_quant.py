@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 F32 = jnp.float32
 
@@ -167,6 +168,20 @@ def q4u_fake(x: jax.Array, block: int = 32) -> jax.Array:
 def q4e_fake(x: jax.Array, block: int = 16, *, reciprocal: bool = False) -> jax.Array:
     """Q4e round trip of ``x [..., D]``: dequantised values in ``x.dtype`` (see :func:`q4e_quantize`)."""
     return _dequant(*q4e_quantize(x, block, reciprocal=reciprocal), block, x.dtype)
+
+
+def hadamard(x: jax.Array) -> jax.Array:
+    """Orthonormal Hadamard rotation of the last axis (``x · H_n / √n``, Sylvester order; ``n`` a power of two), in
+    fp32 at full precision. V4's reference rotates the indexer's queries and keys with it before their FP4
+    fake-quantisation (``docs/spec/model-v4.md`` §3.7); without quantisation it would leave every score unchanged."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two width, got {n}")
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return jnp.einsum("...i,ij->...j", x.astype(jnp.float32), jnp.asarray(h / np.sqrt(n), jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
 
 
 def maybe_fake_quant(enabled: bool, fn: Any, x: jax.Array, block: int) -> jax.Array:

@@ -21,22 +21,32 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.models.attention import RopeTable, attend, index_scores, output_projection, query_and_window_kv
+from dinfer_jax.models.attention import (
+    RopeTable,
+    attend,
+    attend_selected,
+    index_scores,
+    output_projection,
+    query_and_window_kv,
+    use_selected_rows,
+)
 from dinfer_jax.models.cache_codec import RowCodec, cache_codecs
 from dinfer_jax.models.cache_io import (
     buffer_take,
     closing_groups,
+    pages_gather,
     pages_read,
     pages_write,
     ring_positions,
     ring_read,
     ring_write,
+    take_rows,
 )
 from dinfer_jax.models.config import ATTN_CSA, ATTN_SLIDING, ModelConfig
 from dinfer_jax.models.cp_rows import cp_tokenwise, group_tokenwise
 from dinfer_jax.models.csa2 import candidate_blocks, topk_select
 from dinfer_jax.models.engram import engram_gate
-from dinfer_jax.models.fake_quant import maybe_fake_quant, q8_fake
+from dinfer_jax.models.fake_quant import hadamard, maybe_fake_quant, q8_fake
 from dinfer_jax.models.layer_plan import LayerInfo
 from dinfer_jax.models.mhc import hc_collapse, hc_mixes, hc_post, hc_pre
 from dinfer_jax.models.moe import moe
@@ -59,6 +69,9 @@ class LayerOptions:
     ep_manual: int = 0  # EP group size when running per device inside a shard_map (DP engines); 0 = not
     cp_manual: int = 0  # CP group size there: the MoE of prefill rows runs on each rank's mirrored share
     copies_manual: int = 1  # copies of each engine there (ep > dp·cp): the MoE tokens are split over them
+    # compressed rows a query attends: "auto" gathers its top-k rows when that reads less than masking all of them
+    # (decode at long context), "sparse" / "dense" force one way (attention.use_selected_rows)
+    attention: str = "auto"
 
 
 class StepContext(NamedTuple):
@@ -162,48 +175,68 @@ def compress_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, inp: StepIn
 
 def _compress_into_cache(params: Any, h: jax.Array, kv_ring: jax.Array, gate_ring: jax.Array,
                          pool: jax.Array, k: jax.Array, inp: StepInput, pos: jax.Array, *, ratio: int, dim: int,
-                         overlap: bool, inv_freq: Any, norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+                         overlap: bool, inv_freq: Any, norm_eps: float, codec: RowCodec,
+                         rotate: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """V4 compressor over this step's rows with its state ring, and the closed compressed rows written to the page
-    pool. Returns the updated ``(kv_ring, gate_ring, pool)`` of layer ``k`` (same shapes as given)."""
+    pool as ``codec`` stores them (``rotate``: Hadamard-rotated first, V4's FP4 index keys). Returns the updated
+    ``(kv_ring, gate_ring, pool)`` of layer ``k`` (same shapes as given)."""
     slot, start, n = inp.slot, inp.start, inp.n
     rows, w, valid, kvp, gate = compress_v4(
         params, h, ring_read(kv_ring, k, slot), ring_read(gate_ring, k, slot), start, n,
         ratio=ratio, dim=dim, overlap=overlap, inv_freq=inv_freq, norm_eps=norm_eps)
+    rows = hadamard(rows) if rotate else rows
     return (ring_write(kv_ring, k, slot, pos, n, kvp), ring_write(gate_ring, k, slot, pos, n, gate),
-            pages_write(pool, k, inp.pages, w, valid, rows))
+            pages_write(pool, k, inp.pages, w, valid, codec.pack(rows)))
 
 
 def attention_v4(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, ctx: StepContext, *, cfg: ModelConfig,
                  info: LayerInfo, opts: LayerOptions) -> tuple[jax.Array, LayerCache, dict[str, jax.Array]]:
     """V4 attention sublayer (sliding / CSA / HCA). h ``[B,Q,D]`` normalised. Returns ``(out [B,Q,D], updated
-    layer cache, aux)``; aux (``collect``) holds ``indexer_topk [B,Q,k]`` and ``indexer_scores [B,Q,T]`` on CSA."""
+    layer cache, aux)``; aux (``collect``) holds ``indexer_topk [B,Q,k]`` and ``indexer_scores [B,Q,T]`` on CSA.
+
+    With ``cfg.kv_fake_quant`` (``LLM(kv_cache_dtype="fp8")``, DeepSeek's reference numerics) the window and
+    compressed KV rows are FlashMLA ``model1`` values (FP8 non-RoPE dims, bf16 RoPE dims) and the CSA index keys
+    and queries Hadamard-rotated FP4, in this step as in the cache that stores their bytes."""
     inp, pos = ctx.inp, ctx.pos
     inv, table = ctx.ropes[info.ratio > 0]
     cq, q, kv = query_and_window_kv(p, h, cfg=cfg, rope=table)
     q = constrain(opts.sharder, q, ("act_batch", "act_seq", "act_heads", None))
-    keys, wmask, swa = _window(lc.swa, k, kv, inp, pos, cfg.sliding_window, None)
+    codecs = cache_codecs(cfg, h.dtype)
+    if codecs.packed:   # this step's window rows are the stored rows' values
+        stored = codecs.swa.pack(kv)
+        keys, wmask, swa = _window(lc.swa, k, codecs.swa.unpack(stored), inp, pos, cfg.sliding_window, None,
+                                   codecs.swa, stored)
+    else:
+        keys, wmask, swa = _window(lc.swa, k, kv, inp, pos, cfg.sliding_window, None)
     upd: dict[str, Any] = {"swa": swa}
     aux: dict[str, jax.Array] = {}
-    ckv = cmask = None
+    ckv = cmask = top_idx = None
     if info.kind != ATTN_SLIDING:
         ratio, pages = info.ratio, inp.pages
         overlap = info.kind == ATTN_CSA
         upd["cst_kv"], upd["cst_gate"], upd["ckv"] = _compress_into_cache(
             p["compressor"], h, lc.cst_kv, lc.cst_gate, lc.ckv, k, inp, pos, ratio=ratio, dim=cfg.head_dim,
-            overlap=overlap, inv_freq=inv, norm_eps=cfg.norm_eps)
-        ckv = pages_read(upd["ckv"], k, pages)
-        cmask = jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]  # [B,Q,T]
+            overlap=overlap, inv_freq=inv, norm_eps=cfg.norm_eps, codec=codecs.ckv)
+        n_rows = pages.shape[1] * upd["ckv"].shape[2]
         if overlap:
             ix = p["indexer"]
             upd["ist_kv"], upd["ist_gate"], upd["ikv"] = _compress_into_cache(
                 ix["compressor"], h, lc.ist_kv, lc.ist_gate, lc.ikv, k, inp, pos, ratio=ratio,
-                dim=cfg.index_head_dim, overlap=True, inv_freq=inv, norm_eps=cfg.norm_eps)
-            scores = index_scores(ix, h, cq, pages_read(upd["ikv"], k, pages), pos, cfg=cfg, ratio=ratio,
-                                  rope=table)
+                dim=cfg.index_head_dim, overlap=True, inv_freq=inv, norm_eps=cfg.norm_eps, codec=codecs.ikv,
+                rotate=codecs.packed)
+            scores = index_scores(ix, h, cq, codecs.ikv.unpack(pages_read(upd["ikv"], k, pages)), pos, cfg=cfg,
+                                  ratio=ratio, rope=table)
             top_idx, selected = topk_select(scores, cfg.index_topk)
-            cmask = cmask & selected
             if opts.collect:
                 aux.update(indexer_topk=top_idx, indexer_scores=scores)
+        if overlap and use_selected_rows(opts.attention, q.shape[1], cfg.index_topk, n_rows):
+            rows = codecs.ckv.unpack(pages_gather(upd["ckv"], k, pages, top_idx))
+            o = attend_selected(q, keys, wmask, rows, top_idx >= 0, p["attn_sink"])
+            return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), aux
+        ckv = codecs.ckv.unpack(pages_read(upd["ckv"], k, pages))
+        cmask = jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]  # [B,Q,T]
+        if overlap:
+            cmask = cmask & selected
     o = attend(q, keys, wmask, ckv, cmask, p["attn_sink"])
     return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), aux
 
@@ -211,9 +244,11 @@ def attention_v4(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, ctx: StepCo
 def attention_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, carry: Carry, ctx: StepContext, *,
                   cfg: ModelConfig, info: LayerInfo,
                   opts: LayerOptions) -> tuple[jax.Array, LayerCache, Carry, dict[str, jax.Array]]:
-    """V4.1 attention sublayer. A KV source compresses and pages its rows and publishes them (``carry["kv"]``,
-    ``carry["ik"]``); every compressed layer attends to the latest source's rows, masked by the latest index
-    source's top-k (``carry["selected"]``). Returns ``(out [B,Q,D], layer cache, carry, aux)``."""
+    """V4.1 attention sublayer. A KV source compresses and pages its rows and publishes them (``carry["kv"]`` as
+    stored, ``carry["ik"]`` decoded); every compressed layer attends to the latest source's rows selected by the
+    latest index source's top-k (``carry["selected"]`` mask, ``carry["selected_idx"]`` indices): all rows masked,
+    or only the selected rows gathered and decoded (``LayerOptions.attention``). Returns ``(out [B,Q,D], layer
+    cache, carry, aux)``."""
     inp, pos = ctx.inp, ctx.pos
     inv, table = ctx.ropes[info.ratio > 0]
     cq, q, kv = query_and_window_kv(p, h, cfg=cfg, rope=table)
@@ -238,14 +273,13 @@ def attention_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, carry: Car
             # the step attends to the pages it just wrote (earlier rows and this step's), decoded as stored
             stored = codecs.ckv.pack(kvc_pre if codecs.packed else kvc)
             upd["ckv"] = pages_write(lc.ckv, k, inp.pages, w, valid, stored)
-            carry["kv"] = codecs.ckv.unpack(pages_read(upd["ckv"], k, inp.pages))
+            carry["kv"] = pages_read(upd["ckv"], k, inp.pages)  # decoded by the consumers (all rows or top-k)
             if info.has_index_k:
                 stored = codecs.ik.pack(kidx_pre if codecs.packed else kidx)
                 upd["ik"] = pages_write(lc.ik, k, inp.pages, w, valid, stored)
                 carry["ik"] = codecs.ik.unpack(pages_read(upd["ik"], k, inp.pages))
-        ckv = carry["kv"]
+        stored = carry["kv"]
         visible = (pos + 1) // ratio
-        cmask = jnp.arange(ckv.shape[1]) < visible[..., None]
         if info.index_source:
             scores = index_scores(p["indexer"], h, cq, carry["ik"], pos, cfg=cfg, ratio=ratio, rope=table)
             if info.candidate_source:
@@ -255,10 +289,16 @@ def attention_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, carry: Car
                     aux["candidate_blocks"] = cand_ids
             elif info.uses_candidates:
                 scores = jnp.where(carry["candidates"], scores, NEG_INF)
-            top_idx, carry["selected"] = topk_select(scores, cfg.index_topk)
+            carry["selected_idx"], carry["selected"] = topk_select(scores, cfg.index_topk)
             if opts.collect:
-                aux.update(indexer_topk=top_idx, indexer_scores=scores)
-        cmask = cmask & carry["selected"]
+                aux.update(indexer_topk=carry["selected_idx"], indexer_scores=scores)
+        if use_selected_rows(opts.attention, q.shape[1], cfg.index_topk, stored.shape[1]):
+            idx = carry["selected_idx"]
+            o = attend_selected(q, keys, wmask, codecs.ckv.unpack(take_rows(stored, idx)), idx >= 0,
+                                p["attn_sink"])
+            return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), carry, aux
+        ckv = codecs.ckv.unpack(stored)
+        cmask = (jnp.arange(ckv.shape[1]) < visible[..., None]) & carry["selected"]
     o = attend(q, keys, wmask, ckv, cmask, p["attn_sink"])
     return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), carry, aux
 

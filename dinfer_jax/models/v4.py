@@ -50,6 +50,7 @@ class ForwardOptions:
     sharder: Sharder | None = None
     yoco: str = "off"  # V4.1 prefill truncation: "off" (exact), "mask", "compact"
     yoco_keep: int = 140  # rows kept from the first ratio-1 layer on; must cover window + backtracking
+    attention: str = "auto"  # compressed rows: "auto" / "sparse" (gather each query's top-k) / "dense" (mask all)
 
 
 class ForwardOutput(NamedTuple):
@@ -127,7 +128,8 @@ def forward(params: Mapping[str, Any], token_ids: jax.Array, *, cfg: ModelConfig
     inp = StepInput(tokens=token_ids.astype(jnp.int32), start=jnp.zeros((B,), jnp.int32), n=full,
                     slot=pages[:, 0], pages=pages, last=full - 1, image_embeds=image_embeds, image_mask=image_mask,
                     window_floor=jnp.full((B,), S - keep, jnp.int32) if truncate else None)
-    opts = LayerOptions(moe_impl=options.moe_impl, sharder=options.sharder, collect=options.collect)
+    opts = LayerOptions(moe_impl=options.moe_impl, sharder=options.sharder, collect=options.collect,
+                        attention=options.attention)
     embed_carry = None
     if options.collect:
         x = embed_tokens(params, inp.tokens, dt, image_embeds, image_mask)

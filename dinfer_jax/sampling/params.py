@@ -134,6 +134,11 @@ class SamplingTensors:
     Static (part of the jit cache key):
         num_top_logprobs: n of the top-n logprobs output (max requested over the rows, or the caller's bucket).
         use_filters: False when no row uses top-p / top-k / min-p, which lets ``sample`` skip the sorts.
+        all_greedy: True when every valid row is greedy, which lets ``sample`` skip the random draw.
+    Both flags are decided on the host, not with a ``lax.cond`` in the step: XLA's GPU runtime evaluates a
+    conditional whose branches it cannot capture (a sort, a loop) by copying the predicate to the host and waiting,
+    which blocks the dispatching thread until the device reaches it (measured on the H200:
+    ``scripts/probe_cond_sync.py``, docs/perf/serving_h200.md) and so defeats asynchronous scheduling.
     """
 
     temperature: jax.Array
@@ -147,6 +152,7 @@ class SamplingTensors:
     valid: jax.Array
     num_top_logprobs: int = field(default=0, metadata=dict(static=True))
     use_filters: bool = field(default=True, metadata=dict(static=True))
+    all_greedy: bool = field(default=False, metadata=dict(static=True))
 
     @property
     def num_rows(self) -> int:
@@ -162,6 +168,7 @@ class SamplingTensors:
         pad_to: int | None = None,
         num_top_logprobs: int | None = None,
         use_filters: bool | None = None,
+        all_greedy: bool | None = None,
     ) -> SamplingTensors:
         """Build the per-row tensors on the host.
 
@@ -174,6 +181,8 @@ class SamplingTensors:
             num_top_logprobs: static top-n size; default the max ``logprobs`` over the rows (0 if none).
             use_filters: static; default True iff some non-greedy row uses top-p < 1, top-k != -1 or min-p > 0.
                 Pass True to keep one compiled variant per bucket.
+            all_greedy: static; default True iff every row is greedy (no rows: True). Pass False to keep one
+                compiled variant.
         """
         n = len(params)
         if seeds is None:
@@ -213,6 +222,8 @@ class SamplingTensors:
             num_top_logprobs = max([p.logprobs or 0 for p in params], default=0)
         if use_filters is None:
             use_filters = bool(np.any((top_p < 1.0) | (top_k != -1) | (min_p > 0.0)))
+        if all_greedy is None:
+            all_greedy = bool(np.all(greedy[:n]))
         # host arrays: a jitted consumer transfers them with its other inputs in one dispatch (nine eager
         # device_puts per engine step cost ~1.5 ms of host time, measured with cProfile on this CPU)
         return cls(
@@ -227,6 +238,7 @@ class SamplingTensors:
             valid=valid,
             num_top_logprobs=int(num_top_logprobs),
             use_filters=bool(use_filters),
+            all_greedy=bool(all_greedy),
         )
 
 

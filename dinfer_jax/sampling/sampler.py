@@ -137,21 +137,13 @@ def processed_logprobs(
     inv_t = jnp.float32(1.0) / temperature
     x = x * inv_t[:, None]
     if use_filters:
-        def filtered(z: jax.Array) -> jax.Array:
-            keep = top_p_top_k_mask(z, top_p, top_k)
-            if min_p is not None:
-                keep = keep & min_p_mask(jnp.where(keep, z, -jnp.inf), min_p)
-            return keep
-
-        # The sorts cost more than the rest of sampling (two [N, V] sorts: ~2.8 ms of a 64-row decode step on the
-        # H200, docs/perf/serving_h200.md); when no row filters, every token is kept. Only the boolean mask comes
-        # out of the cond, so the arithmetic after it is the same graph whichever branch ran.
-        needed = jnp.any((top_p < 1.0) | (top_k >= 0))
+        keep = top_p_top_k_mask(x, top_p, top_k)
         if min_p is not None:
-            needed = needed | jnp.any(min_p > 0.0)
-        keep = lax.cond(needed, filtered, lambda z: jnp.ones(z.shape, bool), x)
+            keep = keep & min_p_mask(jnp.where(keep, x, -jnp.inf), min_p)
         x = jnp.where(keep, x, -jnp.inf)
-    return jax.nn.log_softmax(x, axis=-1)
+    # A logprob is ≤ 0; XLA:CPU's fused exp/log can leave the top token of a sharp row (temperature 1e-5) at
+    # +2e-8 (measured: 64 rows of logits / 1e-5), so the result is clamped to 0.
+    return jnp.minimum(jax.nn.log_softmax(x, axis=-1), 0.0)
 
 
 def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
@@ -191,9 +183,11 @@ def sample(
     if greedy_fast_path:
         raw = jnp.where(st.valid[:, None], logits.astype(jnp.float32), 0.0)
         argmax = jnp.argmax(_canonical_zero(raw), axis=-1).astype(jnp.int32)
-        # every row greedy or padding: the random draw would be overwritten, so it is skipped
-        drawn = lax.cond(jnp.all(st.greedy | ~st.valid), lambda p: jnp.zeros(p.shape[:1], jnp.int32),
-                         lambda p: random_sampling(p, seeds, st.position, method=method), jnp.exp(logprobs))
+        # every row greedy (decided on the host, SamplingTensors.all_greedy): the draw would be overwritten
+        if st.all_greedy:
+            drawn = jnp.zeros(logits.shape[:1], jnp.int32)
+        else:
+            drawn = random_sampling(jnp.exp(logprobs), seeds, st.position, method=method)
         tokens = jnp.where(st.greedy, argmax, drawn)
     else:
         tokens = random_sampling(jnp.exp(logprobs), seeds, st.position, method=method)

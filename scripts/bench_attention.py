@@ -1,0 +1,160 @@
+"""Decode attention over paged compressed rows at real dimensions: masking all rows vs gathering each query's top-k.
+
+``python scripts/bench_kernels.py attention [--contexts 4096 32768 131072] [--batches 1 64] [--out DIR]``
+
+One CSA-style decode step of DeepSeek-V4-Flash (64 heads, K = V latent 512, top-k 512, ratio 4, window 128, bf16
+rows) and of V4.1-Flash (the same shapes with ratio 2 and rows in DeepInfer's ``v41_fp4`` bytes, 288 B, decoded
+after the read), per context length and batch, timed on the device (CUPTI) for the pieces that differ between the
+two ways a query can read the compressed rows (``LayerOptions.attention``):
+
+* ``dense``: every page of the sequence read (``cache_io.pages_read``), decoded, and attended with the top-k as a
+  mask (``attention.attend``): O(context) per query;
+* ``sparse``: only the selected rows gathered through the page table (``cache_io.pages_gather``), decoded, and
+  attended (``attention.attend_selected``): O(top-k + window);
+* ``indexer``: the lightning indexer's scores over every compressed row (V4: fp32 index keys) and its top-k
+  (``attention.index_scores``, ``csa2.topk_select``): O(context) for both modes.
+
+Bytes per step (what a kernel must read at least): dense T·row + window; sparse k·row + window; indexer T·key.
+GB/s = those bytes over the device time, against the copy bandwidth measured in the same run. These are the XLA
+(``jnp``) paths the engine runs today; the Pallas kernels of issue 9 are to be measured against them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dinfer_jax.models import load_config  # noqa: E402
+from dinfer_jax.models.attention import RopeTable, attend, attend_selected, index_scores  # noqa: E402
+from dinfer_jax.models.cache_codec import RowCodec  # noqa: E402
+from dinfer_jax.models.cache_io import pages_gather, pages_read  # noqa: E402
+from dinfer_jax.models.csa2 import topk_select  # noqa: E402
+from dinfer_jax.models.ops import rope_cos_sin, rope_inv_freq  # noqa: E402
+
+BLOCK = 128  # tokens per page (DeepInfer's default)
+
+
+def _case(cfg, ratio: int, codec: RowCodec, B: int, context: int, key):
+    """Random pools, page tables (each sequence's pages contiguous, sequences interleaved), queries and a top-k."""
+    rpb = BLOCK // ratio
+    pages_per_seq = -(-context // BLOCK)
+    T = pages_per_seq * rpb
+    n_blocks = B * pages_per_seq + 1
+    ks = jax.random.split(key, 8)
+    d, H, W = cfg.head_dim, cfg.num_heads, cfg.sliding_window
+    rows = jax.random.normal(ks[0], (n_blocks * rpb, d), jnp.float32)
+    pool = codec.pack(rows.astype(jnp.bfloat16)).reshape(1, n_blocks, rpb, -1)
+    pages = (1 + jnp.arange(pages_per_seq)[None, :] * B + jnp.arange(B)[:, None]).astype(jnp.int32)
+    q = jax.random.normal(ks[1], (B, 1, H, d), jnp.bfloat16)
+    win = jax.random.normal(ks[2], (B, W, d), jnp.bfloat16)
+    wmask = jnp.ones((B, 1, W), bool)
+    sink = jax.random.normal(ks[3], (H,), jnp.float32)
+    visible = context // ratio
+    k, n = cfg.index_topk, min(cfg.index_topk, visible)       # fewer visible rows than k: −1 fill, as topk_select
+    idx = jnp.sort(jax.vmap(lambda kk: jax.random.choice(kk, visible, (n,), replace=False))(
+        jax.random.split(ks[4], B)), axis=-1).astype(jnp.int32)
+    idx = jnp.pad(idx, ((0, 0), (0, k - n)), constant_values=-1)[:, None, :]           # [B,1,k]
+    return dict(pool=pool, pages=pages, q=q, win=win, wmask=wmask, sink=sink, idx=idx, T=T, visible=visible)
+
+
+def _dense(codec: RowCodec, pool, pages, q, win, wmask, idx, sink, visible):
+    ckv = codec.unpack(pages_read(pool, jnp.int32(0), pages))
+    T = ckv.shape[1]
+    sel = jnp.zeros((idx.shape[0], 1, T), bool).at[jnp.arange(idx.shape[0])[:, None, None], 0, idx].set(True)
+    cmask = sel & (jnp.arange(T) < visible)
+    return attend(q, win, wmask, ckv, cmask, sink)
+
+
+def _sparse(codec: RowCodec, pool, pages, q, win, wmask, idx, sink):
+    rows = codec.unpack(pages_gather(pool, jnp.int32(0), pages, idx))
+    return attend_selected(q, win, wmask, rows, idx >= 0, sink)
+
+
+def _indexer_case(cfg, B: int, context: int, ratio: int, key):
+    rpb = BLOCK // ratio
+    pages_per_seq = -(-context // BLOCK)
+    n_blocks = B * pages_per_seq + 1
+    Hi, di = cfg.index_n_heads, cfg.index_head_dim
+    ks = jax.random.split(key, 6)
+    p = {"wq_b": jax.random.normal(ks[0], (Hi * di, cfg.q_lora_rank), jnp.bfloat16) * 0.02,
+         "weights_proj": jax.random.normal(ks[1], (Hi, cfg.hidden_size), jnp.bfloat16) * 0.02}
+    ikv = jax.random.normal(ks[2], (1, n_blocks, rpb, di), jnp.float32)
+    pages = (1 + jnp.arange(pages_per_seq)[None, :] * B + jnp.arange(B)[:, None]).astype(jnp.int32)
+    h = jax.random.normal(ks[3], (B, 1, cfg.hidden_size), jnp.bfloat16)
+    cq = jax.random.normal(ks[4], (B, 1, cfg.q_lora_rank), jnp.bfloat16)
+    pos = jnp.full((B, 1), context - 1, jnp.int32)
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.yarn))
+    return dict(p=p, ikv=ikv, pages=pages, h=h, cq=cq, pos=pos, cos=cos, sin=sin)
+
+
+def _indexer(cfg, ratio: int, p, ikv, pages, h, cq, pos, cos, sin):
+    keys = pages_read(ikv, jnp.int32(0), pages)
+    scores = index_scores(p, h, cq, keys, pos, cfg=cfg, ratio=ratio, rope=RopeTable(cos, sin))
+    return topk_select(scores, cfg.index_topk)[0]
+
+
+def bench_attention(args, device_times, copy_bw: float) -> list[dict]:
+    """Rows of the table: per model, batch and context, dense / sparse / indexer device ms and GB/s."""
+    rows = []
+    models = [("deepseek-v4-flash", 4, None), ("deepseek-v4.1-flash", 2, "v41_fp4")]
+    for name, ratio, fmt in models:
+        cfg = load_config(name)
+        codec = RowCodec(cfg.head_dim, jnp.bfloat16, fmt, reciprocal=False)
+        row_bytes = codec.stored[0] * codec.stored[1].itemsize
+        win_bytes = cfg.sliding_window * cfg.head_dim * 2
+        for B in args.batches:
+            for C in args.contexts:
+                c = _case(cfg, ratio, codec, B, C, jax.random.key(C + B))
+                dense = jax.jit(functools.partial(_dense, codec, visible=c["visible"]))
+                sparse = jax.jit(functools.partial(_sparse, codec))
+                a = (c["pool"], c["pages"], c["q"], c["win"], c["wmask"], c["idx"], c["sink"])
+                got = np.asarray(sparse(*a), np.float32)
+                want = np.asarray(dense(*a), np.float32)
+                err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+                t_dense, _ = device_times(dense, *a)
+                t_sparse, _ = device_times(sparse, *a)
+                del c
+                ic = _indexer_case(cfg, B, C, ratio, jax.random.key(7))
+                ix = jax.jit(functools.partial(_indexer, cfg, ratio))
+                t_ix, _ = device_times(ix, ic["p"], ic["ikv"], ic["pages"], ic["h"], ic["cq"], ic["pos"],
+                                       ic["cos"], ic["sin"])
+                T = -(-C // BLOCK) * (BLOCK // ratio)
+                b_dense = B * (T * row_bytes + win_bytes)
+                b_sparse = B * (cfg.index_topk * row_bytes + win_bytes)
+                b_ix = B * T * cfg.index_head_dim * 4
+                row = dict(model=name, batch=B, context=C, rows=T, row_bytes=row_bytes, dense_ms=t_dense,
+                           sparse_ms=t_sparse, indexer_ms=t_ix, max_rel_err=err,
+                           dense_GBps=b_dense / t_dense / 1e6, sparse_GBps=b_sparse / t_sparse / 1e6,
+                           indexer_GBps=b_ix / t_ix / 1e6, copy_GBps=copy_bw / 1e9)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del ic
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | batch | context | compressed rows | dense ms | sparse ms | dense / sparse | sparse GB/s "
+            "(% copy) | indexer ms | indexer GB/s (% copy) | max rel. err |\n|---|---:|---:|---:|---:|---:|---:|"
+            "---:|---:|---:|---:|")
+    lines = [head]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['rows']} | {r['dense_ms']:.3f} | "
+                     f"{r['sparse_ms']:.3f} | {r['dense_ms'] / r['sparse_ms']:.1f}× | {r['sparse_GBps']:.0f} "
+                     f"({100 * r['sparse_GBps'] / r['copy_GBps']:.0f}%) | {r['indexer_ms']:.3f} | "
+                     f"{r['indexer_GBps']:.0f} ({100 * r['indexer_GBps'] / r['copy_GBps']:.0f}%) | "
+                     f"{r['max_rel_err']:.1e} |")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
