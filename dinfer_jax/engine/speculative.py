@@ -81,9 +81,9 @@ def _mtp_layer(params: Any, cache: LayerCache, streams: jax.Array, next_ids: jax
 def _sample_rows(logits: jax.Array, samp: Any, positions: jax.Array, *, tag: str, **verify: Any):
     """fused_sample over ``[N, V]`` rows with the per-row sampling tensors ``samp`` (already ``[N]``); greedy rows
     take the argmax (as the non-speculative sampler does), and a greedy verify row accepts iff draft == argmax.
-    Returns ``(tokens [N], accept [N] or None, processed logprobs [N, V])``. When every row is greedy
-    (``samp.all_greedy``, decided on the host: see :class:`~dinfer_jax.sampling.SamplingTensors`) the random draws
-    are skipped: their results would all be overwritten."""
+    Returns ``(tokens [N], accept [N] or None, processed logprobs [N, V])``. When every row is greedy or padding the
+    random draws are skipped (their results would all be overwritten): statically when ``samp.all_greedy``, else
+    under a ``lax.cond``."""
     argmax = jnp.argmax(_canonical_zero(logits.astype(jnp.float32)), axis=-1).astype(jnp.int32)
 
     def drawn(lg: jax.Array):
@@ -97,7 +97,10 @@ def _sample_rows(logits: jax.Array, samp: Any, positions: jax.Array, *, tag: str
                                 samp.top_p, samp.top_k, use_filters=False)
         return argmax, (jnp.ones(argmax.shape, bool) if verify else None), lp
 
-    tokens, accept, lp = greedy_only(logits) if samp.all_greedy else drawn(logits)
+    if samp.all_greedy:
+        tokens, accept, lp = greedy_only(logits)
+    else:  # the speculative step fixes all_greedy=False (one program per bucket): decide on the device
+        tokens, accept, lp = jax.lax.cond(jnp.all(samp.greedy | ~samp.valid), greedy_only, drawn, logits)
     tokens = jnp.where(samp.greedy, argmax, tokens)
     if accept is not None:
         acc_greedy = jnp.where(verify["is_verify"], verify["draft_token_ids"] == argmax, True)

@@ -137,9 +137,20 @@ def processed_logprobs(
     inv_t = jnp.float32(1.0) / temperature
     x = x * inv_t[:, None]
     if use_filters:
-        keep = top_p_top_k_mask(x, top_p, top_k)
+        def filtered(z: jax.Array) -> jax.Array:
+            keep = top_p_top_k_mask(z, top_p, top_k)
+            if min_p is not None:
+                keep = keep & min_p_mask(jnp.where(keep, z, -jnp.inf), min_p)
+            return keep
+
+        # Callers that fix use_filters=True for every step (the speculative and DP steps) still skip the two
+        # vocabulary sorts when no row filters. The engine's plain step decides use_filters on the host instead, so
+        # this conditional (a host sync on GPUs, see SamplingTensors) always takes the filter branch there, in a
+        # variant that already syncs for its random draw.
+        needed = jnp.any((top_p < 1.0) | (top_k >= 0))
         if min_p is not None:
-            keep = keep & min_p_mask(jnp.where(keep, x, -jnp.inf), min_p)
+            needed = needed | jnp.any(min_p > 0.0)
+        keep = lax.cond(needed, filtered, lambda z: jnp.ones(z.shape, bool), x)
         x = jnp.where(keep, x, -jnp.inf)
     # A logprob is ≤ 0; XLA:CPU's fused exp/log can leave the top token of a sharp row (temperature 1e-5) at
     # +2e-8 (measured: 64 rows of logits / 1e-5), so the result is clamped to 0.
@@ -183,11 +194,13 @@ def sample(
     if greedy_fast_path:
         raw = jnp.where(st.valid[:, None], logits.astype(jnp.float32), 0.0)
         argmax = jnp.argmax(_canonical_zero(raw), axis=-1).astype(jnp.int32)
-        # every row greedy (decided on the host, SamplingTensors.all_greedy): the draw would be overwritten
+        # every row greedy: the draw would be overwritten. Known on the host (SamplingTensors.all_greedy): no draw
+        # at all; otherwise (callers that fix all_greedy=False) skipped on the device when it turns out so.
         if st.all_greedy:
             drawn = jnp.zeros(logits.shape[:1], jnp.int32)
         else:
-            drawn = random_sampling(jnp.exp(logprobs), seeds, st.position, method=method)
+            drawn = lax.cond(jnp.all(st.greedy | ~st.valid), lambda p: jnp.zeros(p.shape[:1], jnp.int32),
+                             lambda p: random_sampling(p, seeds, st.position, method=method), jnp.exp(logprobs))
         tokens = jnp.where(st.greedy, argmax, drawn)
     else:
         tokens = random_sampling(jnp.exp(logprobs), seeds, st.position, method=method)
