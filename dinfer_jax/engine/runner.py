@@ -160,11 +160,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ dispatch
     def _sampling(self, params: list[Any], seeds: list[int], positions: list[int], b: int) -> SamplingTensors:
-        # The plain step's sampler variant follows the rows (filters, all greedy); the speculative step samples
-        # inside its own program, so it keeps one variant per bucket.
-        fixed = self.spec is not None
+        # The plain step's sampler variant follows the rows (SAMPLER_VARIANTS); the speculative step samples inside
+        # its own program, so it keeps one variant per bucket.
+        greedy = self.spec is None and all(p.greedy for p in params)
         return SamplingTensors.from_params(params, seeds, positions, pad_to=b, num_top_logprobs=self.max_logprobs,
-                                           use_filters=True if fixed else None, all_greedy=False if fixed else None)
+                                           use_filters=not greedy, all_greedy=greedy)
 
     def dispatch(self, step: ScheduledStep, params: list[Any], seeds: list[int]) -> StepOutput:
         """Build the padded inputs of ``step`` (``params``/``seeds``: one per row) and launch it asynchronously.
@@ -361,8 +361,9 @@ _STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "max_rows", "attention")
 _FORWARD_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "ep_manual", "cp_manual", "copies_manual", "attention")
 _STEP = jax.jit(_device_forward, static_argnames=_FORWARD_STATIC, donate_argnums=(1,))
 _SAMPLE = jax.jit(_device_sample, static_argnames=("max_rows",))
-# the sampler variants every warm-up compiles: (use_filters, all_greedy)
-SAMPLER_VARIANTS = ((False, True), (False, False), (True, False))
+# the sampler variants every warm-up compiles, (use_filters, all_greedy): all rows greedy (argmax only), or some row
+# draws (filters on, skipped on the device when no row filters: that variant syncs with the host for its draw anyway)
+SAMPLER_VARIANTS = ((False, True), (True, False))
 _STEP_SPEC = jax.jit(_device_step_spec, static_argnames=_STATIC + ("k", "decode", "method"), donate_argnums=(1, 2))
 
 
