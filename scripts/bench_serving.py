@@ -113,7 +113,7 @@ def run_one(preset: str, layers: int, args, bw: float) -> dict:
     out = llm.generate([long_prompt], greedy, use_tqdm=False)
     prefill_s = time.perf_counter() - t0
     prompts = [rng.integers(10, cfg.vocab_size - 10, args.prompt_len).tolist() for _ in range(args.batch)]
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)
     m0 = llm.metrics()
     prof = None
@@ -136,7 +136,7 @@ def run_one(preset: str, layers: int, args, bw: float) -> dict:
     dtoks = m1["decode_tokens"] - m0["decode_tokens"]
     # decode time ≈ total minus the prefill steps, which we time separately as one batched prefill
     t0 = time.perf_counter()
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=1, ignore_eos=True), use_tqdm=False)
     short_prefill_s = time.perf_counter() - t0
     decode_s = max(gen_s - short_prefill_s, 1e-9)
     step_ms = 1e3 * decode_s / max(dsteps, 1)
@@ -184,6 +184,8 @@ def main() -> None:
                     help="KV pool GiB; 0 = planned from device memory (LLM's memory_utilization)")
     ap.add_argument("--lean-buckets", action="store_true",
                     help="compile only decode batch --batch and prefill [1, --prefill-tokens] (times the minimum)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="decode sampling temperature (0 = greedy; > 0 runs the sampler's draw variant)")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile the timed decode run and print the host functions by own time")
     ap.add_argument("--breakdown", action="store_true",
