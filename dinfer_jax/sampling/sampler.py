@@ -143,10 +143,9 @@ def processed_logprobs(
                 keep = keep & min_p_mask(jnp.where(keep, z, -jnp.inf), min_p)
             return keep
 
-        # Callers that fix use_filters=True for every step (the speculative and DP steps) still skip the two
-        # vocabulary sorts when no row filters. The engine's plain step decides use_filters on the host instead, so
-        # this conditional (a host sync on GPUs, see SamplingTensors) always takes the filter branch there, in a
-        # variant that already syncs for its random draw.
+        # Skip the two vocabulary sorts when no row filters. This conditional is a host sync on GPUs (see
+        # SamplingTensors); the engine's plain step has it only in its draw variant (use_filters=True when some row
+        # samples), which syncs for its random draw anyway, and none in its all-greedy variant.
         needed = jnp.any((top_p < 1.0) | (top_k >= 0))
         if min_p is not None:
             needed = needed | jnp.any(min_p > 0.0)
