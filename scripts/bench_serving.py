@@ -98,7 +98,7 @@ def run_one(preset: str, layers: int, args, bw: float) -> dict:
     llm = LLM(model, dtype="bfloat16", max_num_seqs=args.batch, max_model_len=args.prefill_tokens + 64,
               max_num_batched_tokens=args.prefill_tokens,
               kv_cache_memory_bytes=(args.kv_gib << 30) if args.kv_gib > 0 else None,
-              progress=False, buckets=buckets)
+              progress=False, buckets=buckets, compile_threads=args.compile_threads)
     warm = llm.metrics()["warmup_seconds"]
     compiled_in_warmup = llm.metrics()["compilations"]
     plan = llm.memory_plan
@@ -190,6 +190,8 @@ def main() -> None:
                     help="cProfile the timed decode run and print the host functions by own time")
     ap.add_argument("--breakdown", action="store_true",
                     help="also list the device time of one decode step by kernel (CUPTI)")
+    ap.add_argument("--compile-threads", type=int, default=None,
+                    help="threads compiling the buckets at warm-up (LLM compile_threads; default: the cores)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cache = tempfile.mkdtemp(prefix="dinfer_jax_cold_cache_")

@@ -186,6 +186,9 @@ class LLM:
         async_scheduling: keep one step in flight (default, zero overhead); False = synchronous.
         enable_chunked_prefill / preemption_mode: scheduler policies (``"stop"`` or ``"recompute"``).
         warmup: compile every shape bucket at start, so serving triggers no compilation.
+        compile_threads: threads compiling the buckets at warm-up (default: the host's cores, or
+            ``DINFER_JAX_COMPILE_THREADS``; 1 = one after another). The attention-DP engines compile one after
+            another.
         buckets: compiled shapes (:class:`~dinfer_jax.engine.buckets.Buckets`); default from ``max_num_seqs``,
             ``max_num_batched_tokens`` and, for page tables, ``max_model_len`` (a few geometric page counts, so a
             step's cost follows its batch's context, not ``max_model_len``).
@@ -220,7 +223,8 @@ class LLM:
                  num_kv_blocks: int | None = None, progress: bool = True, dp_size: int = 1, cp_size: int = 1,
                  ep_size: int = 1, speculative: str | None = None,
                  num_speculative_tokens: int = 5, memory_utilization: float = 0.9,
-                 device_memory_bytes: int | None = None, attention: str = "auto", kv_cache_dtype: str = "auto"):
+                 device_memory_bytes: int | None = None, attention: str = "auto", kv_cache_dtype: str = "auto",
+                 compile_threads: int | None = None):
         _enable_compilation_cache()
         if attention not in ("auto", "sparse", "dense"):
             raise ValueError(f"attention must be 'auto', 'sparse' or 'dense', got {attention!r}")
@@ -290,7 +294,8 @@ class LLM:
         self._seed_rng = np.random.default_rng(seed)
         self._next_id = 0
         if warmup:
-            self._metrics.warmup_seconds = self.runner.warmup(progress=progress)
+            threads = {} if isinstance(self.runner, DPModelRunner) else {"compile_threads": compile_threads}
+            self._metrics.warmup_seconds = self.runner.warmup(progress=progress, **threads)
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],

@@ -48,7 +48,8 @@ def _engram_rows_device(hist_all: jax.Array, inp: StepInput, cfg: ModelConfig,
 def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, cfg: ModelConfig, dtype: str,
                moe_impl: str = "auto", engram_fn: Callable[[jax.Array], jax.Array] | None = None,
                cmap: jax.Array | None = None, ep_manual: int = 0, cp_manual: int = 0,
-               copies_manual: int = 1, return_carry: bool = False, attention: str = "auto") -> tuple[Any, ...]:
+               copies_manual: int = 1, return_carry: bool = False, attention: str = "auto",
+               attention_impl: str = "auto") -> tuple[Any, ...]:
     """Run the model on one step's rows.
 
     params: ``"layers"`` stacked (:func:`stack_params`) for serving, or in checkpoint layout (stacked per call).
@@ -58,7 +59,8 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
     over the mesh (:mod:`dinfer_jax.engine.dp_runner`), 0 otherwise; ``cp_manual`` likewise the CP group size
     (prefill MoE rows split over the CP ranks by the mirrored rule), ``copies_manual`` the copies of each DP
     engine (:class:`~dinfer_jax.models.layers.LayerOptions`).
-    ``attention``: how queries read the compressed rows (:class:`~dinfer_jax.models.layers.LayerOptions`).
+    ``attention`` / ``attention_impl``: how queries read the compressed rows, and what attends to the gathered ones
+    (:class:`~dinfer_jax.models.layers.LayerOptions`).
     ``return_carry`` (speculative decoding) adds the backbone's final carry (``streams [B,Q,n,D]`` at every query
     position, and V4.1's ``dspark_features``) as a third output.
     """
@@ -68,7 +70,7 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
         cache = dataclasses.replace(cache, ngram_hist=hist)
         engram = engram_fn(rows).astype(jnp.dtype(dtype))  # [n_engram, B, Q, E_in]
     opts = LayerOptions(moe_impl=moe_impl, ep_manual=ep_manual, cp_manual=cp_manual,
-                        copies_manual=copies_manual, attention=attention)
+                        copies_manual=copies_manual, attention=attention, attention_impl=attention_impl)
     carry, cache, aux = run_backbone(params, cache, inp, cfg=cfg, dtype=dtype, opts=opts, engram=engram)
     last = {k: jnp.take_along_axis(v, inp.last.reshape((-1,) + (1,) * (v.ndim - 1)), axis=1)
             for k, v in carry.items() if k in ("streams", "premix")}  # [B,1,...]

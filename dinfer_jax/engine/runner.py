@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax.engine.buckets import Buckets, pages_needed
+from dinfer_jax.engine.compile_pool import compile_all, default_compile_threads
 from dinfer_jax.engine.kv_cache import CacheConfig, init_cache
 from dinfer_jax.engine.model_step import _engram_rows_device, model_step
 from dinfer_jax.engine.scheduler import ScheduledStep
@@ -100,32 +101,58 @@ class ModelRunner:
         self._prev_step_id: int | None = None
 
     # ------------------------------------------------------------------ compile
-    def warmup(self, progress: bool = False) -> float:
-        """Compile every bucket by running an all-padding batch (writes nothing). Returns seconds spent.
-        ``progress`` draws a bar over the buckets."""
+    def warmup(self, progress: bool = False, compile_threads: int | None = None) -> float:
+        """Compile every bucket, then run each once on an all-padding batch (writes nothing). Returns seconds
+        spent. The programs are compiled ahead of time on ``compile_threads`` threads (default
+        :func:`default_compile_threads`; 1 compiles each bucket by running it, one after another), so the runs
+        find them in jax's compilation cache. ``progress`` draws a bar over the programs."""
         t0 = time.perf_counter()
         shapes = list(self.buckets.shapes())
-        with PhaseProgress("compile buckets", len(shapes), enabled=progress) as bar:
-            n_decode = len(self.buckets.decode_batch) * len(self.buckets.pages)  # shapes() lists decode first
+        n_decode = len(self.buckets.decode_batch) * len(self.buckets.pages)  # shapes() lists decode first
+        samplers = [] if self.spec is not None else [  # the speculative step samples inside its own program
+            (b, *variant) for b in sorted({b for b, _, _ in shapes}) for variant in SAMPLER_VARIANTS]
+        threads = default_compile_threads() if compile_threads is None else compile_threads
+        with PhaseProgress("compile buckets", len(shapes) + len(samplers), enabled=progress) as bar:
+            if threads > 1:
+                jobs = [functools.partial(self._lower_step, shape, idx < n_decode) for idx, shape in enumerate(shapes)]
+                jobs += [functools.partial(self._lower_sampler, *s) for s in samplers]
+                compile_all([lambda j=j: j().compile() for j in jobs], threads, on_done=bar.advance)
             for idx, (b, q, p) in enumerate(shapes):
                 if self.spec is not None:
                     inp, feed = self._empty_inputs(b, q, p)
-                    decode = idx < n_decode
-                    toks = self._call_spec(inp, feed, self._sampling([], [], [], b), (b, q, p), decode,
+                    toks = self._call_spec(inp, feed, self._sampling([], [], [], b), (b, q, p), idx < n_decode,
                                            *self._spec_extra(b))[0]
                 else:
                     toks, _, self.cache = self._call(*self._empty_inputs(b, q, p), self._sampling([], [], [], b),
                                                      (b, q, p))
                 toks.block_until_ready()
-                bar.advance()
-        if self.spec is None:  # the speculative step samples inside its own program (one variant)
-            for b in sorted({b for b, _, _ in shapes}):
-                logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
-                for use_filters, all_greedy in SAMPLER_VARIANTS:
-                    samp = SamplingTensors.from_params([], [], [], pad_to=b, num_top_logprobs=self.max_logprobs,
-                                                       use_filters=use_filters, all_greedy=all_greedy)
-                    self._sample(logits, samp)[0].block_until_ready()
+                if threads <= 1:
+                    bar.advance()
+            for b, use_filters, all_greedy in samplers:
+                self._sample(*self._sampler_args(b, use_filters, all_greedy))[0].block_until_ready()
+                if threads <= 1:
+                    bar.advance()
         return time.perf_counter() - t0
+
+    def _lower_step(self, shape: tuple[int, int, int], decode: bool) -> Any:
+        """The lowered model program of bucket ``shape`` (as :meth:`_call` / :meth:`_call_spec` will run it)."""
+        b, q, p = shape
+        inp, feed = self._empty_inputs(b, q, p)
+        if self.spec is not None:
+            return _STEP_SPEC.lower(self.params, self.cache, self.spec, StepInput(**inp), InFlight(**feed),
+                                    self._prev_tokens, self._sampling([], [], [], b), self._cmap,
+                                    *self._spec_extra(b), k=self.k, method=self.speculative, decode=decode,
+                                    **self._static)
+        return _STEP.lower(self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens,
+                           self._cmap, **self._forward_static)
+
+    def _sampler_args(self, b: int, use_filters: bool, all_greedy: bool) -> tuple[jax.Array, SamplingTensors]:
+        logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
+        return logits, SamplingTensors.from_params([], [], [], pad_to=b, num_top_logprobs=self.max_logprobs,
+                                                   use_filters=use_filters, all_greedy=all_greedy)
+
+    def _lower_sampler(self, b: int, use_filters: bool, all_greedy: bool) -> Any:
+        return _SAMPLE.lower(*self._sampler_args(b, use_filters, all_greedy), max_rows=self.max_rows)
 
     def _call(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: SamplingTensors,
               shape: tuple[int, int, int]):

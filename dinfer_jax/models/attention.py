@@ -105,19 +105,76 @@ def attend(q: jax.Array, kv: jax.Array, win_mask: jax.Array, ckv: jax.Array | No
     return matmul("bhst,btd->bshd", probs.astype(dt), v).astype(dt)
 
 
+ATTENTION_IMPLS = ("auto", "jnp", "pallas")
+
+
+def selected_kernel_unsupported(q: jax.Array) -> str | None:
+    """Why the Mosaic GPU decode kernel (``pallas_kernels.attention``) cannot run :func:`attend_selected` for
+    queries ``q [B,S,H,d]`` (None when it can): it needs a GPU, bf16, heads in blocks of 64 and a width that splits
+    into two halves of at most 256 columns in 64-wide tiles."""
+    if jax.default_backend() != "gpu":
+        return f"backend is {jax.default_backend()!r}, the kernel needs a GPU"
+    if q.dtype != jnp.bfloat16:
+        return f"queries are {q.dtype}, the kernel computes in bfloat16"
+    H, d = q.shape[-2:]
+    if H % 64:
+        return f"{H} heads are not a multiple of 64"
+    if d % 128 or d > 512:
+        return f"head width {d} is not a multiple of 128 up to 512"
+    return None
+
+
+def selected_attention_impl(requested: str, q: jax.Array) -> str:
+    """``"jnp"`` or ``"pallas"`` for :func:`attend_selected`: ``"auto"`` takes the kernel where it can run and the
+    step has few queries per row (decode; the kernel's rows are per query, so a long prefill chunk would copy the
+    window once per query); ``"pallas"`` raises where it cannot."""
+    if requested not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {requested!r}")
+    why = selected_kernel_unsupported(q)
+    if requested == "pallas" and why is not None:
+        raise ValueError(f"attention_impl='pallas' cannot run here: {why}")
+    if requested == "auto":
+        return "pallas" if why is None and q.shape[1] <= 8 else "jnp"
+    return requested
+
+
+def _attend_selected_pallas(q: jax.Array, kv: jax.Array, wm: jax.Array, rows: jax.Array, row_mask: jax.Array,
+                            sink: jax.Array) -> jax.Array:
+    """:func:`attend_selected` through the Mosaic GPU kernel: each query's window and selected rows laid out as
+    one row set ``[B·S, Sw+K (padded to 64), d]`` (masked rows zeroed: the kernel needs finite rows)."""
+    from pallas_kernels.attention.decode_sm90 import sparse_decode_attention
+
+    B, S, H, d = q.shape
+    Sw, K = kv.shape[1], rows.shape[2]
+    keys = jnp.concatenate([jnp.broadcast_to(kv[:, None], (B, S, Sw, d)), rows.astype(q.dtype)], axis=2)
+    valid = jnp.concatenate([jnp.broadcast_to(wm, (B, S, Sw)), row_mask], axis=2)
+    pad = (-(Sw + K)) % 64
+    keys = jnp.pad(keys, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    valid = jnp.pad(valid, ((0, 0), (0, 0), (0, pad)))
+    keys = jnp.where(valid[..., None], keys, jnp.zeros((), q.dtype))
+    L = Sw + K + pad
+    o = sparse_decode_attention(q.reshape(B * S, H, d), keys.reshape(B * S, L, d), valid.reshape(B * S, L),
+                                sink.astype(F32), scale=d ** -0.5)
+    return o.reshape(B, S, H, d)
+
+
 def attend_selected(q: jax.Array, kv: jax.Array, win_mask: jax.Array, rows: jax.Array, row_mask: jax.Array,
-                    sink: jax.Array) -> jax.Array:
+                    sink: jax.Array, impl: str = "jnp") -> jax.Array:
     """:func:`attend` with each query's own compressed rows instead of a mask over all of them (sparse attention).
 
     q ``[B,S,H,d]``; kv ``[B,Sw,d]`` window rows with ``win_mask`` ``[S,Sw]`` (or ``[B,S,Sw]``); rows ``[B,S,K,d]``
     the compressed rows query ``s`` selected (its top-k, gathered) with ``row_mask`` ``[B,S,K]`` (False: no entry);
     sink ``[H]``. Returns o ``[B,S,H,d]`` (q's dtype). The same function of the same visible set as
     :func:`attend` (masked entries add nothing there), computed over ``K`` instead of all ``T`` compressed rows.
+    ``impl``: ``"jnp"`` (XLA) or ``"pallas"`` (the Mosaic GPU decode kernel; :func:`selected_attention_impl`
+    picks one); the two differ by bf16 rounding only.
     """
     B, S, H, d = q.shape
     dt = q.dtype
     scale = d ** -0.5
     wm = win_mask if win_mask.ndim == 3 else win_mask[None]
+    if impl == "pallas":
+        return _attend_selected_pallas(q, kv, wm, rows, row_mask, sink)
     rows = rows.astype(dt)
     w_logits = jnp.where(wm[:, None], matmul("bshd,btd->bhst", q, kv) * scale, -jnp.inf)
     c_logits = jnp.where(row_mask[:, None], matmul("bshd,bskd->bhsk", q, rows) * scale, -jnp.inf)

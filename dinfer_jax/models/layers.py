@@ -28,6 +28,7 @@ from dinfer_jax.models.attention import (
     index_scores,
     output_projection,
     query_and_window_kv,
+    selected_attention_impl,
     use_selected_rows,
 )
 from dinfer_jax.models.cache_codec import RowCodec, cache_codecs
@@ -72,6 +73,9 @@ class LayerOptions:
     # compressed rows a query attends: "auto" gathers its top-k rows when that reads less than masking all of them
     # (decode at long context), "sparse" / "dense" force one way (attention.use_selected_rows)
     attention: str = "auto"
+    # how the gathered rows are attended: "auto" (the Mosaic GPU decode kernel where it runs, else XLA), "jnp",
+    # "pallas" (attention.selected_attention_impl)
+    attention_impl: str = "auto"
 
 
 class StepContext(NamedTuple):
@@ -231,7 +235,8 @@ def attention_v4(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, ctx: StepCo
                 aux.update(indexer_topk=top_idx, indexer_scores=scores)
         if overlap and use_selected_rows(opts.attention, q.shape[1], cfg.index_topk, n_rows):
             rows = codecs.ckv.unpack(pages_gather(upd["ckv"], k, pages, top_idx))
-            o = attend_selected(q, keys, wmask, rows, top_idx >= 0, p["attn_sink"])
+            o = attend_selected(q, keys, wmask, rows, top_idx >= 0, p["attn_sink"],
+                                impl=selected_attention_impl(opts.attention_impl, q))
             return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), aux
         ckv = codecs.ckv.unpack(pages_read(upd["ckv"], k, pages))
         cmask = jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]  # [B,Q,T]
@@ -295,7 +300,7 @@ def attention_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, carry: Car
         if use_selected_rows(opts.attention, q.shape[1], cfg.index_topk, stored.shape[1]):
             idx = carry["selected_idx"]
             o = attend_selected(q, keys, wmask, codecs.ckv.unpack(take_rows(stored, idx)), idx >= 0,
-                                p["attn_sink"])
+                                p["attn_sink"], impl=selected_attention_impl(opts.attention_impl, q))
             return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), carry, aux
         ckv = codecs.ckv.unpack(stored)
         cmask = (jnp.arange(ckv.shape[1]) < visible[..., None]) & carry["selected"]

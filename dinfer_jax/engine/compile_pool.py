@@ -1,0 +1,54 @@
+"""Ahead-of-time compilation of many programs at once (the engine's warm-up).
+
+Every shape bucket is its own XLA program, and compiling a real-dimension step takes tens of seconds, almost all
+of it inside XLA's backend compiler, which runs without Python's global lock. So the warm-up lowers and compiles
+the buckets from a pool of threads (``jit(...).lower(...).compile()``) and only then runs each bucket once: that
+call finds its executable in jax's in-process compilation cache, so the run costs a trace and a launch, and it
+puts the bucket on jit's dispatch fast path as before. Tracing and lowering still hold the lock (a few seconds per
+program); the backend compiles overlap.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Any
+
+__all__ = ["compile_all", "default_compile_threads"]
+
+
+def default_compile_threads() -> int:
+    """Threads for parallel compilation: ``DINFER_JAX_COMPILE_THREADS`` if set, else the host's cores (XLA's GPU
+    compiler also threads inside one compile, but one program's passes are mostly sequential)."""
+    env = os.environ.get("DINFER_JAX_COMPILE_THREADS", "").strip()
+    if env:
+        n = int(env)
+        if n < 1:
+            raise ValueError(f"DINFER_JAX_COMPILE_THREADS must be >= 1, got {n}")
+        return n
+    return max(1, os.cpu_count() or 1)
+
+
+def compile_all(jobs: Sequence[Callable[[], Any]], threads: int, on_done: Callable[[], None] | None = None) -> None:
+    """Run ``jobs`` (each lowers and compiles one program, e.g. ``lambda: f.lower(*args).compile()``) on up to
+    ``threads`` threads; ``on_done`` is called once per finished job (progress). The first job's exception is
+    raised after the others have finished (a compile error names its program)."""
+    if threads < 1:
+        raise ValueError(f"compile threads must be >= 1, got {threads}")
+    if threads == 1 or len(jobs) <= 1:
+        for job in jobs:
+            job()
+            if on_done is not None:
+                on_done()
+        return
+    errors: list[BaseException] = []
+    with ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="compile") as pool:
+        for fut in as_completed([pool.submit(job) for job in jobs]):
+            exc = fut.exception()
+            if exc is not None:
+                errors.append(exc)
+            if on_done is not None:
+                on_done()
+    if errors:
+        raise errors[0]

@@ -1,0 +1,350 @@
+"""Decode attention over gathered rows for Hopper (Mosaic GPU): DeepSeek-V4 MQA with a shared latent K = V.
+
+Contract (the same as :func:`pallas_kernels.attention.reference.sparse_decode_attention_ref`)::
+
+    sparse_decode_attention(q, kv, valid, sink, *, scale) -> o
+    q     [N, H, d]  bf16   H a multiple of 64; d a multiple of 64 · v_split with d / v_split ≤ 256 (d = 512 real)
+    kv    [N, L, d]  bf16   L a multiple of block_kv (the rows query n attends over; value rows = key rows)
+    valid [N, L]     bool   False: padding / outside the window, contributes exactly 0 (its kv row must still be
+                            finite: the masked probability is 0, and 0 · NaN is NaN in the P·V product)
+    sink  [H]        fp32   per-head logit in the softmax denominator only (must be finite)
+    o     [N, H, d]  bf16
+    s[n,h,l] = scale · <q[n,h], kv[n,l]>  (bf16 products, fp32 accumulation)
+    p = softmax over {s[n,h,l] : valid l} ∪ {sink[h]};  o[n,h] = Σ_l p[n,h,l] · kv[n,l]
+    P is rounded to bf16 before the P·V product (fp32 accumulation); o is rounded to bf16. A query with no valid row
+    gets o = 0 (all its mass is on the sink).
+
+Organisation (one kernel launch, no combine step):
+
+* Grid ``(v_split, H / 64, N)``, one CTA per (column split of d, block of 64 heads, query token). The split is the
+  fastest grid axis, so the CTAs that read the same token's rows run side by side and the second read of a KV
+  tile hits L2. At the real size (N = 64, H = 64, d = 512, v_split = 2) that is 128 CTAs for the H200's 132 SMs.
+* Why the split of d: the fp32 output accumulator of 64 heads × 512 columns is 256 registers per thread in one
+  warpgroup (more than a thread has); 64 × 256 is 128. Every CTA computes the full ``S = Q Kᵀ`` (contraction over
+  all d) and ``P·V`` for its ``d / v_split`` columns only, so the QK product is done ``v_split`` times (the price of
+  not exchanging P between CTAs).
+* Two warpgroups (``num_threads=2``), organised as jax's ``attention_mgpu.py`` forward kernel (manual TMA +
+  mbarriers, Lane semantics) with one compute warpgroup instead of two: warpgroup 0 computes (online softmax in
+  fp32 registers), warpgroup 1 only issues TMA copies; ``set_max_registers`` gives them 256 / 40 registers per
+  thread, the split jax's warp-specialised pipeline uses for one compute warpgroup. One compute warpgroup holds all
+  64 heads (the WGMMA M = 64).
+* Shared memory: d is stored as ``v_split`` column chunks of ``dh = d / v_split`` so that every WGMMA operand is a
+  whole ``[rows, dh]`` buffer (128-byte swizzle, (8, 64) tiles, as jax's attention kernel), never a column slice of
+  a swizzled tile. Q: ``[v_split, 64, dh]`` bf16 (64 KiB at d = 512), loaded once; it is reused for the output tile
+  once the last QK product has been read. KV: ``[stages, v_split, block_kv, dh]`` bf16 (64 KiB per stage at d = 512,
+  block_kv = 64) plus the stage's additive mask row ``[stages, block_kv]`` fp32. At d = 512 two stages fit (192 KiB
+  + 0.8 KiB of the 227 KiB per CTA); three would not (256 KiB).
+* Per KV step: ``S = Σ_c Q_c · K_cᵀ`` (``v_split`` WGMMAs into one fp32 accumulator, K read through a transposed
+  shared-memory view); ``S · scale · log2(e) + bias`` with ``bias`` = 0 / −inf from ``valid`` (prepared by the
+  wrapper as fp32 ``[N, L]``, copied per step with the KV tile, broadcast over the heads in the WGMMA column
+  layout); online softmax in base 2; ``P`` cast to bf16 and used as the WGMMA A operand from registers against
+  ``V`` = this CTA's column chunk of the same KV tile; then the stage is released to the producer.
+* The sink: each head's running max starts at ``sink[h]`` (in base 2) and its running sum at 1 (= exp(sink − sink)),
+  with a zero accumulator; masked logits are −inf, so a row with no valid entry keeps the sink's max, adds
+  exp2(−inf) = 0 and ends with ``o = 0 / 1 = 0``.
+* Pipeline: the producer issues ``stages`` tiles up front, then waits on the stage's "consumed" barrier before each
+  refill; the compute warpgroup waits on the stage's "loaded" barrier (``v_split`` KV copies + 1 mask copy arrive on
+  it) and arrives on "consumed" only for steps whose stage is refilled (no barrier phase is left unobserved). There
+  is no QK/softmax/PV overlap inside a CTA (one compute warpgroup); at decode sizes the launch is short (10 KV steps
+  at L = 640) and the copies of the next stage overlap the current step's compute.
+
+GPU-only assumptions (not checked by lowering on CPU; see tests/test_decode_attention_gpu.py):
+
+* the 128-byte swizzled ``[block_kv, dh]`` tile read transposed as the WGMMA B operand with ``dh`` up to 256 and
+  ``d / dh`` WGMMAs accumulating into one accumulator (jax's attention kernel reads K the same way for head_dim ≤ 256);
+* the fp32 mask row loaded from shared memory in the WGMMA column layout (``Layout.WGMMA.reduce(0)``) and broadcast
+  over rows (jax's attention backward kernel does this with its LSE rows);
+* ``exp2`` with ``approx_math`` maps −inf to +0 (PTX ``ex2.approx.ftz.f32`` does);
+* a TMA copy of a ``[64, dh]`` slice of ``q``/``o`` (row stride ``d``) and of ``block_kv`` fp32 mask entries;
+* ``setmaxnreg`` 256 (increase) / 40 (decrease) with 256 threads per CTA (as jax's warp-specialised pipeline with
+  one compute warpgroup);
+* register pressure of the compute warpgroup: accumulator 128 + S 32 + P 32 + bf16 P 16 + mask 16 registers per
+  thread, below 256 (a spill would be slow, not wrong).
+
+Checked on CPU (tests/test_decode_attention_cpu.py): lowering for CUDA under jax 0.10.2 and 0.11.2 (Mosaic's own
+shared-memory check included), and, under jax 0.11.2, the whole kernel in the Mosaic GPU interpreter with the
+register-operand WGMMA and ``pl.run_state`` replaced by shared-memory equivalents. On the H200 (jax 0.11.2,
+2026-12-01): tests/test_decode_attention_gpu.py passed (21 cases), and :func:`benchmark` at the real size
+(N = 64, H = 64, d = 512, L = 640, CUPTI) gave 22.7 µs against 231 µs for the jitted ``jnp`` reference: 2.23 TB/s
+of :func:`traffic`'s bytes, 237 TFLOP/s useful (355 executed). One query alone takes 16.9 µs: the ten KV steps
+of a CTA run one after another (QK, softmax, PV, no overlap), so that is the latency a later version should cut
+(software-pipelined QK of the next block, or a split of L across CTAs for small N).
+
+Imports of Mosaic GPU are lazy so that CPU-only machines can import this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.attention.reference import check_shapes, sparse_decode_attention_ref
+
+HEADS_PER_CTA = 64            # the WGMMA M of one warpgroup
+MAX_DH = 256                  # fp32 accumulator columns per thread budget: 64 × 256 / 128 threads = 128 registers
+SMEM_BYTES = 232448           # H100/H200 dynamic shared memory per CTA
+SMEM_RESERVE = 4096           # barriers and 1 KiB alignment of the swizzled buffers (measured: 3.6 KiB)
+# One compute and one memory warpgroup: jax's warp-specialised pipeline gives a lone compute warpgroup
+# min(256, 512 − 40) = 256 registers (pipeline._compute_registers; attention_mgpu.py's backward kernels run so with
+# compute_wgs_bwd=1). 232 (its forward kernel's figure) is for two compute warpgroups; with 256 threads the
+# register count at entry may already exceed 232, and setmaxnreg.inc must not lower it.
+COMPUTE_REGISTERS = 256
+MEMORY_REGISTERS = 40
+LOG2E = math.log2(math.e)
+
+
+def smem_bytes(d: int, block_kv: int, stages: int) -> int:
+    """Shared memory one CTA allocates: Q (reused for O), ``stages`` KV tiles with their mask rows, the sink."""
+    return HEADS_PER_CTA * d * 2 + stages * (block_kv * d * 2 + block_kv * 4) + HEADS_PER_CTA * 4
+
+
+def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v_split: int) -> int:
+    """Validates the static configuration; returns the pipeline depth actually used (≤ the number of KV steps)."""
+    if h % HEADS_PER_CTA:
+        raise ValueError(f"number of heads H={h} must be a multiple of {HEADS_PER_CTA}")
+    if v_split < 1 or d % (64 * v_split):
+        raise ValueError(f"head width d={d} must be a multiple of 64 · v_split = {64 * v_split}")
+    if d // v_split > MAX_DH:
+        raise ValueError(f"d / v_split = {d // v_split} > {MAX_DH}: the fp32 accumulator would not fit in registers "
+                         f"(use v_split ≥ {-(-d // MAX_DH)})")
+    if block_kv % 64 or block_kv <= 0:
+        raise ValueError(f"block_kv={block_kv} must be a positive multiple of 64")
+    if rows == 0 or rows % block_kv:
+        raise ValueError(f"number of rows L={rows} must be a positive multiple of block_kv={block_kv}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages={num_stages} must be at least 1")
+    stages = min(num_stages, rows // block_kv)
+    need = smem_bytes(d, block_kv, stages)
+    if need + SMEM_RESERVE > SMEM_BYTES:
+        raise ValueError(f"shared memory {need} B (d={d}, block_kv={block_kv}, stages={stages}) exceeds "
+                         f"{SMEM_BYTES - SMEM_RESERVE} B per CTA; lower num_stages or block_kv")
+    return stages
+
+
+def _load_vector(plgpu, ref, layout):
+    """``plgpu.load`` of a whole 1-D shared-memory ref in ``layout``: jax 0.10.2 requires the index argument
+    (``()``), jax ≥ 0.11 deprecates it (the ref is indexed with ``.at`` instead)."""
+    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+def _decode_attention_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
+                           block_kv: int, stages: int) -> jax.Array:
+    """The Mosaic GPU kernel on the split layouts.
+
+    Args:
+      q4: ``bf16 [N, H, v_split, dh]`` (q with d split into ``v_split`` chunks; a free reshape).
+      kv4: ``bf16 [N, L, v_split, dh]``.
+      bias: ``fp32 [N, L]``, 0 for a valid row and −inf otherwise.
+      sink: ``fp32 [H]``.
+    Returns:
+      ``bf16 [N, H, v_split, dh]``.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n, h, v_split, dh = q4.shape
+    rows = kv4.shape[1]
+    kv_steps = rows // block_kv
+    hb = HEADS_PER_CTA
+    qk_scale = float(scale) * LOG2E   # logits in base 2: exp(x) = exp2(x · log2 e)
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def body(q_ref, kv_ref, bias_ref, sink_ref, o_ref, q_smem, kv_smem, bias_smem, sink_smem, setup_barrier,
+             loaded_barriers, consumed_barriers):
+        split = lax.axis_index("split")
+        h0 = lax.axis_index("head_block") * hb
+        tok = lax.axis_index("token")
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 0)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            for c in range(v_split):
+                plgpu.copy_gmem_to_smem(q_ref.at[tok, pl.ds(h0, hb), c], q_smem.at[c], setup_barrier)
+            plgpu.copy_gmem_to_smem(sink_ref.at[pl.ds(h0, hb)], sink_smem, setup_barrier)
+            plgpu.barrier_wait(setup_barrier)
+
+            row_layout = plgpu.Layout.WGMMA.reduce(1)   # one value per head (accumulator row)
+            m_i = _load_vector(plgpu, sink_smem, row_layout) * LOG2E
+            l_i = plgpu.layout_cast(jnp.full((hb,), 1.0, jnp.float32), row_layout)
+            acc = plgpu.layout_cast(jnp.full((hb, dh), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def kv_step(step, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(step, jnp.array(stages, step.dtype))
+                plgpu.barrier_wait(loaded_barriers.at[slot])
+
+                def compute_qk(acc_ref):
+                    for c in range(v_split):
+                        plgpu.wgmma(acc_ref, q_smem.at[c], kv_smem.at[slot, c].transpose((1, 0)))
+                    return acc_ref[...]
+
+                qk = pl.run_scoped(compute_qk, plgpu.ACC((hb, block_kv), jnp.float32))
+                bias = _load_vector(plgpu, bias_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))   # one per KV column
+                s = qk * qk_scale + lax.broadcast_in_dim(bias, qk.shape, [1])
+                m_new = jnp.maximum(m_i, s.max(axis=1))      # ≥ sink: finite, so masked rows give exp2(−inf) = 0
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(jnp.bfloat16)
+
+                def compute_pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, split])
+
+                acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))   # reading it waits for the WGMMA
+
+                @pl.when(step + stages < kv_steps)   # only stages the producer refills: no phase left unobserved
+                def _release():
+                    plgpu.barrier_arrive(consumed_barriers.at[slot])
+
+                return acc, m_new, l_i
+
+            acc, m_i, l_i = lax.fori_loop(0, kv_steps, kv_step, (acc, m_i, l_i))
+            acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+            o_smem = q_smem.at[0]           # every QK product has been read: Q's buffer is free
+            o_smem[...] = acc.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[tok, pl.ds(h0, hb), split])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 1)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+            def issue(step, slot):
+                kv_rows = pl.ds(step * block_kv, block_kv)
+                for c in range(v_split):
+                    plgpu.copy_gmem_to_smem(kv_ref.at[tok, kv_rows, c], kv_smem.at[slot, c], loaded_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(bias_ref.at[tok, kv_rows], bias_smem.at[slot], loaded_barriers.at[slot])
+
+            for i in range(stages):
+                issue(i, i)
+
+            @pl.loop(0, kv_steps - stages)
+            def _refill(step):
+                slot = lax.rem(step, jnp.array(stages, step.dtype))
+                plgpu.barrier_wait(consumed_barriers.at[slot])
+                issue(step + stages, slot)
+
+    body.__name__ = f"sparse_decode_attention_d{v_split * dh}_bkv{block_kv}"
+    scratch = [
+        plgpu.SMEM((v_split, hb, dh), jnp.bfloat16, transforms=tiled),
+        plgpu.SMEM((stages, v_split, block_kv, dh), jnp.bfloat16, transforms=tiled),
+        plgpu.SMEM((stages, block_kv), jnp.float32),
+        plgpu.SMEM((hb,), jnp.float32),
+        plgpu.Barrier(num_arrivals=v_split + 1),
+        plgpu.Barrier(num_arrivals=v_split + 1, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+    ]
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(q4.shape, jnp.bfloat16),
+        scratch_types=scratch,
+        grid=(v_split, h // hb, n),
+        grid_names=("split", "head_block", "token"),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+    return kernel(q4, kv4, bias, sink)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "v_split"))
+def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink: jax.Array, *, scale: float,
+                            block_kv: int = 64, num_stages: int = 2, v_split: int = 2) -> jax.Array:
+    """Decode attention over each query's gathered rows on Hopper (organisation: module docstring).
+
+    ``s = scale · q[n,h]·kv[n,l]`` (fp32); ``p = softmax({s : valid} ∪ {sink[h]})`` without the sink's entry;
+    ``o[n,h] = bf16(Σ_l bf16(p) · kv[n,l])`` (fp32 accumulation); 0 for a query with no valid row.
+
+    Args:
+      q: ``bf16 [N, H, d]``; H a multiple of 64, d a multiple of ``64 · v_split`` with ``d / v_split ≤ 256``.
+      kv: ``bf16 [N, L, d]``, the key rows and the value rows; L a multiple of ``block_kv``; every row finite
+        (padding too).
+      valid: ``bool [N, L]``; False rows contribute exactly 0.
+      sink: ``fp32 [H]`` (finite).
+      scale: logit scale (static).
+      block_kv: KV rows per pipeline step (multiple of 64).
+      num_stages: TMA pipeline depth (capped at the number of KV steps; shared memory permitting).
+      v_split: CTAs per (token, head block), each producing ``d / v_split`` output columns.
+    Returns:
+      ``o bf16 [N, H, d]``.
+    """
+    n, h, d, rows = check_shapes(q, kv, valid, sink)
+    if q.dtype != jnp.bfloat16 or kv.dtype != jnp.bfloat16:
+        raise ValueError(f"q and kv must be bf16, got {q.dtype} and {kv.dtype}")
+    stages = check_config(h, d, rows, block_kv=block_kv, num_stages=num_stages, v_split=v_split)
+    dh = d // v_split
+    bias = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
+    out = _decode_attention_call(q.reshape(n, h, v_split, dh), kv.reshape(n, rows, v_split, dh), bias,
+                                 sink.astype(jnp.float32), scale=scale, block_kv=block_kv, stages=stages)
+    return out.reshape(n, h, d)
+
+
+def traffic(n: int, h: int, d: int, rows: int, *, v_split: int = 2) -> dict[str, float]:
+    """Work of one call, for achieved-rate figures.
+
+    ``bytes_read``: the minimum HBM reads — kv ``N·L·d·2`` + q ``N·H·d·2`` + mask ``N·L·4`` + sink ``H·4`` (each KV
+    tile is read by ``v_split`` CTAs; the repeats are meant to hit L2). ``bytes``: reads + the output ``N·H·d·2``.
+    ``flops_useful``: the contract's products, ``2·N·H·L·d`` (QK) + ``2·N·H·L·d`` (PV) = ``4·N·H·L·d``.
+    ``flops_executed``: what the tensor cores run, the QK product once per split:
+    ``2·N·H·L·d·v_split + 2·N·H·L·d`` (``6·N·H·L·d`` = 1.5 × useful at v_split = 2).
+    """
+    qk = 2 * n * h * rows * d
+    read = n * rows * d * 2 + n * h * d * 2 + n * rows * 4 + h * 4
+    return dict(bytes_read=float(read), bytes=float(read + n * h * d * 2), flops_useful=float(2 * qk),
+                flops_executed=float(qk * v_split + qk))
+
+
+def benchmark(n: int = 64, h: int = 64, d: int = 512, rows: int = 640, *, iterations: int = 50, seed: int = 0,
+              cupti: bool = True, **kernel_kw) -> dict[str, float]:
+    """Kernel vs the jitted reference on the default device at one shape (default: the real decode size).
+
+    Returns the median times (ms; device time per call from CUPTI via ``jax.experimental.mosaic.gpu.profiler`` when
+    ``cupti``, as scripts/bench_kernels.py's ``device_times``, else wall clock), the kernel's max error relative to
+    the reference's scale, :func:`traffic`'s counts and the kernel's achieved GB/s and TFLOP/s. 90% of rows valid,
+    random sink.
+    """
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (n, h, d), jnp.bfloat16)
+    kv = jax.random.normal(ks[1], (n, rows, d), jnp.bfloat16)
+    valid = jax.random.uniform(ks[2], (n, rows)) < 0.9
+    sink = jax.random.normal(ks[3], (h,), jnp.float32)
+    args = (q, kv, valid, sink)
+    scale = d ** -0.5
+    kernel = functools.partial(sparse_decode_attention, scale=scale, **kernel_kw)
+    ref = jax.jit(functools.partial(sparse_decode_attention_ref, scale=scale))
+
+    def median_ms(f) -> float:
+        jax.block_until_ready(f(*args))
+        if cupti:
+            from jax.experimental.mosaic.gpu import profiler
+
+            _, per_iter = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
+            return statistics.median([sum(t for _, t in it) for it in per_iter])
+        times = []
+        for _ in range(iterations):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    got = kernel(*args).astype(jnp.float32)
+    want = ref(*args).astype(jnp.float32)
+    err = float(jnp.abs(got - want).max() / jnp.maximum(jnp.abs(want).max(), 1e-30))
+    t_kernel, t_ref = median_ms(kernel), median_ms(ref)
+    work = traffic(n, h, d, rows, v_split=kernel_kw.get("v_split", 2))
+    return dict(kernel_ms=t_kernel, reference_ms=t_ref, max_rel_err=err, **work,
+                kernel_GBps=work["bytes"] / t_kernel / 1e6,
+                kernel_TFLOPs_useful=work["flops_useful"] / t_kernel / 1e9,
+                kernel_TFLOPs_executed=work["flops_executed"] / t_kernel / 1e9)

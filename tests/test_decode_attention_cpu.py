@@ -1,0 +1,239 @@
+"""Decode attention (``pallas_kernels.attention``) on CPU: the ``jnp`` reference against an independent float64
+NumPy computation of the contract, the wrapper's shape checks, and the Mosaic GPU kernel lowering for CUDA.
+
+Whether the compiled kernel computes the right thing is the GPU test (tests/test_decode_attention_gpu.py, marked
+``gpu``). On CPU, under jax ≥ 0.11, ``test_kernel_in_mosaic_gpu_interpreter`` runs the kernel's orchestration (TMA
+slices, barriers and stage reuse, mask, sink, online softmax, column splits, output placement) in Pallas's Mosaic GPU
+interpreter. The interpreter runs neither a WGMMA with its A operand in registers nor ``pl.run_state`` over an
+initialised accumulator (jax 0.11.2), so that test stages P through shared memory and initialises the accumulator
+with a WGMMA against an identity matrix (trace-time shims, see ``_interpreter_shims``); the register-operand WGMMA
+itself is checked on the GPU only.
+
+Tolerance of the reference against exact arithmetic. Per output element ``o[n,h,c]`` let
+``A[n,h,c] = Σ_l p[n,h,l] · |kv[n,l,c]|`` (exact probabilities); bf16's unit roundoff is ``u = 2^-8``. The contract
+rounds each probability to bf16 (relative error ≤ u, so ≤ u · A in the sum) and the output to bf16
+(≤ u · |o| ≤ u · A); logits, softmax and sums in fp32 add ≲ 10^-6 · A. So ``|ref − exact| ≤ 2^-7 · A`` plus fp32
+noise (allowed: 2^-20 · max A).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+
+from pallas_kernels.attention.decode_sm90 import check_config, smem_bytes, sparse_decode_attention, traffic
+from pallas_kernels.attention.reference import sparse_decode_attention_ref
+
+
+def exact_contract(q, kv, valid, sink, scale: float, *, round_probs: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The contract in float64 NumPy, one query at a time: ``(o, A)`` with ``A = Σ_l p · |kv|`` (the error scale).
+    ``round_probs`` rounds the probabilities to bf16 (from float64, once) as the contract says; else exact."""
+    q, kv, sink = (np.asarray(x, np.float64) for x in (q, kv, sink))
+    valid = np.asarray(valid)
+    n, h, d = q.shape
+    o = np.zeros((n, h, d))
+    a = np.zeros((n, h, d))
+    for i in range(n):
+        rows = kv[i][valid[i]]                                   # [Lv, d]
+        logits = scale * q[i] @ rows.T                           # [H, Lv]
+        m = np.maximum(logits.max(axis=1, initial=-np.inf), sink)
+        e = np.exp(logits - m[:, None])
+        p = e / (e.sum(axis=1) + np.exp(sink - m))[:, None]
+        a[i] = p @ np.abs(rows)
+        if round_probs:
+            p = p.astype(ml_dtypes.bfloat16).astype(np.float64)
+        o[i] = p @ rows
+    return o, a
+
+
+def _inputs(n: int, h: int, d: int, rows: int, seed: int):
+    """Random bf16 queries and rows, ~70% valid rows, query 0 with no valid row, head 1 with a huge sink, and
+    padding rows (invalid) filled with large finite values that must contribute exactly 0."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n, h, d)).astype(ml_dtypes.bfloat16)
+    kv = rng.standard_normal((n, rows, d)).astype(ml_dtypes.bfloat16)
+    valid = rng.random((n, rows)) < 0.7
+    valid[0] = False
+    valid[1, rows // 2:] = False                                 # a window-like prefix
+    kv[~valid] = ml_dtypes.bfloat16(3e4)                         # padding: huge, finite, masked
+    sink = rng.standard_normal(h).astype(np.float32)
+    sink[1] = 1e4                                                # all of head 1's mass on the sink
+    return q, kv, valid, sink
+
+
+@pytest.mark.parametrize("n,h,d,rows", [(5, 8, 64, 48), (3, 64, 128, 128)])
+def test_reference_matches_float64_contract(n, h, d, rows):
+    q, kv, valid, sink = _inputs(n, h, d, rows, seed=n * 7 + d)
+    scale = d ** -0.5
+    got = np.asarray(sparse_decode_attention_ref(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(valid),
+                                                 jnp.asarray(sink), scale=scale), np.float64)
+    assert got.dtype == np.float64 and np.isfinite(got).all()
+    want, a = exact_contract(q, kv, valid, sink, scale)
+    assert (got[0] == 0).all()                                   # no valid row: exactly 0
+    assert (got[:, 1] == 0).all()                                # huge sink: exp(s − 1e4) = 0 in fp32
+    err = np.abs(got - want)
+    bound = 2.0 ** -7 * a + 2.0 ** -20 * a.max()
+    assert (err <= bound).all(), float((err / bound).max())
+    assert err.mean() <= 2.0 ** -9 * a.mean()     # rounding errors are not all at their bound (GPU test: why)
+
+
+def test_reference_rounds_probabilities_to_bf16():
+    """One valid row per query, fp32 inputs and output (no output rounding): ``o = bf16(p) · kv_row`` exactly, with
+    ``p = 1 / (1 + e^(sink − s))`` chosen far from a bf16 rounding boundary, which differs from ``p · kv_row`` by
+    ~10^-3 relative. Distinguishes a reference that skips the rounding."""
+    h, d, rows = 4, 16, 8
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, h, d)).astype(np.float32)
+    kv = rng.standard_normal((1, rows, d)).astype(np.float32)
+    valid = np.zeros((1, rows), bool)
+    valid[0, 3] = True
+    s = (q[0] @ kv[0, 3]).astype(np.float64)
+    sink = (s + np.log(2.0)).astype(np.float32)                  # p = 1/3 per head (bf16(1/3) = 0.333984375)
+    got = np.asarray(sparse_decode_attention_ref(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(valid),
+                                                 jnp.asarray(sink), scale=1.0), np.float64)
+    want, _ = exact_contract(q, kv, valid, sink, 1.0, round_probs=True)
+    unrounded, _ = exact_contract(q, kv, valid, sink, 1.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+    assert (np.abs(got - unrounded) > 1e-3 * np.abs(unrounded)).all()
+
+
+def test_wrapper_rejects_bad_shapes():
+    s = jax.ShapeDtypeStruct
+    ok = dict(q=s((2, 64, 512), jnp.bfloat16), kv=s((2, 128, 512), jnp.bfloat16), valid=s((2, 128), jnp.bool_),
+              sink=s((64,), jnp.float32))
+
+    def trace(**over):
+        args = {**ok, **over}
+        jax.jit(lambda q, kv, valid, sink: sparse_decode_attention(q, kv, valid, sink, scale=0.1)).trace(**args)
+
+    trace()
+    with pytest.raises(ValueError, match="multiple of 64"):
+        trace(q=s((2, 32, 512), jnp.bfloat16), sink=s((32,), jnp.float32))
+    with pytest.raises(ValueError, match="block_kv"):
+        trace(kv=s((2, 100, 512), jnp.bfloat16), valid=s((2, 100), jnp.bool_))
+    with pytest.raises(ValueError, match="valid must be"):
+        trace(valid=s((2, 64), jnp.bool_))
+    with pytest.raises(ValueError, match="bf16"):
+        trace(q=s((2, 64, 512), jnp.float32))
+    with pytest.raises(ValueError, match="accumulator"):
+        check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=1)
+    with pytest.raises(ValueError, match="shared memory"):
+        check_config(64, 512, 640, block_kv=64, num_stages=3, v_split=2)
+    assert check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2) == 2
+    assert check_config(64, 512, 64, block_kv=64, num_stages=2, v_split=2) == 1   # capped at the KV steps
+    assert smem_bytes(512, 64, 2) == 197376
+
+
+def test_traffic_counts():
+    t = traffic(64, 64, 512, 640)
+    assert t["bytes_read"] == 64 * 640 * 512 * 2 + 64 * 64 * 512 * 2 + 64 * 640 * 4 + 64 * 4
+    assert t["bytes"] == t["bytes_read"] + 64 * 64 * 512 * 2
+    assert t["flops_useful"] == 4 * 64 * 64 * 640 * 512
+    assert t["flops_executed"] == 6 * 64 * 64 * 640 * 512
+
+
+@pytest.mark.parametrize("n,h,d,rows,kw", [
+    (64, 64, 512, 640, {}),                                        # the real decode size
+    (1, 128, 512, 64, {}),                                         # two head blocks, one KV step
+    (4, 64, 256, 256, dict(v_split=1, num_stages=3)),
+    (4, 64, 512, 256, dict(v_split=4)),
+])
+def test_kernel_lowers_for_cuda(n, h, d, rows, kw):
+    """The Mosaic GPU kernel lowers for CUDA on this CPU-only machine (jax 0.10.2 and 0.11.2): the Pallas →
+    Mosaic GPU lowering (layouts, WGMMA operand shapes, TMA slices, barriers) runs; PTX compilation does not."""
+    s = jax.ShapeDtypeStruct
+
+    def f(q, kv, valid, sink):
+        return sparse_decode_attention(q, kv, valid, sink, scale=d ** -0.5, **kw)
+
+    traced = jax.jit(f).trace(s((n, h, d), jnp.bfloat16), s((n, rows, d), jnp.bfloat16), s((n, rows), jnp.bool_),
+                              s((h,), jnp.float32))
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _interpreter_shims(monkeypatch) -> None:
+    """Trace-time stand-ins for what jax 0.11.2's Mosaic GPU interpreter lacks (see the module docstring): every
+    ``plgpu.kernel`` gets three extra shared-memory buffers; a WGMMA A operand in registers is stored into the first
+    and read from there; ``pl.run_state(f)(ACC.init(x))`` becomes a fresh accumulator, ``acc += x · I`` (x staged in
+    the second, the identity in the third), then ``f``. Exact in the interpreter (its WGMMA is a NumPy matmul)."""
+    from jax._src.state.types import AbstractRef, TransformedRef
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    real_wgmma, real_kernel, width = plgpu.wgmma, plgpu.kernel, 512
+    stash: dict = {}
+
+    def kernel(body, *, scratch_types, **kw):
+        extra = [plgpu.SMEM((64, width), jnp.bfloat16), plgpu.SMEM((64, width), jnp.float32),
+                 plgpu.SMEM((width, width), jnp.float32)]
+
+        def wrapped(*refs):
+            stash["p"], stash["x"], stash["eye"] = refs[-3:]
+            body(*refs[:-3])
+
+        return real_kernel(wrapped, scratch_types=[*scratch_types, *extra], **kw)
+
+    def wgmma(acc, a, b, **kw):
+        if not (isinstance(a, TransformedRef) or isinstance(getattr(a, "aval", None), AbstractRef)):
+            staged = stash["p"].at[:, pl.ds(0, a.shape[1])]
+            staged[...] = a
+            a = staged
+        real_wgmma(acc, a, b, **kw)
+
+    def run_state(f):
+        def run(init):
+            x = init._init
+            m, k = x.shape
+            x_ref, eye = stash["x"].at[:, pl.ds(0, k)], stash["eye"].at[pl.ds(0, k), pl.ds(0, k)]
+            x_ref[...] = x
+            eye[...] = (lax.broadcasted_iota(jnp.int32, (k, k), 0) == lax.broadcasted_iota(jnp.int32, (k, k), 1)
+                        ).astype(jnp.float32)
+
+            def scope(acc_ref):
+                real_wgmma(acc_ref, x_ref, eye)
+                f(acc_ref)
+                return acc_ref[...]
+
+            return pl.run_scoped(scope, plgpu.ACC((m, k), jnp.float32))
+
+        return run
+
+    monkeypatch.setattr(plgpu, "wgmma", wgmma)
+    monkeypatch.setattr(plgpu, "kernel", kernel)
+    monkeypatch.setattr(pl, "run_state", run_state)
+
+
+@pytest.mark.parametrize("n,h,d,rows,kw", [
+    (2, 64, 128, 256, {}),                                         # 4 KV steps through 2 stages
+    (3, 128, 256, 192, dict(v_split=4, num_stages=3)),             # two head blocks, 4 column chunks, no refill
+    (2, 64, 512, 640, {}),                                         # the real head width and row count
+])
+def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
+    """The kernel (with the shims above) in the Mosaic GPU interpreter against the exact contract, with the GPU
+    test's tolerances (tests/test_decode_attention_gpu.py says why): ``|kernel − exact| ≤ 2^-7 · A + 2^-14 · max A``
+    and ``mean |kernel − exact| ≤ 2^-9 · mean A``; exact zeros for the query with no valid row and the head whose
+    sink dominates."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if not hasattr(plgpu, "force_gpu_interpret_mode"):
+        pytest.skip(f"jax {jax.__version__}: no plgpu.force_gpu_interpret_mode (the Mosaic GPU interpreter API this "
+                    "test drives arrived with jax 0.11)")
+    _interpreter_shims(monkeypatch)
+    q, kv, valid, sink = _inputs(n, h, d, rows, seed=d + rows)
+    scale = d ** -0.5
+    args = tuple(jnp.asarray(x) for x in (q, kv, valid, sink))
+    kernel = jax.jit(functools.partial(sparse_decode_attention.__wrapped__, scale=scale, **kw))  # own jit cache
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        got = np.asarray(kernel(*args), np.float64)
+    assert (got[0] == 0).all() and (got[:, 1] == 0).all()
+    want, a = exact_contract(q, kv, valid, sink, scale)
+    err = np.abs(got - want)
+    bound = 2.0 ** -7 * a + 2.0 ** -14 * a.max()
+    assert (err <= bound).all(), float((err / bound).max())
+    assert err.mean() <= 2.0 ** -9 * a.mean()
