@@ -11,12 +11,13 @@ two ways a query can read the compressed rows (``LayerOptions.attention``):
   mask (``attention.attend``): O(context) per query;
 * ``sparse``: only the selected rows gathered through the page table (``cache_io.pages_gather``), decoded, and
   attended (``attention.attend_selected``): O(top-k + window);
+* ``gather + kernel`` (on a GPU): the same gather and decode, then the Mosaic GPU decode kernel
+  (``attend_selected(impl="pallas")``, ``pallas_kernels/attention``) — the model's GPU path;
 * ``indexer``: the lightning indexer's scores over every compressed row (V4: fp32 index keys) and its top-k
   (``attention.index_scores``, ``csa2.topk_select``): O(context) for both modes.
 
 Bytes per step (what a kernel must read at least): dense T·row + window; sparse k·row + window; indexer T·key.
-GB/s = those bytes over the device time, against the copy bandwidth measured in the same run. These are the XLA
-(``jnp``) paths the engine runs today; the Pallas kernels of issue 9 are to be measured against them.
+GB/s = those bytes over the device time, against the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -34,13 +35,25 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dinfer_jax.models import load_config  # noqa: E402
-from dinfer_jax.models.attention import RopeTable, attend, attend_selected, index_scores  # noqa: E402
+from dinfer_jax.models.attention import (  # noqa: E402
+    RopeTable,
+    attend,
+    attend_selected,
+    index_scores,
+    selected_kernel_unsupported,
+)
 from dinfer_jax.models.cache_codec import RowCodec  # noqa: E402
 from dinfer_jax.models.cache_io import pages_gather, pages_read  # noqa: E402
 from dinfer_jax.models.csa2 import topk_select  # noqa: E402
 from dinfer_jax.models.ops import rope_cos_sin, rope_inv_freq  # noqa: E402
 
 BLOCK = 128  # tokens per page (DeepInfer's default)
+
+
+def _interleaved_pages(B: int, pages_per_seq: int) -> jax.Array:
+    """Page tables ``[B, pages_per_seq]`` int32: sequence b's i-th page is pool page ``1 + i·B + b`` (the sequences'
+    pages interleaved in the pool, page 0 left as the null page)."""
+    return (1 + jnp.arange(pages_per_seq)[None, :] * B + jnp.arange(B)[:, None]).astype(jnp.int32)
 
 
 def _case(cfg, ratio: int, codec: RowCodec, B: int, context: int, key):
@@ -53,7 +66,7 @@ def _case(cfg, ratio: int, codec: RowCodec, B: int, context: int, key):
     d, H, W = cfg.head_dim, cfg.num_heads, cfg.sliding_window
     rows = jax.random.normal(ks[0], (n_blocks * rpb, d), jnp.float32)
     pool = codec.pack(rows.astype(jnp.bfloat16)).reshape(1, n_blocks, rpb, -1)
-    pages = (1 + jnp.arange(pages_per_seq)[None, :] * B + jnp.arange(B)[:, None]).astype(jnp.int32)
+    pages = _interleaved_pages(B, pages_per_seq)
     q = jax.random.normal(ks[1], (B, 1, H, d), jnp.bfloat16)
     win = jax.random.normal(ks[2], (B, W, d), jnp.bfloat16)
     wmask = jnp.ones((B, 1, W), bool)
@@ -74,9 +87,9 @@ def _dense(codec: RowCodec, pool, pages, q, win, wmask, idx, sink, visible):
     return attend(q, win, wmask, ckv, cmask, sink)
 
 
-def _sparse(codec: RowCodec, pool, pages, q, win, wmask, idx, sink):
+def _sparse(codec: RowCodec, pool, pages, q, win, wmask, idx, sink, impl: str = "jnp"):
     rows = codec.unpack(pages_gather(pool, jnp.int32(0), pages, idx))
-    return attend_selected(q, win, wmask, rows, idx >= 0, sink)
+    return attend_selected(q, win, wmask, rows, idx >= 0, sink, impl=impl)
 
 
 def _indexer_case(cfg, B: int, context: int, ratio: int, key):
@@ -88,7 +101,7 @@ def _indexer_case(cfg, B: int, context: int, ratio: int, key):
     p = {"wq_b": jax.random.normal(ks[0], (Hi * di, cfg.q_lora_rank), jnp.bfloat16) * 0.02,
          "weights_proj": jax.random.normal(ks[1], (Hi, cfg.hidden_size), jnp.bfloat16) * 0.02}
     ikv = jax.random.normal(ks[2], (1, n_blocks, rpb, di), jnp.float32)
-    pages = (1 + jnp.arange(pages_per_seq)[None, :] * B + jnp.arange(B)[:, None]).astype(jnp.int32)
+    pages = _interleaved_pages(B, pages_per_seq)
     h = jax.random.normal(ks[3], (B, 1, cfg.hidden_size), jnp.bfloat16)
     cq = jax.random.normal(ks[4], (B, 1, cfg.q_lora_rank), jnp.bfloat16)
     pos = jnp.full((B, 1), context - 1, jnp.int32)
@@ -122,6 +135,13 @@ def bench_attention(args, device_times, copy_bw: float) -> list[dict]:
                 err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
                 t_dense, _ = device_times(dense, *a)
                 t_sparse, _ = device_times(sparse, *a)
+                # the model's GPU path: the same gather, then the Mosaic GPU kernel (pallas_kernels/attention)
+                t_kernel = err_kernel = float("nan")
+                if selected_kernel_unsupported(c["q"]) is None:
+                    kernel = jax.jit(functools.partial(_sparse, codec, impl="pallas"))
+                    got_k = np.asarray(kernel(*a), np.float32)
+                    err_kernel = float(np.abs(got_k - got).max() / max(np.abs(got).max(), 1e-30))
+                    t_kernel, _ = device_times(kernel, *a)
                 del c
                 ic = _indexer_case(cfg, B, C, ratio, jax.random.key(7))
                 ix = jax.jit(functools.partial(_indexer, cfg, ratio))
@@ -132,8 +152,10 @@ def bench_attention(args, device_times, copy_bw: float) -> list[dict]:
                 b_sparse = B * (cfg.index_topk * row_bytes + win_bytes)
                 b_ix = B * T * cfg.index_head_dim * 4
                 row = dict(model=name, batch=B, context=C, rows=T, row_bytes=row_bytes, dense_ms=t_dense,
-                           sparse_ms=t_sparse, indexer_ms=t_ix, max_rel_err=err,
+                           sparse_ms=t_sparse, kernel_ms=t_kernel, kernel_rel_err=err_kernel,
+                           indexer_ms=t_ix, max_rel_err=err,
                            dense_GBps=b_dense / t_dense / 1e6, sparse_GBps=b_sparse / t_sparse / 1e6,
+                           kernel_GBps=b_sparse / t_kernel / 1e6,
                            indexer_GBps=b_ix / t_ix / 1e6, copy_GBps=copy_bw / 1e9)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -143,15 +165,18 @@ def bench_attention(args, device_times, copy_bw: float) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     head = ("| model | batch | context | compressed rows | dense ms | sparse ms | dense / sparse | sparse GB/s "
-            "(% copy) | indexer ms | indexer GB/s (% copy) | max rel. err |\n|---|---:|---:|---:|---:|---:|---:|"
-            "---:|---:|---:|---:|")
+            "(% copy) | gather + kernel ms | gather + kernel GB/s (% copy) | indexer ms | indexer GB/s (% copy) | "
+            "max rel. err (sparse vs dense; kernel vs sparse) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "---:|---:|---:|")
     lines = [head]
     for r in rows:
         lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['rows']} | {r['dense_ms']:.3f} | "
                      f"{r['sparse_ms']:.3f} | {r['dense_ms'] / r['sparse_ms']:.1f}× | {r['sparse_GBps']:.0f} "
-                     f"({100 * r['sparse_GBps'] / r['copy_GBps']:.0f}%) | {r['indexer_ms']:.3f} | "
+                     f"({100 * r['sparse_GBps'] / r['copy_GBps']:.0f}%) | {r['kernel_ms']:.3f} | "
+                     f"{r['kernel_GBps']:.0f} ({100 * r['kernel_GBps'] / r['copy_GBps']:.0f}%) | "
+                     f"{r['indexer_ms']:.3f} | "
                      f"{r['indexer_GBps']:.0f} ({100 * r['indexer_GBps'] / r['copy_GBps']:.0f}%) | "
-                     f"{r['max_rel_err']:.1e} |")
+                     f"{r['max_rel_err']:.1e}; {r['kernel_rel_err']:.1e} |")
     return "\n".join(lines)
 
 

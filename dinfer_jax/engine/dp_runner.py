@@ -155,6 +155,12 @@ class DPModelRunner:
         ep_spec = PartitionSpec(None, *_axes_spec(self.mesh, "ep"))
         self._param_specs = jax.tree_util.tree_map_with_path(
             lambda path, _: ep_spec if _is_expert_leaf(path) else PartitionSpec(), stacked)
+        # Several processes (jax.distributed): every process holds the same host values (same checkpoint or seed,
+        # same requests, same scheduler decisions) and places them on the global mesh; a process reads the step's
+        # outputs from a replicated copy (``host_replicated``), the only arrays it must see whole.
+        self.multi_process = jax.process_count() > 1
+        if self.multi_process:
+            stacked = jax.tree.map(np.asarray, stacked)
         self.params = jax.device_put(stacked, jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._param_specs))
         if lay.ep > 1:
             moe_impl, ep_manual = model.moe_impl if model.moe_impl in EP_IMPLS else "ep", lay.ep
@@ -168,14 +174,15 @@ class DPModelRunner:
                              out_shardings=self._copies)()
         cmap = efn = None
         if self.cfg.engram_layer_ids:
-            cmap = jax.device_put(jnp.asarray(model.engram.compressed_map, jnp.int32), self._replicated)
+            cmap = jax.device_put(np.asarray(model.engram.compressed_map, np.int32), self._replicated)
             efn = functools.partial(_engram_callback, self.cfg, model.engram.tables)
         self._cmap = cmap
         step_fn = functools.partial(_device_step, cfg=self.cfg, dtype=model.dtype, moe_impl=moe_impl,
                                     engram_fn=efn, max_rows=self.max_rows, ep_manual=ep_manual,
                                     cp_manual=lay.cp if lay.cp > 1 else 0, copies_manual=lay.replicas)
         self._step = jax.jit(functools.partial(_mesh_step, step_fn=step_fn, mesh=self.mesh,
-                                               param_specs=self._param_specs, copies=self._copies_spec),
+                                               param_specs=self._param_specs, copies=self._copies_spec,
+                                               host_replicated=self.multi_process),
                              donate_argnums=(1,))
         self._prev_tokens = jax.device_put(np.zeros((copies, self.max_rows), np.int32), self._copies)
         self._prev_step_id: list[int | None] = [None] * lay.dp
@@ -246,14 +253,16 @@ class DPModelRunner:
                 jax.tree.map(stack, *samps), stack(*active))
         inp, feed, samp, act = jax.device_put(host, self._copies)
         self.compiled_shapes.add(shape)
-        toks, logprobs, self.cache = self._step(self.params, self.cache, inp, feed, self._prev_tokens, samp, act,
-                                                self._cmap)
+        toks, logprobs, self.cache, host_view = self._step(self.params, self.cache, inp, feed, self._prev_tokens,
+                                                           samp, act, self._cmap)
         cache_size = getattr(self._step, "_cache_size", None)
         self.num_compilations = cache_size() if callable(cache_size) else len(self.compiled_shapes)
         self._prev_tokens = toks
         for e, step in enumerate(steps):
             if step is not None:
                 self._prev_step_id[e] = step.step_id
+        if host_view is not None:
+            toks, logprobs = host_view
         return DPStepOutput(steps, toks, logprobs, r, time.perf_counter(), shape)
 
 
@@ -267,9 +276,12 @@ def _axes_spec(mesh: Mesh, kind: str) -> PartitionSpec:
 
 
 def _mesh_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
-               active: jax.Array, cmap: Any, *, step_fn: Any, mesh: Mesh, param_specs: Any, copies: PartitionSpec):
+               active: jax.Array, cmap: Any, *, step_fn: Any, mesh: Mesh, param_specs: Any, copies: PartitionSpec,
+               host_replicated: bool = False):
     """All engines' step: ``step_fn`` (:func:`~dinfer_jax.engine.runner._device_step`) per device under
-    ``shard_map``; every argument but ``params`` / ``cmap`` has the leading engine-copy dimension."""
+    ``shard_map``; every argument but ``params`` / ``cmap`` has the leading engine-copy dimension. Returns
+    ``(tokens, logprobs, cache, host_view)``: ``host_view`` is ``(tokens, logprobs)`` replicated on every device
+    when ``host_replicated`` (several processes: each must read every engine's tokens), else None."""
 
     def body(params, cache, inp, feed, prev, samp, active, cmap):
         local = functools.partial(jax.tree.map, lambda x: x[0])
@@ -282,4 +294,8 @@ def _mesh_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tok
     fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, copies, copies, copies, copies, copies, copies,
                                                   PartitionSpec()),
                        out_specs=(copies, copies, copies), check_vma=False)
-    return fn(params, cache, inp, feed, prev_tokens, samp, active, cmap)
+    toks, logprobs, cache = fn(params, cache, inp, feed, prev_tokens, samp, active, cmap)
+    host_view = None
+    if host_replicated:
+        host_view = jax.lax.with_sharding_constraint((toks, logprobs), NamedSharding(mesh, PartitionSpec()))
+    return toks, logprobs, cache, host_view

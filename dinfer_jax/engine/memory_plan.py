@@ -85,8 +85,7 @@ def measure_step_activations(model: Any, shapes: list[tuple[int, int, int]], blo
 
     cfg = model.config
     params = jax.eval_shape(lambda p: stack_params(cfg, p), model.params)
-    statics, cmap = step_statics(model, max_rows)
-    statics.pop("max_rows")
+    statics, cmap = step_statics(model)
     out = {}
     for b, q, p in shapes:
         cache = cache_shapes(cfg, CacheConfig(num_slots=b + 1, num_blocks=p + 1, block_size=block_size), model.dtype)

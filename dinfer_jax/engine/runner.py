@@ -88,8 +88,8 @@ class ModelRunner:
         self.compiled_samplers: set[tuple[int, bool, bool]] = set()  # (batch, use_filters, all_greedy)
         self.num_compilations = 0  # compilations this runner's calls caused (shared steps: see _CompileCounter)
         self.launch_seconds = 0.0  # host time inside the jitted step calls of dispatch (argument transfer, launch)
-        self._static, self._cmap = step_statics(model, self.max_rows, attention)
-        self._forward_static = {k: v for k, v in self._static.items() if k != "max_rows"}
+        self._forward_static, self._cmap = step_statics(model, attention)
+        self._static = {**self._forward_static, "max_rows": self.max_rows}  # the speculative step also samples
         self.speculative = speculative
         self.k = num_speculative_tokens if speculative else 0
         self.spec: SpecState | None = None
@@ -229,18 +229,16 @@ class ModelRunner:
         return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p))
 
 
-def step_statics(model: Model, max_rows: int,
-                 attention: str = "auto") -> tuple[dict[str, Any], jax.Array | None]:
-    """The step's static keyword arguments for ``model`` (configuration, dtype, MoE implementation, Engram
-    callback, output rows, compressed-row attention mode) and its compressed-id map (V4.1 Engram; None
-    otherwise)."""
+def step_statics(model: Model, attention: str = "auto") -> tuple[dict[str, Any], jax.Array | None]:
+    """The model program's static keyword arguments for ``model`` (configuration, dtype, MoE implementation,
+    Engram callback, compressed-row attention mode; steps that also sample add ``max_rows``) and its
+    compressed-id map (V4.1 Engram; None otherwise)."""
     cfg = model.config
     cmap = efn = None
     if cfg.engram_layer_ids:
         cmap = jnp.asarray(model.engram.compressed_map, jnp.int32)
         efn = model.engram.gather_fn(cfg, lambda c, t: functools.partial(_engram_callback, c, t))
-    return dict(cfg=cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=efn, max_rows=max_rows,
-                attention=attention), cmap
+    return dict(cfg=cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=efn, attention=attention), cmap
 
 
 def empty_inputs(b: int, q: int, p: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

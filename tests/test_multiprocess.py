@@ -1,0 +1,57 @@
+"""The attention-DP engine across processes (issue 10, item 5): two ``jax.distributed`` processes on localhost with
+four CPU devices each form one 8-device mesh; ``dp=2, cp=1, ep=8`` puts engine 0 on the first process's devices
+and engine 1 on the second's, with the experts (and their token exchange) spread over both. Every process runs the
+same scheduler over the same requests; each must return exactly the one-device engine's greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from dinfer_jax import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import multiprocess_worker as worker  # noqa: E402
+
+WORKER = Path(worker.__file__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_give_the_single_device_tokens(tmp_path):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--process-id", str(i), "--num-processes", "2",
+                               "--port", str(port), "--out", str(tmp_path / f"out{i}.json")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=1200)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:]}"
+
+    model, prompts = worker.model_and_prompts()
+    single = LLM(model, buckets=worker.buckets(), **worker.LLM_KW)
+    ref = [o.token_ids for o in single.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=worker.MAX_TOKENS, ignore_eos=True), use_tqdm=False)]
+    for i in range(2):
+        got = json.loads((tmp_path / f"out{i}.json").read_text())
+        assert (got["process_id"], got["process_count"]) == (i, 2)
+        assert (got["global_devices"], got["local_devices"]) == (8, 4)
+        assert got["mesh_processes"] == [0, 1]          # the mesh really spans both processes
+        assert got["finish"] == ["length"] * len(prompts)
+        assert got["tokens"] == ref, f"process {i}"
+        assert got["compiled_after_warmup"] == 0
