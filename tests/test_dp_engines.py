@@ -155,3 +155,26 @@ def test_group_tokenwise_splits_an_engines_tokens_over_its_copies_and_cp_ranks()
     for m in range(lay.engine_copies):
         e = m // copies
         np.testing.assert_array_equal(y[m] - x[e] * 10, np.repeat(owner[..., None], 2, -1))
+
+
+def test_eplb_engine_rebalance_keeps_tokens(setup):
+    """EPLB in the engine: dp=2, ep=4 with 4 redundant slots (8 experts in 12 slots, 3 per rank) gives the
+    one-device tokens in the start-up placement and again after a rebalance on skewed loads, which really moves
+    experts (different slot assignment, more replicas for the hot expert) and compiles nothing."""
+    model, prompts, ref, _ = setup
+    llm = LLM(model, dp_size=2, ep_size=4, num_redundant_experts=4, **KW)
+    compiled = llm.metrics()["compilations"]
+    first = [p.physical_to_logical.tolist() for p in llm.runner.placements]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
+    E, L = model.config.n_routed_experts, model.config.num_layers
+    loads = np.ones((L, E), np.int64)
+    loads[:, 0] = 50                                    # expert 0 is hot everywhere
+    placements = llm.rebalance_experts(loads)
+    assert all(int(p.logical_count[0]) > 1 for p in placements)
+    assert [p.physical_to_logical.tolist() for p in placements] != first
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
+    assert llm.metrics()["compilations"] == compiled, "a rebalance recompiled"
+    with pytest.raises(ValueError, match=r"tokens_per_expert must be \[layers="):
+        llm.rebalance_experts(np.ones((L + 1, E)))
+    with pytest.raises(ValueError, match="ep_size > 1"):
+        LLM(model, num_redundant_experts=4, warmup=False, progress=False)

@@ -47,7 +47,9 @@ from dinfer_jax.engine.kv_cache import CacheConfig
 from dinfer_jax.engine.runner import InFlight, _device_step, _engram_callback, empty_inputs, fill_step_inputs
 from dinfer_jax.engine.scheduler import ScheduledStep
 from dinfer_jax.models import Model
-from dinfer_jax.models.layer_plan import stack_params
+from dinfer_jax.models.ep_model import logical_experts
+from dinfer_jax.models.eplb import Placement, initial_placement, physical_experts, rebalance_layers
+from dinfer_jax.models.layer_plan import StackedLayers, stack_params, unstack_layers
 from dinfer_jax.models.moe import EP_IMPLS
 from dinfer_jax.models.step_state import StepInput, cache_shapes
 from dinfer_jax.progress import PhaseProgress
@@ -133,11 +135,26 @@ def _is_expert_leaf(path: tuple[Any, ...]) -> bool:
     return any(isinstance(k, jax.tree_util.DictKey) and k.key == "experts" for k in path)
 
 
+def _placed_layers(cfg: Any, layers: Any, placements: Sequence[Placement]) -> list[Any]:
+    """Checkpoint-layout layers (a list, or :class:`StackedLayers`) with layer ``l``'s routed experts gathered into
+    ``placements[l]``'s physical slots and its ``ffn["expert_map"]`` set (from the logical experts: replica 0 of
+    each expert when the layer is already placed)."""
+    if isinstance(layers, StackedLayers):
+        layers = unstack_layers(cfg, layers)
+    out = []
+    for layer, placement in zip(layers, placements, strict=True):
+        ffn = layer["ffn"]
+        experts = physical_experts(logical_experts(ffn), placement)
+        out.append({**layer, "ffn": {**ffn, "experts": experts, "expert_map": placement.expert_map()}})
+    return out
+
+
 class DPModelRunner:
     """Owns the mesh, the engines' caches and the compiled whole-mesh steps (see the module docstring)."""
 
     def __init__(self, model: Model, cache_config: CacheConfig, max_model_len: int, buckets: Buckets,
-                 lay: ParallelLayout, max_logprobs: int = 0, devices: Sequence[jax.Device] | None = None):
+                 lay: ParallelLayout, max_logprobs: int = 0, devices: Sequence[jax.Device] | None = None,
+                 num_redundant_experts: int | None = None):
         self.model = model
         self.cfg = model.config
         self.layout = lay
@@ -150,18 +167,21 @@ class DPModelRunner:
         self._copies_spec = _axes_spec(self.mesh, "dp")
         self._copies = NamedSharding(self.mesh, self._copies_spec)
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
-        # Parameters: routed experts split over the EP axes (stacked layout: [repeats, P, ...]); the rest replicated.
-        stacked = stack_params(self.cfg, model.params)
-        ep_spec = PartitionSpec(None, *_axes_spec(self.mesh, "ep"))
-        self._param_specs = jax.tree_util.tree_map_with_path(
-            lambda path, _: ep_spec if _is_expert_leaf(path) else PartitionSpec(), stacked)
         # Several processes (jax.distributed): every process holds the same host values (same checkpoint or seed,
         # same requests, same scheduler decisions) and places them on the global mesh; a process reads the step's
         # outputs from a replicated copy (``host_replicated``), the only arrays it must see whole.
         self.multi_process = jax.process_count() > 1
-        if self.multi_process:
-            stacked = jax.tree.map(np.asarray, stacked)
-        self.params = jax.device_put(stacked, jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._param_specs))
+        # EPLB (ep > 1 and num_redundant_experts given): every layer's experts in the physical slots of its
+        # placement, DeepInfer's start-up layout first; rebalance() moves them (same shapes: nothing recompiles).
+        self.placements: list[Placement] | None = None
+        params = model.params
+        if num_redundant_experts is not None:
+            if lay.ep < 2:
+                raise ValueError("num_redundant_experts (EPLB) needs expert parallelism: ep_size > 1")
+            E = self.cfg.n_routed_experts
+            self.placements = [initial_placement(E, num_redundant_experts, lay.ep)] * self.cfg.num_layers
+            params = {**params, "layers": _placed_layers(self.cfg, params["layers"], self.placements)}
+        self._set_params(stack_params(self.cfg, params))
         if lay.ep > 1:
             moe_impl, ep_manual = model.moe_impl if model.moe_impl in EP_IMPLS else "ep", lay.ep
         else:
@@ -188,6 +208,36 @@ class DPModelRunner:
         self._prev_step_id: list[int | None] = [None] * lay.dp
         self.compiled_shapes: set[tuple[int, int, int]] = set()
         self.num_compilations = 0
+
+    def _set_params(self, stacked: Any) -> None:
+        """Place stacked parameters on the mesh: routed experts (physical slots when placed) split over the EP
+        axes (stacked layout ``[repeats, P, ...]``), everything else (expert maps included) replicated."""
+        ep_spec = PartitionSpec(None, *_axes_spec(self.mesh, "ep"))
+        self._param_specs = jax.tree_util.tree_map_with_path(
+            lambda path, _: ep_spec if _is_expert_leaf(path) else PartitionSpec(), stacked)
+        if self.multi_process:
+            stacked = jax.tree.map(np.asarray, stacked)
+        self.params = jax.device_put(stacked, jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._param_specs))
+
+    def rebalance(self, tokens_per_expert: Any) -> list[Placement]:
+        """EPLB rebalance: new placements from per-layer expert loads ``tokens_per_expert`` (``[layers, E]`` or
+        ``[steps, layers, E]`` token counts; :func:`~dinfer_jax.models.eplb.rebalance_layers`), experts moved into
+        them. Outputs do not change (tokens go to a replica of the same expert, computed the same way) and nothing
+        recompiles (same shapes). Steps already dispatched keep the weights they were launched with. Returns the
+        new placements."""
+        if self.placements is None:
+            raise ValueError("this engine has no EPLB placements: create it with num_redundant_experts")
+        loads = np.asarray(tokens_per_expert)
+        if loads.ndim == 2:
+            loads = loads[None]
+        if loads.shape[1:] != (self.cfg.num_layers, self.cfg.n_routed_experts):
+            raise ValueError(f"tokens_per_expert must be [layers={self.cfg.num_layers}, E={self.cfg.n_routed_experts}]"
+                             f" (or [steps, layers, E]), got shape {np.shape(tokens_per_expert)}")
+        placements = list(rebalance_layers(loads, self.placements[0].num_redundant, self.layout.ep))
+        layers = _placed_layers(self.cfg, unstack_layers(self.cfg, self.params["layers"]), placements)
+        self.placements = placements
+        self._set_params(stack_params(self.cfg, {**self.params, "layers": layers}))
+        return placements
 
     # ------------------------------------------------------------------ compile
     def warmup(self, progress: bool = False) -> float:

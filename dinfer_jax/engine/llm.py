@@ -199,6 +199,9 @@ class LLM:
             prompts go to the engines round-robin; all engines step together on one mesh. ``(1, 1, 1)`` (default)
             is the one-device engine. Invalid layouts raise ValueError (:func:`~dinfer_jax.engine.dp_runner.
             parallel_layout`).
+        num_redundant_experts: EPLB (``ep_size > 1``): redundant expert slots per MoE layer; ``E + R`` must split
+            evenly over the EP group. Experts start in DeepInfer's start-up placement; :meth:`rebalance_experts`
+            moves them from measured loads without changing any output (``docs/expert_parallel.md``).
         speculative: ``None`` (off), ``"mtp"`` (V4's MTP block drafts) or ``"dspark"`` (V4.1's DSpark drafter);
             the target verifies the drafts in its next decode step (``docs/speculative_decoding.md``).
             Under ``async_scheduling`` a sequence sits out the step after each of its verify steps (its next
@@ -224,7 +227,7 @@ class LLM:
                  ep_size: int = 1, speculative: str | None = None,
                  num_speculative_tokens: int = 5, memory_utilization: float = 0.9,
                  device_memory_bytes: int | None = None, attention: str = "auto", kv_cache_dtype: str = "auto",
-                 compile_threads: int | None = None):
+                 compile_threads: int | None = None, num_redundant_experts: int | None = None):
         _enable_compilation_cache()
         if attention not in ("auto", "sparse", "dense"):
             raise ValueError(f"attention must be 'auto', 'sparse' or 'dense', got {attention!r}")
@@ -235,6 +238,8 @@ class LLM:
         cfg = self.model.config
         self.config = cfg
         self.speculative = _check_speculative(self.model, speculative, num_speculative_tokens)
+        if num_redundant_experts is not None and ep_size < 2:
+            raise ValueError(f"num_redundant_experts (EPLB) needs expert parallelism: ep_size > 1, got {ep_size}")
         if self.speculative and (dp_size, cp_size, ep_size) != (1, 1, 1):
             raise ValueError("speculative decoding runs on the one-device engine only (dp_size = cp_size = "
                              f"ep_size = 1), got dp_size={dp_size}, cp_size={cp_size}, ep_size={ep_size}")
@@ -287,7 +292,7 @@ class LLM:
             self.model = self.runner.model   # the scan-layout weights: no second copy held by the engine
         else:
             self.runner = DPModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, self.parallel,
-                                        max_logprobs=max_logprobs)
+                                        max_logprobs=max_logprobs, num_redundant_experts=num_redundant_experts)
         self.max_logprobs = max_logprobs
         self.tokenizer = self._load_tokenizer()
         self._metrics = EngineMetrics()
@@ -344,6 +349,15 @@ class LLM:
                              f"prefill bucket {max(self.buckets.prefill_len)}")
         if changes:
             self.sched_config = dataclasses.replace(self.sched_config, **changes)
+
+    def rebalance_experts(self, tokens_per_expert: Any) -> list[Any]:
+        """EPLB: re-place every MoE layer's experts over the EP group from ``tokens_per_expert`` (``[layers, E]``
+        token counts, or ``[steps, layers, E]``; e.g. :func:`~dinfer_jax.models.ep_model.measured_loads`), DeepInfer's
+        rebalance rule (:func:`~dinfer_jax.models.eplb.rebalance`). Between or during ``generate`` calls; outputs
+        are unchanged and nothing recompiles. Returns the per-layer placements. Needs ``num_redundant_experts``."""
+        if not isinstance(self.runner, DPModelRunner):
+            raise ValueError("rebalance_experts needs an EPLB engine (ep_size > 1 and num_redundant_experts)")
+        return self.runner.rebalance(tokens_per_expert)
 
     @property
     def kv_capacity_tokens(self) -> int:

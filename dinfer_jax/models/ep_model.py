@@ -23,7 +23,7 @@ from dinfer_jax.models.eplb import Placement, expert_loads
 from sharding.mesh import GROUP_AXES, group_size
 
 
-def _logical_experts(ffn: dict[str, Any]) -> dict[str, Any]:
+def logical_experts(ffn: dict[str, Any]) -> dict[str, Any]:
     """Logical ``[E, ...]`` expert weights of a layer, placed or not (replica 0 of each expert)."""
     emap = ffn.get("expert_map")
     if emap is None:
@@ -51,7 +51,7 @@ def with_placements(model: Model, placements: Sequence[Placement]) -> Model:
     new_layers = []
     for layer, placement in zip(layers, placements, strict=True):
         ffn = layer["ffn"]
-        logical = _logical_experts(ffn)
+        logical = logical_experts(ffn)
         if logical["w1"].shape[0] != placement.num_logical:
             raise ValueError(f"placement is for {placement.num_logical} experts, the layer has "
                              f"{logical['w1'].shape[0]}")
