@@ -15,7 +15,8 @@ from dinfer_jax.engine.block_manager import BlockManager, StateSlots
 from dinfer_jax.engine.dp_runner import parallel_layout
 from dinfer_jax.engine.runner import Buckets
 from dinfer_jax.engine.scheduler import Scheduler, SchedulerConfig
-from dinfer_jax.models import load_config, random_model
+from dinfer_jax.models import inspect, load_config, random_model
+from dinfer_jax.models.ep_model import measured_loads
 
 LENGTHS = [5, 23, 41, 12, 30]  # 41 > the 32-token budget: chunked; 5 prompts over dp engines: uneven work
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -167,6 +168,13 @@ def test_eplb_engine_rebalance_keeps_tokens(setup):
     first = [p.physical_to_logical.tolist() for p in llm.runner.placements]
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
     E, L = model.config.n_routed_experts, model.config.num_layers
+    # the engine's measured loads = the full forward's routing of every token it fed (prompt, then each generated
+    # token but the last), counted independently from inspect()'s router indices
+    want = sum(np.asarray(measured_loads(inspect(model, [p + r[:-1]])["router_indices"], E)) for p, r in
+               zip(prompts, ref, strict=True))
+    np.testing.assert_array_equal(llm.expert_loads(), want)
+    assert llm.expert_loads().sum() == L * model.config.n_activated_experts * sum(
+        len(p) + len(r) - 1 for p, r in zip(prompts, ref, strict=True))
     loads = np.ones((L, E), np.int64)
     loads[:, 0] = 50                                    # expert 0 is hot everywhere
     placements = llm.rebalance_experts(loads)
@@ -178,3 +186,18 @@ def test_eplb_engine_rebalance_keeps_tokens(setup):
         llm.rebalance_experts(np.ones((L + 1, E)))
     with pytest.raises(ValueError, match="ep_size > 1"):
         LLM(model, num_redundant_experts=4, warmup=False, progress=False)
+
+
+def test_eplb_interval_rebalances_mid_run_with_unchanged_tokens(setup):
+    """DeepInfer's periodic EPLB: every 3 mesh steps the engine rebalances from the loads it measured, while
+    requests are in flight; the tokens stay the one-device engine's and nothing recompiles."""
+    model, prompts, ref, _ = setup
+    llm = LLM(model, dp_size=2, ep_size=4, num_redundant_experts=4, eplb_interval=3, **KW)
+    compiled = llm.metrics()["compilations"]
+    first = [p.physical_to_logical.tolist() for p in llm.runner.placements]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
+    assert llm.metrics()["eplb_rebalances"] >= 4
+    assert [p.physical_to_logical.tolist() for p in llm.runner.placements] != first
+    assert llm.metrics()["compilations"] == compiled
+    with pytest.raises(ValueError, match="eplb_interval"):
+        LLM(model, dp_size=2, ep_size=4, eplb_interval=3, warmup=False, progress=False)

@@ -197,13 +197,18 @@ class DPModelRunner:
             cmap = jax.device_put(np.asarray(model.engram.compressed_map, np.int32), self._replicated)
             efn = functools.partial(_engram_callback, self.cfg, model.engram.tables)
         self._cmap = cmap
+        count = self.placements is not None
         step_fn = functools.partial(_device_step, cfg=self.cfg, dtype=model.dtype, moe_impl=moe_impl,
                                     engram_fn=efn, max_rows=self.max_rows, ep_manual=ep_manual,
-                                    cp_manual=lay.cp if lay.cp > 1 else 0, copies_manual=lay.replicas)
+                                    cp_manual=lay.cp if lay.cp > 1 else 0, copies_manual=lay.replicas,
+                                    count_experts=count)
         self._step = jax.jit(functools.partial(_mesh_step, step_fn=step_fn, mesh=self.mesh,
                                                param_specs=self._param_specs, copies=self._copies_spec,
-                                               host_replicated=self.multi_process),
-                             donate_argnums=(1,))
+                                               replicas=lay.replicas, host_replicated=self.multi_process),
+                             donate_argnums=(1, 8))
+        # EPLB: tokens per (layer, logical expert) since the engine started or last rebalanced, summed on the device
+        self._loads = (jax.device_put(np.zeros((self.cfg.num_layers, self.cfg.n_routed_experts), np.int32),
+                                      self._replicated) if count else None)
         self._prev_tokens = jax.device_put(np.zeros((copies, self.max_rows), np.int32), self._copies)
         self._prev_step_id: list[int | None] = [None] * lay.dp
         self.compiled_shapes: set[tuple[int, int, int]] = set()
@@ -218,6 +223,21 @@ class DPModelRunner:
         if self.multi_process:
             stacked = jax.tree.map(np.asarray, stacked)
         self.params = jax.device_put(stacked, jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._param_specs))
+
+    def expert_loads(self) -> np.ndarray:
+        """Tokens routed to each (layer, logical expert) ``[L, E]`` int64 since the engine started or last
+        rebalanced (waits for the steps in flight)."""
+        if self._loads is None:
+            raise ValueError("this engine counts no expert loads: create it with num_redundant_experts")
+        return np.asarray(self._loads).astype(np.int64)
+
+    def take_expert_loads(self) -> np.ndarray:
+        """Tokens routed to each (layer, logical expert) ``[L, E]`` int64 since the engine started or last
+        rebalanced (real tokens of every engine; prefill and decode), and reset the count. Waits for the steps
+        in flight."""
+        loads = self.expert_loads()
+        self._loads = jax.device_put(np.zeros(loads.shape, np.int32), self._replicated)
+        return loads
 
     def rebalance(self, tokens_per_expert: Any) -> list[Placement]:
         """EPLB rebalance: new placements from per-layer expert loads ``tokens_per_expert`` (``[layers, E]`` or
@@ -303,8 +323,8 @@ class DPModelRunner:
                 jax.tree.map(stack, *samps), stack(*active))
         inp, feed, samp, act = jax.device_put(host, self._copies)
         self.compiled_shapes.add(shape)
-        toks, logprobs, self.cache, host_view = self._step(self.params, self.cache, inp, feed, self._prev_tokens,
-                                                           samp, act, self._cmap)
+        toks, logprobs, self.cache, host_view, self._loads = self._step(
+            self.params, self.cache, inp, feed, self._prev_tokens, samp, act, self._cmap, self._loads)
         cache_size = getattr(self._step, "_cache_size", None)
         self.num_compilations = cache_size() if callable(cache_size) else len(self.compiled_shapes)
         self._prev_tokens = toks
@@ -326,26 +346,30 @@ def _axes_spec(mesh: Mesh, kind: str) -> PartitionSpec:
 
 
 def _mesh_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
-               active: jax.Array, cmap: Any, *, step_fn: Any, mesh: Mesh, param_specs: Any, copies: PartitionSpec,
-               host_replicated: bool = False):
+               active: jax.Array, cmap: Any, loads: jax.Array | None, *, step_fn: Any, mesh: Mesh, param_specs: Any,
+               copies: PartitionSpec, replicas: int, host_replicated: bool = False):
     """All engines' step: ``step_fn`` (:func:`~dinfer_jax.engine.runner._device_step`) per device under
-    ``shard_map``; every argument but ``params`` / ``cmap`` has the leading engine-copy dimension. Returns
-    ``(tokens, logprobs, cache, host_view)``: ``host_view`` is ``(tokens, logprobs)`` replicated on every device
-    when ``host_replicated`` (several processes: each must read every engine's tokens), else None."""
+    ``shard_map``; every argument but ``params`` / ``cmap`` / ``loads`` has the leading engine-copy dimension.
+    Returns ``(tokens, logprobs, cache, host_view, loads)``: ``host_view`` is ``(tokens, logprobs)`` replicated
+    on every device when ``host_replicated`` (several processes: each must read every engine's tokens), else
+    None; ``loads`` (EPLB engines, else None) is the ``[L, E]`` accumulator plus this step's tokens per expert
+    over all engines."""
 
     def body(params, cache, inp, feed, prev, samp, active, cmap):
         local = functools.partial(jax.tree.map, lambda x: x[0])
         cache, inp, feed, prev, samp, active = local((cache, inp, feed, prev, samp, active))
-        toks, logprobs, cache = step_fn(params, cache, inp, feed, prev, samp, cmap)
+        toks, logprobs, cache, step_loads = step_fn(params, cache, inp, feed, prev, samp, cmap)
         toks = jnp.where(active, toks, prev)  # an idle engine keeps its last real step's tokens
-        return jax.tree.map(lambda x: x[None], (toks, logprobs, cache))
+        return jax.tree.map(lambda x: x[None], (toks, logprobs, cache, step_loads))
 
     # check_vma=False: the CP ranks (and replicas) of an engine compute the same values; the outputs take one copy.
     fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, copies, copies, copies, copies, copies, copies,
                                                   PartitionSpec()),
-                       out_specs=(copies, copies, copies), check_vma=False)
-    toks, logprobs, cache = fn(params, cache, inp, feed, prev_tokens, samp, active, cmap)
+                       out_specs=(copies, copies, copies, copies), check_vma=False)
+    toks, logprobs, cache, step_loads = fn(params, cache, inp, feed, prev_tokens, samp, active, cmap)
+    if loads is not None:  # one row per engine copy: count each engine once (copy 0 of its `replicas`)
+        loads = loads + step_loads[::replicas].sum(axis=0)
     host_view = None
     if host_replicated:
         host_view = jax.lax.with_sharding_constraint((toks, logprobs), NamedSharding(mesh, PartitionSpec()))
-    return toks, logprobs, cache, host_view
+    return toks, logprobs, cache, host_view, loads

@@ -61,6 +61,7 @@ class EngineMetrics:
     decode_steps: int = 0
     compilations: int = 0
     warmup_seconds: float = 0.0
+    eplb_rebalances: int = 0
     generate_seconds: float = 0.0
     device_waited_for_host_seconds: float = 0.0
     host_waited_for_device_seconds: float = 0.0
@@ -202,6 +203,8 @@ class LLM:
         num_redundant_experts: EPLB (``ep_size > 1``): redundant expert slots per MoE layer; ``E + R`` must split
             evenly over the EP group. Experts start in DeepInfer's start-up placement; :meth:`rebalance_experts`
             moves them from measured loads without changing any output (``docs/expert_parallel.md``).
+        eplb_interval: with ``num_redundant_experts``, rebalance automatically every this many mesh steps from the
+            tokens each expert received since the last rebalance (DeepInfer's periodic EPLB); None: only on request.
         speculative: ``None`` (off), ``"mtp"`` (V4's MTP block drafts) or ``"dspark"`` (V4.1's DSpark drafter);
             the target verifies the drafts in its next decode step (``docs/speculative_decoding.md``).
             Under ``async_scheduling`` a sequence sits out the step after each of its verify steps (its next
@@ -227,7 +230,8 @@ class LLM:
                  ep_size: int = 1, speculative: str | None = None,
                  num_speculative_tokens: int = 5, memory_utilization: float = 0.9,
                  device_memory_bytes: int | None = None, attention: str = "auto", kv_cache_dtype: str = "auto",
-                 compile_threads: int | None = None, num_redundant_experts: int | None = None):
+                 compile_threads: int | None = None, num_redundant_experts: int | None = None,
+                 eplb_interval: int | None = None):
         _enable_compilation_cache()
         if attention not in ("auto", "sparse", "dense"):
             raise ValueError(f"attention must be 'auto', 'sparse' or 'dense', got {attention!r}")
@@ -240,6 +244,10 @@ class LLM:
         self.speculative = _check_speculative(self.model, speculative, num_speculative_tokens)
         if num_redundant_experts is not None and ep_size < 2:
             raise ValueError(f"num_redundant_experts (EPLB) needs expert parallelism: ep_size > 1, got {ep_size}")
+        if eplb_interval is not None and (num_redundant_experts is None or int(eplb_interval) < 1):
+            raise ValueError(f"eplb_interval={eplb_interval!r} needs num_redundant_experts and must be >= 1")
+        self.eplb_interval = int(eplb_interval) if eplb_interval is not None else 0
+        self._mesh_steps = 0
         if self.speculative and (dp_size, cp_size, ep_size) != (1, 1, 1):
             raise ValueError("speculative decoding runs on the one-device engine only (dp_size = cp_size = "
                              f"ep_size = 1), got dp_size={dp_size}, cp_size={cp_size}, ep_size={ep_size}")
@@ -350,14 +358,24 @@ class LLM:
         if changes:
             self.sched_config = dataclasses.replace(self.sched_config, **changes)
 
-    def rebalance_experts(self, tokens_per_expert: Any) -> list[Any]:
+    def rebalance_experts(self, tokens_per_expert: Any = None) -> list[Any]:
         """EPLB: re-place every MoE layer's experts over the EP group from ``tokens_per_expert`` (``[layers, E]``
-        token counts, or ``[steps, layers, E]``; e.g. :func:`~dinfer_jax.models.ep_model.measured_loads`), DeepInfer's
-        rebalance rule (:func:`~dinfer_jax.models.eplb.rebalance`). Between or during ``generate`` calls; outputs
-        are unchanged and nothing recompiles. Returns the per-layer placements. Needs ``num_redundant_experts``."""
-        if not isinstance(self.runner, DPModelRunner):
+        token counts, or ``[steps, layers, E]``; default: the tokens the engine measured since it started or last
+        rebalanced, :meth:`expert_loads`), DeepInfer's rebalance rule (:func:`~dinfer_jax.models.eplb.rebalance`).
+        Outputs are unchanged and nothing recompiles. Returns the per-layer placements. Needs
+        ``num_redundant_experts`` (see also ``eplb_interval``)."""
+        if not isinstance(self.runner, DPModelRunner) or self.runner.placements is None:
             raise ValueError("rebalance_experts needs an EPLB engine (ep_size > 1 and num_redundant_experts)")
+        if tokens_per_expert is None:
+            tokens_per_expert = self.runner.take_expert_loads()
         return self.runner.rebalance(tokens_per_expert)
+
+    def expert_loads(self) -> np.ndarray:
+        """EPLB engines: tokens routed to each (layer, logical expert) ``[L, E]`` since the engine started or last
+        rebalanced, over every engine's real prefill and decode tokens (without resetting the count)."""
+        if not isinstance(self.runner, DPModelRunner) or self.runner.placements is None:
+            raise ValueError("expert_loads needs an EPLB engine (ep_size > 1 and num_redundant_experts)")
+        return self.runner.expert_loads()
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -500,6 +518,12 @@ class LLM:
                 samp = [self._row_sampling(st, by_id) if st is not None else ([], []) for st in group]
                 inflight.append(runner.dispatch(group, [p for p, _ in samp], [sd for _, sd in samp]))
                 dispatched = True
+                self._mesh_steps += 1
+                if self.eplb_interval and self._mesh_steps % self.eplb_interval == 0:
+                    # EPLB mid-run: the step just dispatched keeps the weights it was launched with; the next ones
+                    # read the new placement (reading the loads waits for the steps in flight)
+                    runner.rebalance(runner.take_expert_loads())
+                    m.eplb_rebalances += 1
                 if kind == "prefill":
                     m.prefill_steps += 1
                     m.prefill_tokens += sum(st.num_tokens for st in group if st is not None)

@@ -49,7 +49,7 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
                moe_impl: str = "auto", engram_fn: Callable[[jax.Array], jax.Array] | None = None,
                cmap: jax.Array | None = None, ep_manual: int = 0, cp_manual: int = 0,
                copies_manual: int = 1, return_carry: bool = False, attention: str = "auto",
-               attention_impl: str = "auto") -> tuple[Any, ...]:
+               attention_impl: str = "auto", count_experts: bool = False) -> tuple[Any, ...]:
     """Run the model on one step's rows.
 
     params: ``"layers"`` stacked (:func:`stack_params`) for serving, or in checkpoint layout (stacked per call).
@@ -61,8 +61,9 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
     engine (:class:`~dinfer_jax.models.layers.LayerOptions`).
     ``attention`` / ``attention_impl``: how queries read the compressed rows, and what attends to the gathered ones
     (:class:`~dinfer_jax.models.layers.LayerOptions`).
-    ``return_carry`` (speculative decoding) adds the backbone's final carry (``streams [B,Q,n,D]`` at every query
-    position, and V4.1's ``dspark_features``) as a third output.
+    ``count_experts`` (EPLB) adds the step's per-layer expert loads ``[L, E]`` int32 (real tokens only) as a third
+    output. ``return_carry`` (speculative decoding) adds the backbone's final carry (``streams [B,Q,n,D]`` at
+    every query position, and V4.1's ``dspark_features``) as a third output.
     """
     engram = None
     if cfg.engram_layer_ids:
@@ -70,11 +71,16 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
         cache = dataclasses.replace(cache, ngram_hist=hist)
         engram = engram_fn(rows).astype(jnp.dtype(dtype))  # [n_engram, B, Q, E_in]
     opts = LayerOptions(moe_impl=moe_impl, ep_manual=ep_manual, cp_manual=cp_manual,
-                        copies_manual=copies_manual, attention=attention, attention_impl=attention_impl)
+                        copies_manual=copies_manual, attention=attention, attention_impl=attention_impl,
+                        count_experts=count_experts)
     carry, cache, aux = run_backbone(params, cache, inp, cfg=cfg, dtype=dtype, opts=opts, engram=engram)
     last = {k: jnp.take_along_axis(v, inp.last.reshape((-1,) + (1,) * (v.ndim - 1)), axis=1)
             for k, v in carry.items() if k in ("streams", "premix")}  # [B,1,...]
     logits, _ = head_logits(params, last, cfg)
+    if count_experts:
+        if return_carry:
+            raise ValueError("count_experts and return_carry are not combined")
+        return logits[:, 0], cache, jnp.stack([a["expert_loads"] for a in aux])
     if return_carry:
         feats = [a["dspark_feature"] for a in aux if "dspark_feature" in a]
         if feats:  # V4.1 DSpark target features [B,Q,n_targets·D]

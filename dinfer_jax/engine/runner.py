@@ -297,13 +297,14 @@ def _engram_callback(cfg: Any, tables: list[Any], rows: jax.Array) -> jax.Array:
 
 def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, cmap: Any, *,
                     cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, ep_manual: int = 0, cp_manual: int = 0,
-                    copies_manual: int = 1, attention: str = "auto") -> tuple[jax.Array, Any]:
+                    copies_manual: int = 1, attention: str = "auto", count_experts: bool = False) -> tuple[Any, ...]:
     """Traced model part of a step: resolve in-flight inputs on device, run the model. Returns ``(logits [B, V]
-    fp32 at each row's last token, cache)``."""
+    fp32 at each row's last token, cache)``, plus the expert loads ``[L, E]`` with ``count_experts``."""
     first = jnp.where(feed.use_prev, prev_tokens[feed.prev_row], inp.tokens[:, 0])
     inp = dataclasses.replace(inp, tokens=inp.tokens.at[:, 0].set(first))
     return model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn, cmap=cmap,
-                      ep_manual=ep_manual, cp_manual=cp_manual, copies_manual=copies_manual, attention=attention)
+                      ep_manual=ep_manual, cp_manual=cp_manual, copies_manual=copies_manual, attention=attention,
+                      count_experts=count_experts)
 
 
 def _device_sample(logits: jax.Array, samp: SamplingTensors, *, max_rows: int) -> tuple[jax.Array, Any]:
@@ -314,14 +315,16 @@ def _device_sample(logits: jax.Array, samp: SamplingTensors, *, max_rows: int) -
 
 def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
                  cmap: Any, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int,
-                 ep_manual: int = 0, cp_manual: int = 0, copies_manual: int = 1, attention: str = "auto"):
+                 ep_manual: int = 0, cp_manual: int = 0, copies_manual: int = 1, attention: str = "auto",
+                 count_experts: bool = False):
     """Forward and sampling traced as one program (the DP engines' per-device step). Returns ``(tokens
-    [max_rows], logprobs, cache)``."""
-    logits, cache = _device_forward(params, cache, inp, feed, prev_tokens, cmap, cfg=cfg, dtype=dtype,
-                                    moe_impl=moe_impl, engram_fn=engram_fn, ep_manual=ep_manual,
-                                    cp_manual=cp_manual, copies_manual=copies_manual, attention=attention)
+    [max_rows], logprobs, cache, expert loads [L, E] int32 or None)`` (loads with ``count_experts``)."""
+    out = _device_forward(params, cache, inp, feed, prev_tokens, cmap, cfg=cfg, dtype=dtype, moe_impl=moe_impl,
+                          engram_fn=engram_fn, ep_manual=ep_manual, cp_manual=cp_manual,
+                          copies_manual=copies_manual, attention=attention, count_experts=count_experts)
+    logits, cache = out[:2]
     toks, logprobs = _device_sample(logits, samp, max_rows=max_rows)
-    return toks, logprobs, cache
+    return toks, logprobs, cache, out[2] if count_experts else None
 
 
 def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: InFlight,

@@ -47,10 +47,11 @@ from dinfer_jax.models.config import ATTN_CSA, ATTN_SLIDING, ModelConfig
 from dinfer_jax.models.cp_rows import cp_tokenwise, group_tokenwise
 from dinfer_jax.models.csa2 import candidate_blocks, topk_select
 from dinfer_jax.models.engram import engram_gate
+from dinfer_jax.models.eplb import expert_loads
 from dinfer_jax.models.fake_quant import hadamard, maybe_fake_quant, q8_fake
 from dinfer_jax.models.layer_plan import LayerInfo
 from dinfer_jax.models.mhc import hc_collapse, hc_mixes, hc_post, hc_pre
-from dinfer_jax.models.moe import moe
+from dinfer_jax.models.moe import moe, route
 from dinfer_jax.models.ops import F32, apply_rope_tail, linear, rms_norm, rope_cos_sin
 from dinfer_jax.models.step_state import LayerCache, StepInput
 from dinfer_jax.models.v41 import source_rows
@@ -76,6 +77,8 @@ class LayerOptions:
     # how the gathered rows are attended: "auto" (the Mosaic GPU decode kernel where it runs, else XLA), "jnp",
     # "pallas" (attention.selected_attention_impl)
     attention_impl: str = "auto"
+    # every MoE sublayer reports aux["expert_loads"] [E] int32: this step's real tokens per logical expert (EPLB)
+    count_experts: bool = False
 
 
 class StepContext(NamedTuple):
@@ -333,12 +336,15 @@ def layer_v4(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arra
     if opts.collect:
         aux.update(moe_aux)
         aux["hidden_states"] = streams
+    if opts.count_experts:
+        aux["expert_loads"] = moe_aux["expert_loads"]
     return {**carry, "streams": streams}, lc, aux
 
 
 def _moe(p: Any, x: jax.Array, token_ids: jax.Array | None, image_mask: jax.Array | None, ctx: StepContext, *,
          cfg: ModelConfig, hash_routed: bool, opts: LayerOptions) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The MoE sublayer. Per device inside the DP engines' step (no aux outputs then): with engine copies
+    """The MoE sublayer. Per device inside the DP engines' step (no aux outputs then but the optional
+    ``expert_loads``): with engine copies
     (``opts.copies_manual > 1``), or CP ranks on decode rows, the devices of an engine split its tokens
     contiguously (:func:`~dinfer_jax.models.cp_rows.group_tokenwise`); otherwise with ``opts.cp_manual > 1`` on
     prefill rows (``Q > 1``) each CP rank computes its mirrored share (:func:`~dinfer_jax.models.cp_rows.
@@ -347,14 +353,25 @@ def _moe(p: Any, x: jax.Array, token_ids: jax.Array | None, image_mask: jax.Arra
         return moe(p, x, tid, cfg=cfg, hash_routed=hash_routed, impl=opts.moe_impl, sharder=opts.sharder,
                    image_mask=img, expert_map=p.get("expert_map"), ep_manual=opts.ep_manual)
 
+    counted = {}
+    if opts.count_experts:
+        # EPLB loads of this step's real tokens, routed on the engine's full rows before any split over devices
+        # (the same decisions as the split routers; in the unsplit path XLA computes the router once)
+        B, Q, D = x.shape
+        idx, _ = route(p["gate"], x.reshape(B * Q, D), None if token_ids is None else token_ids.reshape(B * Q),
+                       cfg=cfg, hash_routed=hash_routed,
+                       image_mask=None if image_mask is None else image_mask.reshape(B * Q))
+        valid = jnp.arange(Q)[None, :] < ctx.inp.n[:, None]
+        counted = {"expert_loads": expert_loads(idx, cfg.n_routed_experts, valid)}
     cp = max(opts.cp_manual, 1)
     if not opts.collect and (opts.copies_manual > 1 or (cp > 1 and x.shape[1] == 1)):
         y = group_tokenwise(lambda x, t, i: run(x, t, i)[0], x, (token_ids, image_mask), opts.copies_manual, cp)
-        return y, {}
+        return y, counted
     if opts.cp_manual > 1 and x.shape[1] > 1 and not opts.collect:
         y = cp_tokenwise(lambda x, t, i: run(x, t, i)[0], x, (token_ids, image_mask), ctx.inp.n, opts.cp_manual)
-        return y, {}
-    return run(x, token_ids, image_mask)
+        return y, counted
+    y, aux = run(x, token_ids, image_mask)
+    return y, {**aux, **counted}
 
 
 def layer_v41(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Array, ctx: StepContext, *,
@@ -386,4 +403,6 @@ def layer_v41(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arr
         aux.update(moe_aux)
         aux["hidden_states"] = streams
         aux["premix"] = pre_f
+    if opts.count_experts:
+        aux["expert_loads"] = moe_aux["expert_loads"]
     return {**carry, "streams": streams, "premix": pre_f}, lc, aux
