@@ -158,39 +158,15 @@ def test_group_tokenwise_splits_an_engines_tokens_over_its_copies_and_cp_ranks()
         np.testing.assert_array_equal(y[m] - x[e] * 10, np.repeat(owner[..., None], 2, -1))
 
 
-def test_eplb_engine_rebalance_keeps_tokens(setup):
-    """EPLB in the engine: dp=2, ep=4 with 4 redundant slots (8 experts in 12 slots, 3 per rank) gives the
-    one-device tokens in the start-up placement and again after a rebalance on skewed loads, which really moves
-    experts (different slot assignment, more replicas for the hot expert) and compiles nothing."""
-    model, prompts, ref, _ = setup
-    llm = LLM(model, dp_size=2, ep_size=4, num_redundant_experts=4, **KW)
-    compiled = llm.metrics()["compilations"]
-    first = [p.physical_to_logical.tolist() for p in llm.runner.placements]
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
-    E, L = model.config.n_routed_experts, model.config.num_layers
-    # the engine's measured loads = the full forward's routing of every token it fed (prompt, then each generated
-    # token but the last), counted independently from inspect()'s router indices
-    want = sum(np.asarray(measured_loads(inspect(model, [p + r[:-1]])["router_indices"], E)) for p, r in
-               zip(prompts, ref, strict=True))
-    np.testing.assert_array_equal(llm.expert_loads(), want)
-    assert llm.expert_loads().sum() == L * model.config.n_activated_experts * sum(
-        len(p) + len(r) - 1 for p, r in zip(prompts, ref, strict=True))
-    loads = np.ones((L, E), np.int64)
-    loads[:, 0] = 50                                    # expert 0 is hot everywhere
-    placements = llm.rebalance_experts(loads)
-    assert all(int(p.logical_count[0]) > 1 for p in placements)
-    assert [p.physical_to_logical.tolist() for p in placements] != first
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
-    assert llm.metrics()["compilations"] == compiled, "a rebalance recompiled"
-    with pytest.raises(ValueError, match=r"tokens_per_expert must be \[layers="):
-        llm.rebalance_experts(np.ones((L + 1, E)))
-    with pytest.raises(ValueError, match="ep_size > 1"):
-        LLM(model, num_redundant_experts=4, warmup=False, progress=False)
+def test_eplb_engine_rebalances_keep_tokens_and_loads_are_counted(setup):
+    """EPLB in the engine, dp=2, ep=4 with 4 redundant slots (8 experts in 12 slots, 3 per rank):
 
-
-def test_eplb_interval_rebalances_mid_run_with_unchanged_tokens(setup):
-    """DeepInfer's periodic EPLB: every 3 mesh steps the engine rebalances from the loads it measured, while
-    requests are in flight; the tokens stay the one-device engine's and nothing recompiles."""
+    * DeepInfer's periodic EPLB (``eplb_interval=3``: every 3 mesh steps, from the loads measured since the last
+      one, while requests are in flight) leaves the one-device tokens and compiles nothing;
+    * a rebalance on given skewed loads really moves experts (more replicas for the hot one) and again leaves the
+      tokens;
+    * the loads the engine measures equal an independent count from the full forward's router indices over every
+      token the engine fed (prompt, then each generated token but the last)."""
     model, prompts, ref, _ = setup
     llm = LLM(model, dp_size=2, ep_size=4, num_redundant_experts=4, eplb_interval=3, **KW)
     compiled = llm.metrics()["compilations"]
@@ -198,6 +174,25 @@ def test_eplb_interval_rebalances_mid_run_with_unchanged_tokens(setup):
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
     assert llm.metrics()["eplb_rebalances"] >= 4
     assert [p.physical_to_logical.tolist() for p in llm.runner.placements] != first
-    assert llm.metrics()["compilations"] == compiled
+
+    llm.configure(eplb_interval=0)
+    llm.rebalance_experts()                             # from the loads since the last automatic one; resets them
+    E, L = model.config.n_routed_experts, model.config.num_layers
+    loads = np.ones((L, E), np.int64)
+    loads[:, 0] = 50                                    # expert 0 is hot everywhere
+    placements = llm.rebalance_experts(loads)
+    assert all(int(p.logical_count[0]) > 1 for p in placements)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
+    want = sum(np.asarray(measured_loads(inspect(model, [p + r[:-1]])["router_indices"], E)) for p, r in
+               zip(prompts, ref, strict=True))
+    np.testing.assert_array_equal(llm.expert_loads(), want)
+    assert llm.expert_loads().sum() == L * model.config.n_activated_experts * sum(
+        len(p) + len(r) - 1 for p, r in zip(prompts, ref, strict=True))
+    assert llm.metrics()["compilations"] == compiled, "a rebalance recompiled"
+
+    with pytest.raises(ValueError, match=r"tokens_per_expert must be \[layers="):
+        llm.rebalance_experts(np.ones((L + 1, E)))
+    with pytest.raises(ValueError, match="ep_size > 1"):
+        LLM(model, num_redundant_experts=4, warmup=False, progress=False)
     with pytest.raises(ValueError, match="eplb_interval"):
         LLM(model, dp_size=2, ep_size=4, eplb_interval=3, warmup=False, progress=False)

@@ -344,11 +344,17 @@ class LLM:
         return [self._output(r) for r in records]
 
     def configure(self, *, async_scheduling: bool | None = None, max_num_batched_tokens: int | None = None,
-                  enable_chunked_prefill: bool | None = None, preemption_mode: str | None = None) -> None:
+                  enable_chunked_prefill: bool | None = None, preemption_mode: str | None = None,
+                  eplb_interval: int | None = None) -> None:
         """Change host-side scheduling switches between ``generate`` calls (no recompilation). Chunks must still
-        fit the compiled prefill buckets."""
+        fit the compiled prefill buckets. ``eplb_interval`` (EPLB engines): mesh steps between automatic
+        rebalances, 0 = only on request."""
         if async_scheduling is not None:
             self.async_scheduling = bool(async_scheduling)
+        if eplb_interval is not None:
+            if int(eplb_interval) < 0 or not isinstance(self.runner, DPModelRunner) or self.runner.placements is None:
+                raise ValueError(f"eplb_interval={eplb_interval!r} needs an EPLB engine and must be >= 0")
+            self.eplb_interval = int(eplb_interval)
         changes = {k: v for k, v in (("max_num_batched_tokens", max_num_batched_tokens),
                                      ("enable_chunked_prefill", enable_chunked_prefill),
                                      ("preemption_mode", preemption_mode)) if v is not None}
