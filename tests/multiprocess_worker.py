@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--devices", type=int, default=4, help="CPU devices of this process")
     ap.add_argument("--layout", type=int, nargs=3, default=[2, 1, 8], metavar=("DP", "CP", "EP"))
+    ap.add_argument("--redundant-experts", type=int, default=None, help="EPLB: num_redundant_experts")
+    ap.add_argument("--eplb-interval", type=int, default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
@@ -60,7 +62,8 @@ def main() -> None:
 
     model, prompts = model_and_prompts()
     dp, cp, ep = args.layout
-    llm = LLM(model, dp_size=dp, cp_size=cp, ep_size=ep, buckets=buckets(), **LLM_KW)
+    llm = LLM(model, dp_size=dp, cp_size=cp, ep_size=ep, buckets=buckets(),
+              num_redundant_experts=args.redundant_experts, eplb_interval=args.eplb_interval, **LLM_KW)
     compiled = llm.metrics()["compilations"]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
@@ -68,7 +71,8 @@ def main() -> None:
                   global_devices=len(jax.devices()), local_devices=len(jax.local_devices()),
                   mesh_processes=sorted({d.process_index for d in llm.runner.mesh.devices.flat}),
                   tokens=[o.token_ids for o in outs], finish=[o.finish_reason for o in outs],
-                  compiled_after_warmup=llm.metrics()["compilations"] - compiled)
+                  compiled_after_warmup=llm.metrics()["compilations"] - compiled,
+                  eplb_rebalances=llm.metrics()["eplb_rebalances"])
     Path(args.out).write_text(json.dumps(result))
     jax.distributed.shutdown()
 

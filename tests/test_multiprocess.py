@@ -1,7 +1,9 @@
 """The attention-DP engine across processes (issue 10, item 5): two ``jax.distributed`` processes on localhost with
 four CPU devices each form one 8-device mesh; ``dp=2, cp=1, ep=8`` puts engine 0 on the first process's devices
 and engine 1 on the second's, with the experts (and their token exchange) spread over both. Every process runs the
-same scheduler over the same requests; each must return exactly the one-device engine's greedy tokens."""
+same scheduler over the same requests; each must return exactly the one-device engine's greedy tokens. The engines
+run with EPLB (8 redundant slots, a rebalance every 3 mesh steps), so the expert placements also move across
+processes mid-run."""
 
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def test_two_processes_give_the_single_device_tokens(tmp_path):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     procs = [subprocess.Popen([sys.executable, str(WORKER), "--process-id", str(i), "--num-processes", "2",
-                               "--port", str(port), "--out", str(tmp_path / f"out{i}.json")],
+                               "--port", str(port), "--redundant-experts", "8", "--eplb-interval", "3",
+                               "--out", str(tmp_path / f"out{i}.json")],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     logs = []
@@ -55,3 +58,4 @@ def test_two_processes_give_the_single_device_tokens(tmp_path):
         assert got["finish"] == ["length"] * len(prompts)
         assert got["tokens"] == ref, f"process {i}"
         assert got["compiled_after_warmup"] == 0
+        assert got["eplb_rebalances"] >= 4

@@ -220,8 +220,9 @@ class DPModelRunner:
         ep_spec = PartitionSpec(None, *_axes_spec(self.mesh, "ep"))
         self._param_specs = jax.tree_util.tree_map_with_path(
             lambda path, _: ep_spec if _is_expert_leaf(path) else PartitionSpec(), stacked)
-        if self.multi_process:
-            stacked = jax.tree.map(np.asarray, stacked)
+        if self.multi_process:  # host values, or arrays local to this process, become identical host copies
+            stacked = jax.tree.map(lambda x: x if isinstance(x, jax.Array) and not x.is_fully_addressable
+                                   else np.asarray(x), stacked)
         self.params = jax.device_put(stacked, jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._param_specs))
 
     def expert_loads(self) -> np.ndarray:
