@@ -43,6 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dinfer_jax.engine.buckets import Buckets, pages_needed
+from dinfer_jax.engine.compile_pool import compile_all, default_compile_threads
 from dinfer_jax.engine.kv_cache import CacheConfig
 from dinfer_jax.engine.runner import InFlight, _device_step, _engram_callback, empty_inputs, fill_step_inputs
 from dinfer_jax.engine.scheduler import ScheduledStep
@@ -261,15 +262,27 @@ class DPModelRunner:
         return placements
 
     # ------------------------------------------------------------------ compile
-    def warmup(self, progress: bool = False) -> float:
-        """Compile every bucket with all engines idle (writes nothing). Returns seconds spent."""
+    def warmup(self, progress: bool = False, compile_threads: int | None = None) -> float:
+        """Compile every bucket, then run each with all engines idle (writes nothing). Returns seconds spent. As
+        :meth:`ModelRunner.warmup <dinfer_jax.engine.runner.ModelRunner.warmup>`: the programs are compiled ahead
+        of time on ``compile_threads`` threads (default :func:`default_compile_threads`; 1: one after another by
+        running them; always 1 with several processes)."""
         t0 = time.perf_counter()
         shapes = list(self.buckets.shapes())
+        idle = ([None] * self.layout.dp, [[]] * self.layout.dp, [[]] * self.layout.dp)
+        threads = default_compile_threads() if compile_threads is None else compile_threads
+        if self.multi_process:
+            # the processes must build their programs in one order: out-of-order compiles paired mismatched
+            # collectives across processes (gloo on CPU: "Received data size doesn't match expected size")
+            threads = 1
         with PhaseProgress("compile buckets", len(shapes), enabled=progress) as bar:
-            for b, q, p in shapes:
-                out = self._run([None] * self.layout.dp, [[]] * self.layout.dp, [[]] * self.layout.dp, (b, q, p))
-                out.tokens.block_until_ready()
-                bar.advance()
+            if threads > 1:
+                compile_all([lambda s=s: self._step.lower(*self._step_args(*idle, s)).compile() for s in shapes],
+                            threads, on_done=bar.advance)
+            for shape in shapes:
+                self._run(*idle, shape).tokens.block_until_ready()
+                if threads <= 1:
+                    bar.advance()
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ dispatch
@@ -299,6 +312,21 @@ class DPModelRunner:
 
     def _run(self, steps: list[ScheduledStep | None], params: Sequence[list[Any]], seeds: Sequence[list[int]],
              shape: tuple[int, int, int]) -> DPStepOutput:
+        self.compiled_shapes.add(shape)
+        toks, logprobs, self.cache, host_view, self._loads = self._step(*self._step_args(steps, params, seeds, shape))
+        cache_size = getattr(self._step, "_cache_size", None)
+        self.num_compilations = cache_size() if callable(cache_size) else len(self.compiled_shapes)
+        self._prev_tokens = toks
+        for e, step in enumerate(steps):
+            if step is not None:
+                self._prev_step_id[e] = step.step_id
+        if host_view is not None:
+            toks, logprobs = host_view
+        return DPStepOutput(steps, toks, logprobs, self.layout.replicas, time.perf_counter(), shape)
+
+    def _step_args(self, steps: list[ScheduledStep | None], params: Sequence[list[Any]],
+                   seeds: Sequence[list[int]], shape: tuple[int, int, int]) -> tuple[Any, ...]:
+        """The mesh step's arguments for every engine's step (None: padding) in bucket ``shape``."""
         b, q, p = shape
         bs = self.cache_config.block_size
         inps, feeds, samps, active = [], [], [], []
@@ -323,18 +351,7 @@ class DPModelRunner:
         host = (StepInput(**jax.tree.map(stack, *inps)), InFlight(**jax.tree.map(stack, *feeds)),
                 jax.tree.map(stack, *samps), stack(*active))
         inp, feed, samp, act = jax.device_put(host, self._copies)
-        self.compiled_shapes.add(shape)
-        toks, logprobs, self.cache, host_view, self._loads = self._step(
-            self.params, self.cache, inp, feed, self._prev_tokens, samp, act, self._cmap, self._loads)
-        cache_size = getattr(self._step, "_cache_size", None)
-        self.num_compilations = cache_size() if callable(cache_size) else len(self.compiled_shapes)
-        self._prev_tokens = toks
-        for e, step in enumerate(steps):
-            if step is not None:
-                self._prev_step_id[e] = step.step_id
-        if host_view is not None:
-            toks, logprobs = host_view
-        return DPStepOutput(steps, toks, logprobs, r, time.perf_counter(), shape)
+        return self.params, self.cache, inp, feed, self._prev_tokens, samp, act, self._cmap, self._loads
 
 
 def _axes_spec(mesh: Mesh, kind: str) -> PartitionSpec:

@@ -188,8 +188,7 @@ class LLM:
         enable_chunked_prefill / preemption_mode: scheduler policies (``"stop"`` or ``"recompute"``).
         warmup: compile every shape bucket at start, so serving triggers no compilation.
         compile_threads: threads compiling the buckets at warm-up (default: the host's cores, or
-            ``DINFER_JAX_COMPILE_THREADS``; 1 = one after another). The attention-DP engines compile one after
-            another.
+            ``DINFER_JAX_COMPILE_THREADS``; 1 = one after another; always 1 across several processes).
         buckets: compiled shapes (:class:`~dinfer_jax.engine.buckets.Buckets`); default from ``max_num_seqs``,
             ``max_num_batched_tokens`` and, for page tables, ``max_model_len`` (a few geometric page counts, so a
             step's cost follows its batch's context, not ``max_model_len``).
@@ -307,8 +306,7 @@ class LLM:
         self._seed_rng = np.random.default_rng(seed)
         self._next_id = 0
         if warmup:
-            threads = {} if isinstance(self.runner, DPModelRunner) else {"compile_threads": compile_threads}
-            self._metrics.warmup_seconds = self.runner.warmup(progress=progress, **threads)
+            self._metrics.warmup_seconds = self.runner.warmup(progress=progress, compile_threads=compile_threads)
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
