@@ -138,3 +138,17 @@ def e2m1_value(nibble: int) -> float:
     s, e, m = nibble >> 3, (nibble >> 1) & 0x3, nibble & 0x1
     mag = m / 2 if e == 0 else math.ldexp(1 + m / 2, e - 1)
     return -mag if s else mag
+
+
+def gpu_device() -> Any:
+    """The first GPU device; skips the calling test when there is none (the ``gpu``-marked kernel tests)."""
+    import jax
+    import pytest
+
+    try:
+        devs = [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        devs = []
+    if not devs:
+        pytest.skip("no GPU backend")
+    return devs[0]

@@ -28,22 +28,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from helpers import gpu_device
 from pallas_kernels.attention.decode_sm90 import sparse_decode_attention
 from pallas_kernels.attention.reference import sparse_decode_attention_ref
 
 pytestmark = pytest.mark.gpu
 
 HUGE_SINK_HEAD = 1
-
-
-def _accelerator():
-    try:
-        devs = [d for d in jax.devices() if d.platform == "gpu"]
-    except RuntimeError:
-        devs = []
-    if not devs:
-        pytest.skip("no GPU backend")
-    return devs[0]
 
 
 def _mask(kind: str, n: int, rows: int, rng: np.random.Generator) -> np.ndarray:
@@ -88,7 +79,7 @@ def _exact(q, kv, valid, sink, scale: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _check(n, h, d, rows, mask, seed=0, **kw):
-    dev = _accelerator()
+    dev = gpu_device()
     q, kv, valid, sink = _case(n, h, d, rows, mask, seed)
     scale = d ** -0.5
     with jax.default_device(dev):
@@ -148,7 +139,7 @@ def test_model_attend_selected_kernel_matches_xla_path(b, s):
     element (A as in the module docstring, from float64 here) plus 2^-14 · max A."""
     from dinfer_jax.models.attention import attend_selected
 
-    _accelerator()
+    gpu_device()
     h, d, sw, k = 64, 512, 128 + s, 512
     rng = np.random.default_rng(7)
     q = rng.standard_normal((b, s, h, d)).astype(ml_dtypes.bfloat16)

@@ -15,21 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import gpu_device
 from pallas_kernels.moe import reference
 from pallas_kernels.moe.fp4_mma import to_mma_layout
 from pallas_kernels.moe.kernel_sm90 import TileConfig, experts_sm90
 
 pytestmark = pytest.mark.gpu
-
-
-def _accelerator():
-    try:
-        devs = [d for d in jax.devices() if d.platform == "gpu"]
-    except RuntimeError:
-        devs = []
-    if not devs:
-        pytest.skip("no GPU backend")
-    return devs[0]
 
 
 def _fp4(key, g, out, inn):
@@ -66,7 +57,7 @@ CASE_IDS = ([f"{n}-{d}" for n in ("m16", "m32", "m128") for d in ("bits", "float
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("cfg,decode", CASES, ids=CASE_IDS)
 def test_experts_kernel_matches_reference(routing, cfg, decode):
-    dev = _accelerator()
+    dev = gpu_device()
     G, D, I, K, limit = 16, 1024, 512, 4, 3.0
     seed = hash((routing, cfg[0].block_m)) % 1000
     keys = jax.random.split(jax.random.key(seed), 6)
@@ -104,7 +95,7 @@ def test_model_keeps_experts_in_kernel_layout():
     from dinfer_jax.models.config import QuantConfig
     from dinfer_jax.models.qweights import is_quantized, released_layout
 
-    dev = _accelerator()
+    dev = gpu_device()
     # widths of 512: the released-layout comparison needs 16-byte rows of scales (in/32 bytes)
     cfg = load_config("tiny-v4").replace(quantization=QuantConfig((128, 128), "ue8m0", "fp4"), hidden_size=512,
                                          moe_inter_dim=512)
