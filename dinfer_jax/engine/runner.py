@@ -139,12 +139,21 @@ class ModelRunner:
         b, q, p = shape
         inp, feed = self._empty_inputs(b, q, p)
         if self.spec is not None:
-            return _STEP_SPEC.lower(self.params, self.cache, self.spec, StepInput(**inp), InFlight(**feed),
-                                    self._prev_tokens, self._sampling([], [], [], b), self._cmap,
-                                    *self._spec_extra(b), k=self.k, method=self.speculative, decode=decode,
-                                    **self._static)
-        return _STEP.lower(self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens,
-                           self._cmap, **self._forward_static)
+            args, kw = self._spec_args(inp, feed, self._sampling([], [], [], b), decode, *self._spec_extra(b))
+            return _STEP_SPEC.lower(*args, **kw)
+        return _STEP.lower(*self._forward_args(inp, feed), **self._forward_static)
+
+    def _forward_args(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray]) -> tuple[Any, ...]:
+        """Positional arguments of the model program (:data:`_STEP`) for one step's host inputs."""
+        return self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens, self._cmap
+
+    def _spec_args(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any, decode: bool,
+                   ndraft: np.ndarray, next_tok: np.ndarray,
+                   sample_mask: np.ndarray) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Arguments of the speculative program (:data:`_STEP_SPEC`): ``(positional, keyword)``."""
+        return ((self.params, self.cache, self.spec, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
+                 self._cmap, ndraft, next_tok, sample_mask),
+                dict(k=self.k, method=self.speculative, decode=decode, **self._static))
 
     def _sampler_args(self, b: int, use_filters: bool, all_greedy: bool) -> tuple[jax.Array, SamplingTensors]:
         logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
@@ -157,8 +166,7 @@ class ModelRunner:
     def _call(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: SamplingTensors,
               shape: tuple[int, int, int]):
         with _CompileCounter(self, _STEP, shape):
-            logits, cache = _STEP(self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens,
-                                  self._cmap, **self._forward_static)
+            logits, cache = _STEP(*self._forward_args(inp, feed), **self._forward_static)
         toks, logprobs = self._sample(logits, samp)
         return toks, logprobs, cache
 
@@ -174,11 +182,9 @@ class ModelRunner:
     def _call_spec(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any,
                    shape: tuple[int, int, int], decode: bool, ndraft: np.ndarray, next_tok: np.ndarray,
                    sample_mask: np.ndarray):
+        args, kw = self._spec_args(inp, feed, samp, decode, ndraft, next_tok, sample_mask)
         with _CompileCounter(self, _STEP_SPEC, (*shape, decode)):
-            toks, nacc, logprobs, self.cache, self.spec = _STEP_SPEC(
-                self.params, self.cache, self.spec, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
-                self._cmap, ndraft, next_tok, sample_mask, k=self.k, method=self.speculative, decode=decode,
-                **self._static)
+            toks, nacc, logprobs, self.cache, self.spec = _STEP_SPEC(*args, **kw)
         return toks, nacc, logprobs
 
     @staticmethod
