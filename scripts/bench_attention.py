@@ -13,6 +13,9 @@ two ways a query can read the compressed rows (``LayerOptions.attention``):
   attended (``attention.attend_selected``): O(top-k + window);
 * ``gather + kernel`` (on a GPU): the same gather and decode, then the Mosaic GPU decode kernel
   (``attend_selected(impl="pallas")``, ``pallas_kernels/attention``) — the model's GPU path;
+* ``kernel alone`` (on a GPU): the Mosaic GPU kernel by itself (``sparse_decode_attention``) on rows already
+  gathered, decoded to bf16 and laid out as the model lays them out (reads ``(window + top-k)·d·2`` bytes per
+  query);
 * ``indexer``: the lightning indexer's scores over every compressed row (V4: fp32 index keys) and its top-k
   (``attention.index_scores``, ``csa2.topk_select``): O(context) for both modes.
 
@@ -46,6 +49,7 @@ from dinfer_jax.models.cache_codec import RowCodec  # noqa: E402
 from dinfer_jax.models.cache_io import pages_gather, pages_read  # noqa: E402
 from dinfer_jax.models.csa2 import topk_select  # noqa: E402
 from dinfer_jax.models.ops import rope_cos_sin, rope_inv_freq  # noqa: E402
+from pallas_kernels.attention.decode_sm90 import sparse_decode_attention  # noqa: E402
 
 BLOCK = 128  # tokens per page (DeepInfer's default)
 
@@ -92,6 +96,17 @@ def _sparse(codec: RowCodec, pool, pages, q, win, wmask, idx, sink, impl: str = 
     return attend_selected(q, win, wmask, rows, idx >= 0, sink, impl=impl)
 
 
+def _kernel_rows(codec: RowCodec, pool, pages, idx, win, wmask):
+    """The kernel's own input for one decode query per sequence: window then selected rows, decoded to bf16, padded
+    to a multiple of 64, masked rows zeroed (``keys [B, L, d]``, ``valid [B, L]``), as the model lays them out."""
+    rows = codec.unpack(pages_gather(pool, jnp.int32(0), pages, idx))[:, 0].astype(jnp.bfloat16)
+    keys = jnp.concatenate([win, rows], axis=1)
+    valid = jnp.concatenate([wmask[:, 0], idx[:, 0] >= 0], axis=1)
+    pad = (-keys.shape[1]) % 64
+    keys, valid = jnp.pad(keys, ((0, 0), (0, pad), (0, 0))), jnp.pad(valid, ((0, 0), (0, pad)))
+    return jnp.where(valid[..., None], keys, jnp.zeros((), keys.dtype)), valid
+
+
 def _indexer_case(cfg, B: int, context: int, ratio: int, key):
     rpb = BLOCK // ratio
     pages_per_seq = -(-context // BLOCK)
@@ -136,12 +151,17 @@ def bench_attention(args, device_times, copy_bw: float) -> list[dict]:
                 t_dense, _ = device_times(dense, *a)
                 t_sparse, _ = device_times(sparse, *a)
                 # the model's GPU path: the same gather, then the Mosaic GPU kernel (pallas_kernels/attention)
-                t_kernel = err_kernel = float("nan")
+                t_kernel = err_kernel = t_alone = float("nan")
                 if selected_kernel_unsupported(c["q"]) is None:
                     kernel = jax.jit(functools.partial(_sparse, codec, impl="pallas"))
                     got_k = np.asarray(kernel(*a), np.float32)
                     err_kernel = float(np.abs(got_k - got).max() / max(np.abs(got).max(), 1e-30))
                     t_kernel, _ = device_times(kernel, *a)
+                    keys, valid = jax.jit(functools.partial(_kernel_rows, codec))(
+                        c["pool"], c["pages"], c["idx"], c["win"], c["wmask"])
+                    alone = jax.jit(functools.partial(sparse_decode_attention, scale=cfg.head_dim ** -0.5))
+                    t_alone, _ = device_times(alone, c["q"][:, 0], keys, valid, c["sink"])
+                    del keys, valid
                 del c
                 ic = _indexer_case(cfg, B, C, ratio, jax.random.key(7))
                 ix = jax.jit(functools.partial(_indexer, cfg, ratio))
@@ -151,11 +171,13 @@ def bench_attention(args, device_times, copy_bw: float) -> list[dict]:
                 b_dense = B * (T * row_bytes + win_bytes)
                 b_sparse = B * (cfg.index_topk * row_bytes + win_bytes)
                 b_ix = B * T * cfg.index_head_dim * 4
+                b_alone = B * (cfg.index_topk + cfg.sliding_window) * cfg.head_dim * 2
                 row = dict(model=name, batch=B, context=C, rows=T, row_bytes=row_bytes, dense_ms=t_dense,
                            sparse_ms=t_sparse, kernel_ms=t_kernel, kernel_rel_err=err_kernel,
                            indexer_ms=t_ix, max_rel_err=err,
                            dense_GBps=b_dense / t_dense / 1e6, sparse_GBps=b_sparse / t_sparse / 1e6,
-                           kernel_GBps=b_sparse / t_kernel / 1e6,
+                           kernel_GBps=b_sparse / t_kernel / 1e6, kernel_alone_ms=t_alone,
+                           kernel_alone_GBps=b_alone / t_alone / 1e6,
                            indexer_GBps=b_ix / t_ix / 1e6, copy_GBps=copy_bw / 1e9)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -165,15 +187,18 @@ def bench_attention(args, device_times, copy_bw: float) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     head = ("| model | batch | context | compressed rows | dense ms | sparse ms | dense / sparse | sparse GB/s "
-            "(% copy) | gather + kernel ms | gather + kernel GB/s (% copy) | indexer ms | indexer GB/s (% copy) | "
+            "(% copy) | gather + kernel ms | gather + kernel GB/s (% copy) | kernel alone ms | kernel alone GB/s "
+            "(% copy) | indexer ms | indexer GB/s (% copy) | "
             "max rel. err (sparse vs dense; kernel vs sparse) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-            "---:|---:|---:|")
+            "---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['rows']} | {r['dense_ms']:.3f} | "
                      f"{r['sparse_ms']:.3f} | {r['dense_ms'] / r['sparse_ms']:.1f}× | {r['sparse_GBps']:.0f} "
                      f"({100 * r['sparse_GBps'] / r['copy_GBps']:.0f}%) | {r['kernel_ms']:.3f} | "
                      f"{r['kernel_GBps']:.0f} ({100 * r['kernel_GBps'] / r['copy_GBps']:.0f}%) | "
+                     f"{r['kernel_alone_ms']:.4f} | "
+                     f"{r['kernel_alone_GBps']:.0f} ({100 * r['kernel_alone_GBps'] / r['copy_GBps']:.0f}%) | "
                      f"{r['indexer_ms']:.3f} | "
                      f"{r['indexer_GBps']:.0f} ({100 * r['indexer_GBps'] / r['copy_GBps']:.0f}%) | "
                      f"{r['max_rel_err']:.1e}; {r['kernel_rel_err']:.1e} |")

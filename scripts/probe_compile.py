@@ -1,19 +1,24 @@
-"""Where the compile time of a serving step goes, and whether the mHC Sinkhorn loop form matters (issue 8).
+"""Where the compile time of a serving step goes (issue 8).
 
-For each layer count and each Sinkhorn form (``unrolled``: the Python loop the model uses; ``looped``: the same
-rounds under ``lax.fori_loop``), lowers and compiles one decode step bucket of a real-dimension slice with
-abstract weights, and reports jax's own durations (trace, jaxpr -> MLIR, backend compile), the optimized HLO's
-fusion and loop counts. Then times the two Sinkhorn forms alone on the device: 8 sites (a V4-Flash decode step has
-~90 mHC sites) on ``[64, 1, 4, 4]`` and on ``[8192, 4, 4]``.
+Lowers and compiles the serving step of a real-dimension slice with abstract weights, for each layer count, at a
+decode bucket (``[batch, 1]``) and a prefill bucket (``[1, prefill]``), the two on a pool of threads as the
+engine's warm-up does. Reports jax's own durations (trace, jaxpr -> MLIR, backend compile; summed over both
+programs), each program's wall time, and the optimized HLO's fusion / while / custom-call counts. Run it under
+different ``XLA_FLAGS`` (``--xla_gpu_autotune_level=0``, ...) to see what the backend spends its time on. Then
+times the mHC Sinkhorn normalisation, unrolled (the model's form) against a ``lax.fori_loop`` form, on the device:
+8 sites (a V4-Flash decode step has ~90 mHC sites) on ``[64, 1, 4, 4]`` and on ``[8192, 4, 4]``.
 
     python3 scripts/probe_compile.py --preset deepseek-v4-flash --layers 2 4
+
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import functools
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,8 +37,6 @@ from dinfer_jax.models.config import load_config  # noqa: E402
 from dinfer_jax.models.layer_plan import stack_params  # noqa: E402
 from dinfer_jax.models.params import abstract_params  # noqa: E402
 from dinfer_jax.models.step_state import CacheConfig, StepInput, cache_shapes  # noqa: E402
-
-UNROLLED = mhc.sinkhorn
 
 
 def looped(comb_logits: jax.Array, iters: int, eps: float) -> jax.Array:
@@ -55,22 +58,31 @@ def _listen(name: str, secs: float, **_: object) -> None:
 
 
 def compile_step(cfg, batch: int, q: int, pages: int, block: int) -> dict:
+    """Lower and compile one serving-step bucket ``[batch, q]``; wall seconds and optimized-HLO counts."""
     sds = jax.ShapeDtypeStruct
-    params = jax.eval_shape(functools.partial(stack_params, cfg),
-                            abstract_params(cfg, "bfloat16", include_mtp=False, weights="native"))
+    params = jax.eval_shape(
+        functools.partial(stack_params, cfg), abstract_params(cfg, "bfloat16", include_mtp=False, weights="native")
+    )
     cc = CacheConfig(num_slots=batch + 1, num_blocks=batch * pages + 1, block_size=block)
     i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
-    inp = StepInput(tokens=i32(batch, q), start=i32(batch), n=i32(batch), slot=i32(batch), pages=i32(batch, pages),
-                    last=i32(batch))
-    step = jax.jit(functools.partial(model_step, cfg=cfg, dtype="bfloat16",
-                                     engram_fn=functools.partial(_engram_stub, cfg)), donate_argnums=(1,))
-    DURATIONS.clear()
+    inp = StepInput(
+        tokens=i32(batch, q), start=i32(batch), n=i32(batch), slot=i32(batch), pages=i32(batch, pages), last=i32(batch)
+    )
+    step = jax.jit(
+        functools.partial(model_step, cfg=cfg, dtype="bfloat16", engram_fn=functools.partial(_engram_stub, cfg)),
+        donate_argnums=(1,),
+    )
     t0 = time.perf_counter()
-    exe = step.lower(params, cache_shapes(cfg, cc, "bfloat16"), inp, cmap=None).compile()
-    total = time.perf_counter() - t0
-    hlo = exe.as_text()
-    return dict(total=total, **{k: round(v, 2) for k, v in DURATIONS.items()}, fusions=hlo.count(" fusion("),
-                whiles=hlo.count(" while("), custom_calls=hlo.count(" custom-call("))
+    lowered = step.lower(params, cache_shapes(cfg, cc, "bfloat16"), inp, cmap=None)
+    t1 = time.perf_counter()
+    hlo = lowered.compile().as_text()
+    return dict(
+        lower_s=round(t1 - t0, 1),
+        compile_s=round(time.perf_counter() - t1, 1),
+        fusions=hlo.count(" fusion("),
+        whiles=hlo.count(" while("),
+        custom_calls=hlo.count(" custom-call("),
+    )
 
 
 def time_sinkhorn(fn, shape, sites: int = 8, reps: int = 20) -> float:
@@ -93,21 +105,34 @@ def main() -> None:
     ap.add_argument("--preset", default="deepseek-v4-flash")
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--pages", type=int, default=65)
+    ap.add_argument("--prefill", type=int, default=8192, help="prefill bucket length (0: decode bucket only)")
     ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--no-sinkhorn", action="store_true", help="skip the Sinkhorn micro-benchmark")
     args = ap.parse_args()
     jax.monitoring.register_event_duration_secs_listener(_listen)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}", flush=True)
-    for shape in [(64, 1, 4, 4), (8192, 4, 4)]:
-        a, b = time_sinkhorn(UNROLLED, shape), time_sinkhorn(looped, shape)
-        print(f"sinkhorn x8 sites on {shape}: unrolled {a:.3f} ms, looped {b:.3f} ms", flush=True)
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        flush=True,
+    )
+    if not args.no_sinkhorn:
+        for shape in [(64, 1, 4, 4), (8192, 4, 4)]:
+            a, b = time_sinkhorn(mhc.sinkhorn, shape), time_sinkhorn(looped, shape)
+            print(f"sinkhorn x8 sites on {shape}: unrolled {a:.3f} ms, looped {b:.3f} ms", flush=True)
     base = load_config(args.preset)
+    pages = -(-max(args.prefill, 4096) // args.block) + 1
+    buckets = [(args.batch, 1)] + ([(1, args.prefill)] if args.prefill else [])
     for n in args.layers:
-        for name, fn in (("unrolled", UNROLLED), ("looped", looped)):
-            mhc.sinkhorn = fn
-            r = compile_step(first_layers(base, n), args.batch, 1, args.pages, args.block)
-            print(f"layers {n} sinkhorn {name}: {r}", flush=True)
-    mhc.sinkhorn = UNROLLED
+        cfg = first_layers(base, n)
+        DURATIONS.clear()
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(len(buckets)) as pool:
+            futs = {bq: pool.submit(compile_step, cfg, bq[0], bq[1], pages, args.block) for bq in buckets}
+            results = {bq: f.result() for bq, f in futs.items()}
+        wall = time.perf_counter() - t0
+        phases = {k: round(v, 1) for k, v in DURATIONS.items()}
+        print(f"layers {n}: wall {wall:.1f} s for {len(buckets)} programs; jax phases (summed) {phases}", flush=True)
+        for (b, q), r in results.items():
+            print(f"  bucket [{b}, {q}]: {r}", flush=True)
 
 
 if __name__ == "__main__":

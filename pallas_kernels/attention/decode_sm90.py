@@ -78,15 +78,13 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.attention.reference import check_shapes, sparse_decode_attention_ref
+from pallas_kernels.attention.reference import check_shapes
 
 HEADS_PER_CTA = 64            # the WGMMA M of one warpgroup
 MAX_DH = 256                  # fp32 accumulator columns per thread budget: 64 × 256 / 128 threads = 128 registers
@@ -304,47 +302,3 @@ def traffic(n: int, h: int, d: int, rows: int, *, v_split: int = 2) -> dict[str,
     read = n * rows * d * 2 + n * h * d * 2 + n * rows * 4 + h * 4
     return dict(bytes_read=float(read), bytes=float(read + n * h * d * 2), flops_useful=float(2 * qk),
                 flops_executed=float(qk * v_split + qk))
-
-
-def benchmark(n: int = 64, h: int = 64, d: int = 512, rows: int = 640, *, iterations: int = 50, seed: int = 0,
-              cupti: bool = True, **kernel_kw) -> dict[str, float]:
-    """Kernel vs the jitted reference on the default device at one shape (default: the real decode size).
-
-    Returns the median times (ms; device time per call from CUPTI via ``jax.experimental.mosaic.gpu.profiler`` when
-    ``cupti``, as scripts/bench_kernels.py's ``device_times``, else wall clock), the kernel's max error relative to
-    the reference's scale, :func:`traffic`'s counts and the kernel's achieved GB/s and TFLOP/s. 90% of rows valid,
-    random sink.
-    """
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (n, h, d), jnp.bfloat16)
-    kv = jax.random.normal(ks[1], (n, rows, d), jnp.bfloat16)
-    valid = jax.random.uniform(ks[2], (n, rows)) < 0.9
-    sink = jax.random.normal(ks[3], (h,), jnp.float32)
-    args = (q, kv, valid, sink)
-    scale = d ** -0.5
-    kernel = functools.partial(sparse_decode_attention, scale=scale, **kernel_kw)
-    ref = jax.jit(functools.partial(sparse_decode_attention_ref, scale=scale))
-
-    def median_ms(f) -> float:
-        jax.block_until_ready(f(*args))
-        if cupti:
-            from jax.experimental.mosaic.gpu import profiler
-
-            _, per_iter = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
-            return statistics.median([sum(t for _, t in it) for it in per_iter])
-        times = []
-        for _ in range(iterations):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
-
-    got = kernel(*args).astype(jnp.float32)
-    want = ref(*args).astype(jnp.float32)
-    err = float(jnp.abs(got - want).max() / jnp.maximum(jnp.abs(want).max(), 1e-30))
-    t_kernel, t_ref = median_ms(kernel), median_ms(ref)
-    work = traffic(n, h, d, rows, v_split=kernel_kw.get("v_split", 2))
-    return dict(kernel_ms=t_kernel, reference_ms=t_ref, max_rel_err=err, **work,
-                kernel_GBps=work["bytes"] / t_kernel / 1e6,
-                kernel_TFLOPs_useful=work["flops_useful"] / t_kernel / 1e9,
-                kernel_TFLOPs_executed=work["flops_executed"] / t_kernel / 1e9)
