@@ -124,8 +124,8 @@ def record_step_shapes(llm: Any) -> list[tuple[str, tuple[int, int, int]]]:
     seen: list[tuple[str, tuple[int, int, int]]] = []
     inner = llm.runner.dispatch
 
-    def dispatch(step, params, seeds):
-        out = inner(step, params, seeds)
+    def dispatch(step, params, seeds, **kw):
+        out = inner(step, params, seeds, **kw)
         seen.append((step.kind, out.shape))
         return out
 

@@ -35,6 +35,7 @@ class SP:
     max_tokens: int | None = 16
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    so_args: dict | None = None  # structured output: the scheduler only reads whether it is set
 
 
 def tok(rid: int, pos: int) -> int:
@@ -419,6 +420,46 @@ def test_preemption_recompute_mode():
         assert res[1] == (expected_outputs(1, 4, 8), "length")
         assert res[2] == (expected_outputs(2, 4, 8), "length")
         assert_no_leaks(sched)
+
+
+def test_structured_victim_is_not_recomputed():
+    # the same tight pool in recompute mode, but A asks for structured output: its grammar state is not replayed,
+    # so the preemption ends it ("preempted"), keeping the tokens it had; B and C are unaffected (DeepInfer)
+    for sync_mode in ("sync", "async"):
+        sched = make(num_blocks=10, block_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
+                     preemption_mode="recompute")
+        a = sched.add_request(0, prompt_of(0, 4), SP(max_tokens=24, so_args={"schema_type": "regex", "schema": "a"}))
+        assert not a.recomputable
+        added = []
+
+        def hook(s, step, a=a, added=added):
+            if not added and a.num_tokens_total >= 10:
+                added += [s.add_request(r, prompt_of(r, 4), SP(max_tokens=8)) for r in (1, 2)]
+
+        _, finished, _ = drive(sched, FakeDevice(sched), sync_mode, hook=hook)
+        assert a.finish_reason == "preempted" and "not recomputed" in a.error and a.num_preemptions == 1
+        n = len(a.output_token_ids)
+        assert 6 <= n < 24 and tuple(a.output_token_ids) == expected_outputs(0, 4, n)
+        res = results(finished)
+        assert res[1] == (expected_outputs(1, 4, 8), "length") and res[2] == (expected_outputs(2, 4, 8), "length")
+        assert_no_leaks(sched)
+
+
+def test_fail_ends_only_that_request():
+    sched = make()
+    a = sched.add_request(0, prompt_of(0, 4), SP(max_tokens=6))
+    b = sched.add_request(1, prompt_of(1, 4), SP(max_tokens=6))
+    failed = []
+
+    def hook(s, step):
+        if not failed and len(a.output_token_ids) >= 2:
+            failed.append(s.fail(0, "grammar rejected a token"))
+
+    _, finished, _ = drive(sched, FakeDevice(sched), "async", hook=hook)
+    assert failed == [a] and a.finish_reason == "error" and a.error == "grammar rejected a token"
+    assert a in finished and sched.fail(0, "again") is None
+    assert results(finished)[1] == (expected_outputs(1, 4, 6), "length") and b.finish_reason == "length"
+    assert_no_leaks(sched)
 
 
 def test_recompute_victims_requeued_in_front_in_arrival_order():

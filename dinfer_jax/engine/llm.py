@@ -25,6 +25,7 @@ from dinfer_jax.engine.kv_cache import CacheConfig, size_pools
 from dinfer_jax.engine.memory_plan import MemoryPlan, plan_memory
 from dinfer_jax.engine.runner import Buckets, ModelRunner, StepOutput
 from dinfer_jax.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from dinfer_jax.engine.structured_rows import StructuredOutputs
 from dinfer_jax.models import Model, load_config, load_model, random_model
 from dinfer_jax.sampling import SamplingParams
 
@@ -75,6 +76,13 @@ class EngineMetrics:
     host_schedule_seconds: float = 0.0
     host_dispatch_seconds: float = 0.0
     host_process_seconds: float = 0.0
+    # structured outputs: requests with so_args, those that ended with a grammar error, host time filling token
+    # masks (the device can wait on the masks only while the host fills them), host time blocked on a grammar
+    # compilation with nothing else to run
+    structured_requests: int = 0
+    structured_failed: int = 0
+    structured_mask_seconds: float = 0.0
+    structured_build_wait_seconds: float = 0.0
 
 
 def _enable_compilation_cache() -> None:
@@ -218,6 +226,10 @@ class LLM:
             ``model1`` rows (FP8 non-RoPE dims, bf16 RoPE dims; 584 B a row in the release instead of 1024) and
             Hadamard-rotated FP4 index keys (68 B instead of 512). This changes V4's values, in the full forward
             as in serving (measured: ``docs/kv_formats.md``).
+        tokenizer: a ``tokenizer.json`` path or a ``tokenizers.Tokenizer`` to use instead of the checkpoint's (text
+            prompts, output text, and the vocabulary of structured-output grammars); default: the checkpoint's.
+        structured_timeout_s: limit on compiling one request's structured-output grammar (``so_args``); a request
+            whose grammar is not ready by then ends with ``finish_reason="error"`` (``docs/structured_outputs.md``).
     """
 
     def __init__(self, model: str | Path | Model, dtype: str = "float32", max_num_seqs: int = 8,
@@ -230,7 +242,8 @@ class LLM:
                  num_speculative_tokens: int = 5, memory_utilization: float = 0.9,
                  device_memory_bytes: int | None = None, attention: str = "auto", kv_cache_dtype: str = "auto",
                  compile_threads: int | None = None, num_redundant_experts: int | None = None,
-                 eplb_interval: int | None = None):
+                 eplb_interval: int | None = None, tokenizer: str | Path | Any | None = None,
+                 structured_timeout_s: float = 20.0):
         _enable_compilation_cache()
         if attention not in ("auto", "sparse", "dense"):
             raise ValueError(f"attention must be 'auto', 'sparse' or 'dense', got {attention!r}")
@@ -301,7 +314,11 @@ class LLM:
             self.runner = DPModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, self.parallel,
                                         max_logprobs=max_logprobs, num_redundant_experts=num_redundant_experts)
         self.max_logprobs = max_logprobs
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer = self._load_tokenizer(tokenizer)
+        eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, (list, tuple)) else [cfg.eos_token_id]
+        self._structured = StructuredOutputs(self.tokenizer.to_str() if self.tokenizer is not None else None,
+                                             cfg.vocab_size, [int(t) for t in eos if t is not None],
+                                             timeout_s=structured_timeout_s)
         self._metrics = EngineMetrics()
         self._seed_rng = np.random.default_rng(seed)
         self._next_id = 0
@@ -343,10 +360,12 @@ class LLM:
 
     def configure(self, *, async_scheduling: bool | None = None, max_num_batched_tokens: int | None = None,
                   enable_chunked_prefill: bool | None = None, preemption_mode: str | None = None,
-                  eplb_interval: int | None = None) -> None:
+                  eplb_interval: int | None = None, structured_timeout_s: float | None = None) -> None:
         """Change host-side scheduling switches between ``generate`` calls (no recompilation). Chunks must still
         fit the compiled prefill buckets. ``eplb_interval`` (EPLB engines): mesh steps between automatic
-        rebalances, 0 = only on request."""
+        rebalances, 0 = only on request. ``structured_timeout_s``: grammar compilation limit for later requests."""
+        if structured_timeout_s is not None:
+            self._structured.timeout_s = structured_timeout_s
         if async_scheduling is not None:
             self.async_scheduling = bool(async_scheduling)
         if eplb_interval is not None:
@@ -391,6 +410,9 @@ class LLM:
         near zero) and the host waited for the device."""
         m = dataclasses.asdict(self._metrics)
         m["compilations"] = self.runner.num_compilations
+        so = self._structured
+        m.update(structured_requests=so.requests, structured_failed=so.failed,
+                 structured_mask_seconds=so.mask_seconds, structured_build_wait_seconds=so.build_wait_seconds)
         m["host_launch_seconds"] = getattr(self.runner, "launch_seconds", 0.0)
         busy = m["generate_seconds"]
         m["device_wait_fraction"] = m["device_waited_for_host_seconds"] / busy if busy else 0.0
@@ -400,11 +422,17 @@ class LLM:
         return m
 
     # ------------------------------------------------------------------ internals
-    def _load_tokenizer(self):
-        if self.path is None or not (self.path / "tokenizer.json").is_file():
-            return None
+    def _load_tokenizer(self, tokenizer: str | Path | Any | None):
         from tokenizers import Tokenizer
 
+        if tokenizer is not None:
+            if isinstance(tokenizer, Tokenizer):
+                return tokenizer
+            if not Path(tokenizer).is_file():
+                raise ValueError(f"tokenizer: no tokenizer.json file at {tokenizer!s}")
+            return Tokenizer.from_file(str(tokenizer))
+        if self.path is None or not (self.path / "tokenizer.json").is_file():
+            return None
         return Tokenizer.from_file(str(self.path / "tokenizer.json"))
 
     def _add(self, sched: Scheduler, prompt: Any, sp: SamplingParams) -> dict[str, Any]:
@@ -423,11 +451,36 @@ class LLM:
                 ids, error = [], "prompt must be a string or a list of integer token ids"
         seed = sp.seq_seed if sp.seq_seed is not None else int(self._seed_rng.integers(0, 2**63, dtype=np.int64))
         rec = {"id": rid, "text": text, "ids": ids, "params": sp, "seed": seed, "error": error, "seq": None,
-               "logprobs": [] if sp.logprobs is not None else None}
+               "logprobs": [] if sp.logprobs is not None else None, "matcher": None, "build": None, "so_fed": 0}
         self._metrics.requests += 1
+        if error is None and sp.structured is not None:
+            if self.speculative or isinstance(self.runner, DPModelRunner):
+                rec["error"] = ("structured output (so_args) runs on the one-device engine without speculative "
+                                "decoding; this engine has " + ("speculative decoding on" if self.speculative
+                                                                 else "several DP/CP/EP ranks"))
+                self._structured.requests += 1
+                self._structured.failed += 1
+            else:
+                rec["error"] = self._structured.submit(rec)  # admitted to the scheduler once its matcher is built
+            return rec
         if error is None:
             rec["seq"] = sched.add_request(rid, ids, sp, eos_token_ids=self.config.eos_token_id)
         return rec
+
+    def _admit_structured(self, sched: Scheduler, pending: list[dict[str, Any]], block: bool,
+                          progress: _Progress) -> list[dict[str, Any]]:
+        """Give the scheduler the structured requests whose matcher is built (a failed build ends the request with
+        its error); returns those still building."""
+        for rec, matcher in self._structured.ready(pending, block):
+            if matcher.error is not None:
+                rec["error"] = matcher.error
+                progress.done()
+                continue
+            rec["matcher"] = matcher
+            rec["seq"] = sched.add_request(rec["id"], rec["ids"], rec["params"], eos_token_ids=self.config.eos_token_id)
+            if rec["seq"].finished:  # a bad prompt
+                progress.done()
+        return [r for r in pending if r["build"] is not None]
 
     @staticmethod
     def _row_sampling(step: ScheduledStep, by_id: dict[int, dict[str, Any]]) -> tuple[list[Any], list[int]]:
@@ -440,10 +493,14 @@ class LLM:
         progress = _Progress(len(records), use_tqdm)
         idle_since: float | None = None
         for r in records:
-            if r["seq"] is not None and r["seq"].finished:
-                progress.done()
+            if (r["seq"] is not None and r["seq"].finished) or (r["seq"] is None and r["build"] is None):
+                progress.done()  # rejected at once (bad prompt, structured output unavailable)
         m = self._metrics
-        while sched.has_unfinished() or inflight:
+        so = self._structured
+        pending = [r for r in records if r["build"] is not None]  # structured requests whose grammar is building
+        while sched.has_unfinished() or inflight or pending:
+            if pending:
+                pending = self._admit_structured(sched, pending, not (sched.has_unfinished() or inflight), progress)
             t_sched = time.perf_counter()
             step = sched.schedule()
             t_disp = time.perf_counter()
@@ -451,7 +508,10 @@ class LLM:
             if step is not None:
                 if idle_since is not None:  # the device had finished everything queued; it waited until now
                     m.device_waited_for_host_seconds += t_disp - idle_since
-                out = self.runner.dispatch(step, *self._row_sampling(step, by_id))
+                # rows of structured requests sample after the host has folded the previous step's tokens into
+                # their matchers (below): the model is launched now, the sampler once the masks exist
+                out = self.runner.dispatch(step, *self._row_sampling(step, by_id),
+                                           defer_sample=so.needs_masks(step, by_id))
                 inflight.append(out)
                 m.host_dispatch_seconds += time.perf_counter() - t_disp
                 idle_since = None
@@ -462,6 +522,9 @@ class LLM:
                     m.decode_steps += 1
             keep = 1 if (self.async_scheduling and step is not None) else 0
             while len(inflight) > keep:
+                if inflight[0].pending is not None:  # synchronous mode: the newest step's masks, then its sampler
+                    first = inflight[0]
+                    self.runner.sample_step(first, so.masks(first.step, first.shape[0], by_id, sched))
                 done = inflight.popleft()
                 t0 = time.perf_counter()
                 tokens = np.asarray(done.tokens)
@@ -487,12 +550,19 @@ class LLM:
                 if done.step.kind == "decode":
                     m.decode_tokens += n_sampled
                 finished = sched.process_step(done.step, sampled)
+                so.advance(done.step, by_id, sched)
+                finished += sched.take_finished()  # requests whose grammar rejected a token
                 self._record_logprobs(done, logprobs, by_id)
                 for seq in finished:
                     progress.done(len(seq.output_token_ids))
                     if seq.finish_reason == "preempted":
                         m.preemptions += 1
                 m.host_process_seconds += time.perf_counter() - t1
+            if inflight and inflight[-1].pending is not None:  # async: step N's masks from state through step N - 1
+                last = inflight[-1]
+                self.runner.sample_step(last, so.masks(last.step, last.shape[0], by_id, sched))
+                for seq in sched.take_finished():  # requests whose matcher failed while filling a mask
+                    progress.done(len(seq.output_token_ids))
             # Device idle detection (a lower bound: the moment we first see the queued step done, not when it ended).
             if idle_since is None and inflight and inflight[-1].tokens.is_ready():
                 idle_since = time.perf_counter()

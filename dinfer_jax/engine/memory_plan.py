@@ -96,7 +96,8 @@ def measure_step_activations(model: Any, shapes: list[tuple[int, int, int]], blo
         # filtering variant (two sorts over the vocabulary) is the largest
         samp = SamplingTensors.from_params([], [], [], pad_to=b, num_top_logprobs=max_logprobs, use_filters=True,
                                            all_greedy=False)
-        sampler = _SAMPLE.lower(jax.ShapeDtypeStruct((b, cfg.vocab_size), jnp.float32), samp,
+        mask = jax.ShapeDtypeStruct((b, -(-cfg.vocab_size // 32)), jnp.int32)  # structured outputs' token mask
+        sampler = _SAMPLE.lower(jax.ShapeDtypeStruct((b, cfg.vocab_size), jnp.float32), samp, mask,
                                 max_rows=max_rows).compile()
         out[(b, q, p)] = max(temp_bytes(forward), temp_bytes(sampler))
     return out

@@ -82,6 +82,9 @@ class Sequence:
     last_sample_src: tuple[int, int] | None = None
     # speculative decoding: the drafter has published drafts for this admission in the sequence's state slot
     has_drafts: bool = False
+    # False: a preemption ends the request ("preempted") even under preemption_mode="recompute" (structured
+    # outputs: their grammar state is not replayed, as in DeepInfer)
+    recomputable: bool = True
 
     # ---------------------------------------------------------------- derived
     @property

@@ -36,6 +36,7 @@ from dinfer_jax.models.layer_plan import stack_params
 from dinfer_jax.models.step_state import StepInput
 from dinfer_jax.progress import PhaseProgress
 from dinfer_jax.sampling import SamplingTensors, sample
+from dinfer_jax.structured.bitmask import apply_token_bitmask, mask_words
 
 __all__ = ["Buckets", "InFlight", "ModelRunner", "StepOutput"]
 
@@ -55,12 +56,15 @@ class StepOutput:
     """Device futures of one dispatched step (row order = the step's rows, padded to ``max_rows``)."""
 
     step: ScheduledStep
-    tokens: jax.Array  # [max_rows] int32
+    tokens: jax.Array | None  # [max_rows] int32; None while the sampler is not dispatched yet (pending)
     logprobs: Any
     dispatched_at: float
     shape: tuple[int, int, int] = (0, 0, 0)  # the compiled bucket (B, Q, P) it ran in
     # speculative decode steps: tokens is [max_rows, Q] and row i emitted tokens[i, :num_accepted[i] + 1]
     num_accepted: Any = None
+    # a step dispatched with ``defer_sample``: the model's logits and the rows' sampling inputs, waiting for
+    # :meth:`ModelRunner.sample_step` (structured-output rows need token masks built from committed tokens)
+    pending: tuple[jax.Array, SamplingTensors] | None = None
 
 
 class ModelRunner:
@@ -99,6 +103,8 @@ class ModelRunner:
             self.spec = init_spec_state(self.cfg, cache_config, self.k, model.dtype, speculative)
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
         self._prev_step_id: int | None = None
+        self.mask_words = mask_words(self.cfg.vocab_size)
+        self._full_masks: dict[int, jax.Array] = {}  # batch -> all-allowed token mask kept on the device
 
     # ------------------------------------------------------------------ compile
     def warmup(self, progress: bool = False, compile_threads: int | None = None) -> float:
@@ -155,25 +161,37 @@ class ModelRunner:
                  self._cmap, ndraft, next_tok, sample_mask),
                 dict(k=self.k, method=self.speculative, decode=decode, **self._static))
 
-    def _sampler_args(self, b: int, use_filters: bool, all_greedy: bool) -> tuple[jax.Array, SamplingTensors]:
+    def _sampler_args(self, b: int, use_filters: bool,
+                      all_greedy: bool) -> tuple[jax.Array, SamplingTensors, jax.Array]:
         logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
         return logits, SamplingTensors.from_params([], [], [], pad_to=b, num_top_logprobs=self.max_logprobs,
-                                                   use_filters=use_filters, all_greedy=all_greedy)
+                                                   use_filters=use_filters, all_greedy=all_greedy), self.full_mask(b)
+
+    def full_mask(self, b: int) -> jax.Array:
+        """The all-allowed token mask ``int32 [b, ceil(V / 32)]`` (every bit set), created once per batch size on
+        the device: steps without structured-output rows upload no mask."""
+        if b not in self._full_masks:
+            self._full_masks[b] = jnp.full((b, self.mask_words), -1, jnp.int32)
+        return self._full_masks[b]
 
     def _lower_sampler(self, b: int, use_filters: bool, all_greedy: bool) -> Any:
         return _SAMPLE.lower(*self._sampler_args(b, use_filters, all_greedy), max_rows=self.max_rows)
 
     def _call(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: SamplingTensors,
               shape: tuple[int, int, int]):
-        with _CompileCounter(self, _STEP, shape):
-            logits, cache = _STEP(*self._forward_args(inp, feed), **self._forward_static)
-        toks, logprobs = self._sample(logits, samp)
+        logits, cache = self._forward(inp, feed, shape)
+        toks, logprobs = self._sample(logits, samp, self.full_mask(shape[0]))
         return toks, logprobs, cache
 
-    def _sample(self, logits: jax.Array, samp: SamplingTensors) -> tuple[jax.Array, Any]:
+    def _forward(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray],
+                 shape: tuple[int, int, int]) -> tuple[jax.Array, Any]:
+        with _CompileCounter(self, _STEP, shape):
+            return _STEP(*self._forward_args(inp, feed), **self._forward_static)
+
+    def _sample(self, logits: jax.Array, samp: SamplingTensors, token_mask: Any) -> tuple[jax.Array, Any]:
         key = (logits.shape[0], samp.use_filters, samp.all_greedy)
         with _CompileCounter(self, _SAMPLE, key, self.compiled_samplers):
-            return _SAMPLE(logits, samp, max_rows=self.max_rows)
+            return _SAMPLE(logits, samp, token_mask, max_rows=self.max_rows)
 
     def _spec_extra(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Speculative per-row inputs: drafts to verify, next token of a prefill chunk, rows that sample."""
@@ -199,13 +217,20 @@ class ModelRunner:
         return SamplingTensors.from_params(params, seeds, positions, pad_to=b, num_top_logprobs=self.max_logprobs,
                                            use_filters=not greedy, all_greedy=greedy)
 
-    def dispatch(self, step: ScheduledStep, params: list[Any], seeds: list[int]) -> StepOutput:
+    def dispatch(self, step: ScheduledStep, params: list[Any], seeds: list[int],
+                 defer_sample: bool = False) -> StepOutput:
         """Build the padded inputs of ``step`` (``params``/``seeds``: one per row) and launch it asynchronously.
+
+        ``defer_sample`` launches only the model: the returned output is pending until :meth:`sample_step` gives
+        the rows' token masks (structured outputs); the next step must not be dispatched before that. Not with
+        speculative decoding (its step samples inside the model's program).
 
         Each row samples at its RNG position ``end_pos`` — the absolute position of the generated token
         (DeepInfer's ``seqlen_k``) — so a request's draws never depend on its row or its batch. The page table
         has the smallest page bucket covering the longest ``start + n`` of the rows; a row's block table is cut to
         it (blocks past the step's context, e.g. those of a prompt's later chunks, cannot be read yet)."""
+        if defer_sample and self.spec is not None:
+            raise ValueError("defer_sample (token masks) is not available with speculative decoding")
         rows = step.rows
         if step.kind == "decode":
             b = Buckets.pick(self.buckets.decode_batch, len(rows), "decode batch")
@@ -229,10 +254,33 @@ class ModelRunner:
             self._prev_tokens, self._prev_step_id = first, step.step_id
             return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p), nacc if decode else None)
         t0 = time.perf_counter()
-        toks, logprobs, self.cache = self._call(inp, feed, sampling, (b, q, p))
+        logits, self.cache = self._forward(inp, feed, (b, q, p))
         self.launch_seconds += time.perf_counter() - t0
-        self._prev_tokens, self._prev_step_id = toks, step.step_id
-        return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p))
+        out = StepOutput(step, None, None, time.perf_counter(), (b, q, p), pending=(logits, sampling))
+        if not defer_sample:
+            self.sample_step(out)
+        return out
+
+    def sample_step(self, out: StepOutput, token_mask: np.ndarray | None = None) -> None:
+        """Launch the sampler of a pending step (:meth:`dispatch` with ``defer_sample``), with ``token_mask``
+        ``int32 [B, ceil(V / 32)]`` (bit ``v % 32`` of word ``v // 32`` set: token ``v`` allowed; None: all
+        allowed) applied to the logits first. Fills ``out.tokens`` / ``out.logprobs``."""
+        if out.pending is None:
+            raise ValueError(f"step {out.step.step_id} has no pending sampler")
+        logits, sampling = out.pending
+        b = out.shape[0]
+        if token_mask is None:
+            mask = self.full_mask(b)
+        else:
+            mask = np.asarray(token_mask)
+            if mask.shape != (b, self.mask_words) or mask.dtype != np.int32:
+                raise ValueError(f"token_mask must be int32 {(b, self.mask_words)}, got {mask.dtype} {mask.shape}")
+            mask = jax.device_put(mask)  # a device array like full_mask's: the same compiled sampler serves both
+        t0 = time.perf_counter()
+        out.tokens, out.logprobs = self._sample(logits, sampling, mask)
+        self.launch_seconds += time.perf_counter() - t0
+        out.pending = None
+        self._prev_tokens, self._prev_step_id = out.tokens, out.step.step_id
 
 
 def step_statics(model: Model, attention: str = "auto") -> tuple[dict[str, Any], jax.Array | None]:
@@ -313,8 +361,13 @@ def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, pre
                       count_experts=count_experts)
 
 
-def _device_sample(logits: jax.Array, samp: SamplingTensors, *, max_rows: int) -> tuple[jax.Array, Any]:
-    """Traced sampling part of a step: tokens padded to ``max_rows`` ``[max_rows]`` int32, and the logprobs."""
+def _device_sample(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Array | None = None, *,
+                   max_rows: int) -> tuple[jax.Array, Any]:
+    """Traced sampling part of a step: tokens padded to ``max_rows`` ``[max_rows]`` int32, and the logprobs.
+    ``token_mask`` ``int32 [B, ceil(V / 32)]`` (structured outputs): tokens whose bit is clear get ``-inf`` logits
+    before sampling; an all-set row leaves its logits bit for bit."""
+    if token_mask is not None:
+        logits = apply_token_bitmask(logits, token_mask)
     toks, logprobs = sample(logits, samp)
     return jnp.zeros((max_rows,), jnp.int32).at[: toks.shape[0]].set(toks), logprobs
 

@@ -210,10 +210,11 @@ class Scheduler:
             stop_ids = frozenset()
             errors.append(f"sampling_params.stop_token_ids must be a sequence of ints, got {stop_ids_raw!r}")
         ignore_eos = bool(getattr(sampling_params, "ignore_eos", False))
+        recomputable = getattr(sampling_params, "so_args", None) is None
 
         seq = Sequence(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling_params,
                        eos_token_ids=eos, arrival_index=arrival, max_tokens=max_tokens, stop_token_ids=stop_ids,
-                       ignore_eos=ignore_eos)
+                       ignore_eos=ignore_eos, recomputable=recomputable)
 
         if not errors:
             errors.extend(self._validate_prompt(prompt))
@@ -247,6 +248,15 @@ class Scheduler:
             errors.append(f"prompt needs {need} KV blocks of {self.config.block_size} tokens but the pool has only "
                           f"{self.block_manager.capacity} usable blocks; it can never be scheduled")
         return errors
+
+    def fail(self, request_id: Any, message: str) -> Sequence | None:
+        """Finish a live request with finish_reason "error" and ``message`` (e.g. its grammar failed); reported by
+        take_finished. Its in-flight rows are discarded when processed."""
+        seq = self._live.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, "error", message)
+        return seq
 
     def abort(self, request_id: Any) -> Sequence | None:
         """Finish a live request with finish_reason "abort". Its in-flight rows are discarded when processed."""
@@ -511,8 +521,10 @@ class Scheduler:
         seq.prefill_len = 0
         seq.last_sample_src = None
         seq.has_drafts = False
-        if cfg.preemption_mode == "stop" or not can_progress:
-            why = "" if cfg.preemption_mode == "stop" else " (recompute could not make progress in this KV pool)"
+        if cfg.preemption_mode == "stop" or not can_progress or not seq.recomputable:
+            why = ("" if cfg.preemption_mode == "stop" else
+                   " (structured-output requests are not recomputed)" if not seq.recomputable else
+                   " (recompute could not make progress in this KV pool)")
             msg = f"request {seq.request_id!r}: preempted for lack of KV blocks{why}"
             if seq.num_inflight_steps == 0:
                 self._finish(seq, "preempted", msg)

@@ -17,12 +17,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dinfer_jax.structured.spec import StructuredSpec, parse_so_args
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (DeepInfer ``SAMPLING_EPS``)."""
@@ -57,6 +60,10 @@ class SamplingParams:
         stop_token_ids: non-negative token ids that end the request.
         ignore_eos: keep generating after EOS.
         logprobs: None (no logprobs) or n >= 0: return the sampled token's logprob and the n most likely tokens'.
+        so_args: None, or structured output as DeepInfer reads it: ``{"schema_type": "json" | "regex" | "ebnf",
+            "schema": str, "trigger_token_ids": [int, ...] (optional), "bound_token_id": int (optional)}``
+            (``docs/structured_outputs.md``). Its form is checked here (ValueError); the schema itself is compiled
+            by the engine, and a schema that does not compile ends only its own request (``finish_reason="error"``).
     """
 
     temperature: float = 1.0
@@ -68,6 +75,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    so_args: Mapping[str, Any] | None = field(default=None, hash=False)
+    structured: StructuredSpec | None = field(default=None, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -101,6 +110,12 @@ class SamplingParams:
             if not _is_int(tok) or tok < 0:
                 raise ValueError(f"stop_token_ids must contain non-negative ints, got {tok!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        if self.so_args is not None:
+            try:
+                spec = parse_so_args(self.so_args)
+            except ValueError as e:
+                raise ValueError(f"so_args: {e}") from None
+            object.__setattr__(self, "structured", spec)
 
     @property
     def greedy(self) -> bool:
