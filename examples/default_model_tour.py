@@ -114,4 +114,33 @@ for name, sps in settings.items():
     runs[name] = [(o.text, [e["logprob"] for e in o.logprobs]) for o in outs]
 fig = tour_plots.plot_sampling_settings(prompt, runs)
 fig.savefig(OUT / "tour_sampling_settings.png", dpi=110)
+
+# %% [markdown]
+# ## Structured outputs
+# `SamplingParams(so_args=...)` constrains a request to a JSON Schema, a regex or an EBNF (GBNF) grammar, as in
+# DeepInfer. The grammar is compiled by llguidance off the step loop; each step, the engine masks every token the
+# grammar forbids before sampling. The model has only read Python's documentation, so the *values* are what it
+# finds likely; the *form* is guaranteed. A trigger (`trigger_token_ids`) leaves the text free until it appears.
+
+# %%
+import json  # noqa: E402
+
+schema = {"type": "object", "required": ["name", "kind", "arguments"],
+          "properties": {"name": {"type": "string", "maxLength": 16},
+                         "kind": {"enum": ["function", "class", "module"]},
+                         "arguments": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 8}}}}
+structured = [
+    SamplingParams(temperature=0.0, max_tokens=64, so_args={"schema_type": "json", "schema": json.dumps(schema)}),
+    SamplingParams(temperature=0.7, seq_seed=4, max_tokens=64,
+                   so_args={"schema_type": "json", "schema": json.dumps(schema)}),
+    SamplingParams(temperature=0.0, max_tokens=16,
+                   so_args={"schema_type": "regex", "schema": r"[A-Z][a-z]{1,10} (is|are) [a-z]{1,10}\."}),
+    SamplingParams(temperature=0.0, max_tokens=40,
+                   so_args={"schema_type": "regex", "schema": "[0-9]{2}",
+                            "trigger_token_ids": tok.encode(" version").ids}),
+]
+for sp, out in zip(structured, llm.generate(["The open() function"] * 4, structured, use_tqdm=False), strict=True):
+    print(f"{sp.so_args['schema_type']:5s} {out.finish_reason:6s} {out.text!r}")
+    if sp.so_args["schema_type"] == "json":
+        print("      parsed:", json.loads(out.text))
 print(f"figures written to {OUT}")

@@ -1,11 +1,16 @@
 #!/usr/bin/env python
-"""Batch generation: prompts file (text, one prompt per line, or JSONL) → JSONL of continuations.
+r"""Batch generation: prompts file (text, one prompt per line, or JSONL) → JSONL of continuations.
 
     python scripts/generate.py --model default --prompts examples/prompts.txt --output out.jsonl
     python scripts/generate.py --model /path/to/ckpt --prompts prompts.jsonl --temperature 0.7 --top-p 0.9
+    python scripts/generate.py --prompts examples/prompts.txt --json-schema person.schema.json --max-tokens 64
+    python scripts/generate.py --prompts examples/prompts.txt --regex '[a-z]{1,8} (is|was) [0-9]{1,3}\.'
 
 JSONL input lines are objects with ``"prompt"`` (text) or ``"prompt_token_ids"`` (list of ints), optionally
-``"max_tokens"``, ``"temperature"``, ``"seed"``. Each output line holds the prompt, the generated token ids and text,
+``"max_tokens"``, ``"temperature"``, ``"seed"``, ``"so_args"`` (structured output for that prompt, as in
+``SamplingParams``). ``--json-schema FILE`` / ``--regex RE`` / ``--ebnf FILE`` constrain every prompt without its own
+``so_args`` (docs/structured_outputs.md); a schema that does not compile ends those requests with an error. Each
+output line holds the prompt, the generated token ids and text,
 the finish reason and any error. ``--print`` also shows the continuations on the terminal.
 """
 
@@ -36,6 +41,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sync", action="store_true", help="disable asynchronous scheduling")
     ap.add_argument("--print", action="store_true", help="print prompt → continuation to stderr")
     ap.add_argument("--no-progress", action="store_true")
+    so = ap.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", metavar="FILE", help="structured output: every output follows this JSON Schema")
+    so.add_argument("--regex", metavar="RE", help="structured output: every output fully matches this regex")
+    so.add_argument("--ebnf", metavar="FILE", help="structured output: every output parses under this GBNF grammar")
     return ap.parse_args(argv)
 
 
@@ -53,16 +62,28 @@ def read_prompts(path: Path) -> list[dict[str, Any]]:
     return [{"prompt": ln} for ln in lines]
 
 
+def structured_args(args: argparse.Namespace) -> dict[str, str] | None:
+    """``so_args`` from --json-schema / --regex / --ebnf (the schema files are read here), or None."""
+    if args.json_schema:
+        return {"schema_type": "json", "schema": Path(args.json_schema).read_text()}
+    if args.regex:
+        return {"schema_type": "regex", "schema": args.regex}
+    if args.ebnf:
+        return {"schema_type": "ebnf", "schema": Path(args.ebnf).read_text()}
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     from dinfer_jax import LLM, SamplingParams
 
     records = read_prompts(Path(args.prompts))
+    so_args = structured_args(args)
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=not args.sync)
     params = [SamplingParams(temperature=float(r.get("temperature", args.temperature)), top_p=args.top_p,
                              top_k=args.top_k, min_p=args.min_p, max_tokens=int(r.get("max_tokens", args.max_tokens)),
-                             seq_seed=r.get("seed", args.seed)) for r in records]
+                             seq_seed=r.get("seed", args.seed), so_args=r.get("so_args", so_args)) for r in records]
     prompts = [r["prompt"] if "prompt" in r else r["prompt_token_ids"] for r in records]
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     sink = open(args.output, "w") if args.output else sys.stdout
