@@ -24,6 +24,12 @@ FINISH_REASONS = ("stop", "length", "preempted", "error", "abort")
 # ---------------------------------------------------------------------------------------------------------------------
 # Sequence record
 # ---------------------------------------------------------------------------------------------------------------------
+NONFINITE_TOKEN = -1
+"""What the device step reports instead of a token for a row whose logits were not all finite (NaN / ±inf from
+the model: a corrupt weight, an overflow); the scheduler ends that request with an error naming the step and
+position, and the other rows are untouched."""
+
+
 class SequenceStatus(enum.Enum):
     """Where a request is in its life: queued, admitted (holding KV blocks and a state slot) or done."""
 

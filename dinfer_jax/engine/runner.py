@@ -28,6 +28,7 @@ from dinfer_jax.engine.buckets import Buckets, pages_needed
 from dinfer_jax.engine.compile_pool import compile_all, default_compile_threads
 from dinfer_jax.engine.kv_cache import CacheConfig, init_cache
 from dinfer_jax.engine.model_step import _engram_rows_device, model_step
+from dinfer_jax.engine.records import NONFINITE_TOKEN
 from dinfer_jax.engine.scheduler import ScheduledStep
 from dinfer_jax.engine.speculative import SpecState, draft, draft_dspark, init_spec_state, verify
 from dinfer_jax.models import Model
@@ -366,9 +367,11 @@ def _device_sample(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Arr
     """Traced sampling part of a step: tokens padded to ``max_rows`` ``[max_rows]`` int32, and the logprobs.
     ``token_mask`` ``int32 [B, ceil(V / 32)]`` (structured outputs): tokens whose bit is clear get ``-inf`` logits
     before sampling; an all-set row leaves its logits bit for bit."""
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # before the mask: masked-out entries are -inf by design
     if token_mask is not None:
         logits = apply_token_bitmask(logits, token_mask)
     toks, logprobs = sample(logits, samp)
+    toks = jnp.where(finite, toks, NONFINITE_TOKEN)
     return jnp.zeros((max_rows,), jnp.int32).at[: toks.shape[0]].set(toks), logprobs
 
 
@@ -416,6 +419,7 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
     if decode:
         all_logits, _ = head_logits(params, {k_: v for k_, v in carry.items() if k_ in ("streams", "premix")}, cfg)
         toks, nacc, logprobs = verify(all_logits, drafts, dlp, ndraft, inp.start, samp, samp.num_top_logprobs)
+        toks = jnp.where(jnp.all(jnp.isfinite(all_logits), axis=-1), toks, NONFINITE_TOKEN)
         if hist0 is not None:  # V4.1 Engram history: rewind to the committed tokens (rejected drafts leave no trace)
             committed = dataclasses.replace(inp, n=jnp.where(inp.n > 0, nacc + 1, 0))
             cache = dataclasses.replace(cache, ngram_hist=_engram_rows_device(hist0, committed, cfg, cmap)[1])
@@ -427,6 +431,7 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
         out = jnp.zeros((max_rows, Q), jnp.int32).at[:B].set(toks)
         return out, jnp.zeros((max_rows,), jnp.int32).at[:B].set(nacc), logprobs, cache, spec
     toks, logprobs = sample(logits, samp)
+    toks = jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), toks, NONFINITE_TOKEN)
     j = jnp.arange(Q)[None, :]
     nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     nxt = jnp.where(j == (inp.n - 1)[:, None], jnp.where(sample_mask, toks, next_tok)[:, None], nxt)

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from .block_manager import BlockManager, StateSlots
-from .records import FINISH_REASONS, RequestOutput, ScheduledRow, ScheduledStep, Sequence, SequenceStatus
+from .records import (
+    FINISH_REASONS,
+    NONFINITE_TOKEN,
+    RequestOutput,
+    ScheduledRow,
+    ScheduledStep,
+    Sequence,
+    SequenceStatus,
+)
 
 __all__ = [
     "FINISH_REASONS",
@@ -570,7 +578,7 @@ class Scheduler:
                 # that has not been re-admitted (it was computed from a complete, correct context)
                 not_readmitted = seq.status is SequenceStatus.WAITING or seq in self._stopping
                 if row.sample and not row.num_drafts and not_readmitted and row.end_pos == seq.num_tokens:
-                    self._accept(seq, row, sampled_token_ids[i])
+                    self._accept(seq, row, sampled_token_ids[i], step.step_id)
                 else:
                     self.num_discarded_rows += 1
             elif row.sample and row.num_drafts:
@@ -580,7 +588,7 @@ class Scheduler:
                 row.accepted_tokens = []
                 for tok in run:  # stop conditions after each token: the rest of the run is dropped
                     before = len(seq.output_token_ids)
-                    self._accept(seq, row, tok)
+                    self._accept(seq, row, tok, step.step_id)
                     if len(seq.output_token_ids) > before:
                         row.accepted_tokens.append(int(tok))
                     if seq.finished:
@@ -590,7 +598,7 @@ class Scheduler:
             elif row.sample:
                 assert row.end_pos == seq.num_tokens, (row.end_pos, seq.num_tokens)
                 seq.num_inflight -= 1
-                self._accept(seq, row, sampled_token_ids[i])
+                self._accept(seq, row, sampled_token_ids[i], step.step_id)
                 if self.config.num_speculative_tokens and not seq.finished:
                     seq.has_drafts = True  # the drafter ran in this step and published for the slot
             if seq.num_inflight_steps == 0:
@@ -600,8 +608,12 @@ class Scheduler:
                     self._release(seq)
         return self.take_finished()
 
-    def _accept(self, seq: Sequence, row: ScheduledRow, token: int) -> None:
+    def _accept(self, seq: Sequence, row: ScheduledRow, token: int, step_id: int) -> None:
         token = operator.index(token)
+        if token == NONFINITE_TOKEN:
+            self._finish(seq, "error", f"request {seq.request_id!r}: the model's logits were not finite (NaN or inf) "
+                         f"for output token {len(seq.output_token_ids)} (position {seq.num_tokens}, step {step_id})")
+            return
         if not 0 <= token < self.vocab_size:
             self._finish(seq, "error", f"request {seq.request_id!r}: sampled token id {token} outside the vocabulary "
                          f"[0, {self.vocab_size})")

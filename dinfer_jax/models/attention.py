@@ -80,6 +80,14 @@ def query_and_window_kv(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig,
     return cq, q, kv
 
 
+def _visible_rows(rows: jax.Array, mask: jax.Array) -> jax.Array:
+    """``rows [B,T,d]`` with the rows no query sees (``mask [B or 1,S,T]`` all False over S) set to 0 by a select:
+    a masked row's weight is exactly 0, but 0 · NaN is NaN, so a stale row (a freed page or ring slot still holding
+    a previous request's non-finite values) must not enter the weighted sum at all."""
+    seen = jnp.any(mask, axis=1)
+    return jnp.where(seen[..., None], rows, jnp.zeros((), rows.dtype))
+
+
 def attend(q: jax.Array, kv: jax.Array, win_mask: jax.Array, ckv: jax.Array | None, cmask: jax.Array | None,
            sink: jax.Array) -> jax.Array:
     """Sink softmax attention over window rows plus compressed rows, K = V.
@@ -94,11 +102,11 @@ def attend(q: jax.Array, kv: jax.Array, win_mask: jax.Array, ckv: jax.Array | No
     wm = win_mask if win_mask.ndim == 3 else win_mask[None]
     logits = matmul("bshd,btd->bhst", q, kv) * scale
     logits = jnp.where(wm[:, None], logits, -jnp.inf)
-    values = [kv]
+    values = [_visible_rows(kv, wm)]
     if ckv is not None and ckv.shape[1] > 0:
         c_logits = matmul("bshd,btd->bhst", q, ckv.astype(dt)) * scale
         logits = jnp.concatenate([logits, jnp.where(cmask[:, None], c_logits, -jnp.inf)], axis=-1)
-        values.append(ckv.astype(dt))
+        values.append(_visible_rows(ckv.astype(dt), cmask))
     sink_col = jnp.broadcast_to(sink.astype(F32)[None, :, None, None], (B, H, S, 1))
     probs = jax.nn.softmax(jnp.concatenate([logits, sink_col], axis=-1), axis=-1)[..., :-1]
     v = jnp.concatenate(values, axis=1)
@@ -175,7 +183,8 @@ def attend_selected(q: jax.Array, kv: jax.Array, win_mask: jax.Array, rows: jax.
     wm = win_mask if win_mask.ndim == 3 else win_mask[None]
     if impl == "pallas":
         return _attend_selected_pallas(q, kv, wm, rows, row_mask, sink)
-    rows = rows.astype(dt)
+    rows = jnp.where(row_mask[..., None], rows.astype(dt), jnp.zeros((), dt))  # select: see _visible_rows
+    kv = _visible_rows(kv, jnp.broadcast_to(wm, (B, S, kv.shape[1])))
     w_logits = jnp.where(wm[:, None], matmul("bshd,btd->bhst", q, kv) * scale, -jnp.inf)
     c_logits = jnp.where(row_mask[:, None], matmul("bshd,bskd->bhsk", q, rows) * scale, -jnp.inf)
     sink_col = jnp.broadcast_to(sink.astype(F32)[None, :, None, None], (B, H, S, 1))

@@ -96,6 +96,13 @@ def _hc_kw(cfg: ModelConfig) -> dict[str, Any]:
     return dict(hc_mult=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
 
 
+def _real_queries(inp: StepInput, Q: int) -> jax.Array:
+    """``[B, Q]`` bool: the step's real query positions (``j < n``). Padding positions see no key at all: their
+    positions run past the row's written cache, and a stale entry seen by any query of a row would stay in the
+    row's weighted sums (``attention._visible_rows``), where a zero weight times a non-finite value is not zero."""
+    return jnp.arange(Q)[None, :] < inp.n[:, None]
+
+
 def _window(swa: jax.Array, k: jax.Array, kv: jax.Array, inp: StepInput, pos: jax.Array, W: int,
             floor: jax.Array | None, codec: RowCodec | None = None,
             stored: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -111,6 +118,7 @@ def _window(swa: jax.Array, k: jax.Array, kv: jax.Array, inp: StepInput, pos: ja
     Q = pos.shape[1]
     kvalid = jnp.concatenate([rpos >= 0, jnp.arange(Q)[None, :] < inp.n[:, None]], axis=1)
     mask = kvalid[:, None, :] & (kpos[:, None, :] <= pos[:, :, None]) & (kpos[:, None, :] > pos[:, :, None] - W)
+    mask = mask & _real_queries(inp, Q)[:, :, None]
     if floor is not None:
         mask = mask & (kpos[:, None, :] >= floor[:, None, None])
     return keys, mask, ring_write(swa, k, inp.slot, pos, inp.n, kv if stored is None else stored)
@@ -243,6 +251,7 @@ def attention_v4(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, ctx: StepCo
             return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), aux
         ckv = codecs.ckv.unpack(pages_read(upd["ckv"], k, pages))
         cmask = jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]  # [B,Q,T]
+        cmask = cmask & _real_queries(inp, pos.shape[1])[..., None]
         if overlap:
             cmask = cmask & selected
     o = attend(q, keys, wmask, ckv, cmask, p["attn_sink"])
@@ -307,6 +316,7 @@ def attention_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, carry: Car
             return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), carry, aux
         ckv = codecs.ckv.unpack(stored)
         cmask = (jnp.arange(ckv.shape[1]) < visible[..., None]) & carry["selected"]
+        cmask = cmask & _real_queries(inp, pos.shape[1])[..., None]
     o = attend(q, keys, wmask, ckv, cmask, p["attn_sink"])
     return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), carry, aux
 
