@@ -200,3 +200,31 @@ def test_random_tiny_models_follow_the_schema(name):
     for o in outs[:2]:
         _check_json(o.text, PERSON)
     assert re.fullmatch(REGEX, outs[2].text) and re.fullmatch(SUM_RE, outs[3].text)
+
+
+def test_speculative_engine_masks_every_verified_position(llm):
+    # DSpark drafts are verified against masked target logits (one mask per verified position, built from the
+    # drafts): greedy structured output is the non-speculative engine's, token for token, in both loops
+    spec = LLM("default", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, progress=False,
+               buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(32,)), speculative="dspark",
+               num_speculative_tokens=3)  # the configuration of tests/test_speculative.py: its programs are reused
+    warm = spec.metrics()["compilations"]
+    params = [SamplingParams(temperature=0.0, max_tokens=64, so_args=_so(kind, schema))
+              for kind, schema in (("json", PERSON), ("regex", REGEX), ("ebnf", EBNF))]
+    params.append(SamplingParams(temperature=0.0, max_tokens=20))
+    prompts = PROMPTS[:4]
+    want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for mode in (True, False):
+        spec.configure(async_scheduling=mode)
+        got = spec.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in got] == want, mode
+    _check_json(got[0].text, PERSON)
+    assert re.fullmatch(REGEX, got[1].text) and re.fullmatch(SUM_RE, got[2].text)
+    m = spec.metrics()
+    assert m["spec_verify_steps"] > 0 and m["spec_accepted_tokens"] > 0 and m["compilations"] == warm
+    sampled = spec.generate(prompts[:2], [SamplingParams(temperature=1.0, seq_seed=s, max_tokens=96,
+                                                         so_args=_so("json", ITEMS)) for s in (1, 2)],
+                            use_tqdm=False)
+    for o in sampled:
+        assert o.finish_reason == "stop", (o.text, o.error)
+        _check_json(o.text, ITEMS)

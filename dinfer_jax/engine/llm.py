@@ -454,10 +454,9 @@ class LLM:
                "logprobs": [] if sp.logprobs is not None else None, "matcher": None, "build": None, "so_fed": 0}
         self._metrics.requests += 1
         if error is None and sp.structured is not None:
-            if self.speculative or isinstance(self.runner, DPModelRunner):
-                rec["error"] = ("structured output (so_args) runs on the one-device engine without speculative "
-                                "decoding; this engine has " + ("speculative decoding on" if self.speculative
-                                                                 else "several DP/CP/EP ranks"))
+            if isinstance(self.runner, DPModelRunner):
+                rec["error"] = ("structured output (so_args) runs on the one-device engine; this engine has "
+                                "several DP/CP/EP ranks")
                 self._structured.requests += 1
                 self._structured.failed += 1
             else:
@@ -508,10 +507,24 @@ class LLM:
             if step is not None:
                 if idle_since is not None:  # the device had finished everything queued; it waited until now
                     m.device_waited_for_host_seconds += t_disp - idle_since
+                structured = so.needs_masks(step, by_id)
+                spec_masks = None
+                if structured and self.speculative:
+                    # the speculative step samples and verifies inside the model's program: its masks (one per
+                    # verified position, from drafts the device holds) are built first, from fully processed state
+                    t_idle = idle_since
+                    while inflight:
+                        t_idle = self._process_done(inflight.popleft(), sched, by_id, progress)
+                    spec_masks = so.spec_masks(step, self.num_speculative_tokens, by_id, sched,
+                                               self.runner.draft_tokens)
+                    t_now = time.perf_counter()
+                    if t_idle is not None:  # the device idles from then on (the part before t_disp is counted)
+                        m.device_waited_for_host_seconds += t_now - max(t_idle, t_disp)
+                    t_disp = t_now
                 # rows of structured requests sample after the host has folded the previous step's tokens into
                 # their matchers (below): the model is launched now, the sampler once the masks exist
                 out = self.runner.dispatch(step, *self._row_sampling(step, by_id),
-                                           defer_sample=so.needs_masks(step, by_id))
+                                           defer_sample=structured and not self.speculative, spec_masks=spec_masks)
                 inflight.append(out)
                 m.host_dispatch_seconds += time.perf_counter() - t_disp
                 idle_since = None
@@ -525,39 +538,9 @@ class LLM:
                 if inflight[0].pending is not None:  # synchronous mode: the newest step's masks, then its sampler
                     first = inflight[0]
                     self.runner.sample_step(first, so.masks(first.step, first.shape[0], by_id, sched))
-                done = inflight.popleft()
-                t0 = time.perf_counter()
-                tokens = np.asarray(done.tokens)
-                wants_lp = any(by_id[r.request_id]["logprobs"] is not None for r in done.step.rows)
-                logprobs = jax.device_get(done.logprobs) if wants_lp else None
-                t1 = time.perf_counter()
-                m.host_waited_for_device_seconds += t1 - t0
+                t1 = self._process_done(inflight.popleft(), sched, by_id, progress)
                 if not inflight:
                     idle_since = t1  # nothing queued on the device from now until the next dispatch
-                if done.num_accepted is not None:  # speculative decode step: each row emitted a run
-                    nacc = np.asarray(done.num_accepted)
-                    sampled = [[int(t) for t in tokens[i, : nacc[i] + 1]] if row.num_drafts else int(tokens[i, 0])
-                               for i, row in enumerate(done.step.rows)]
-                    for i, row in enumerate(done.step.rows):
-                        if row.num_drafts:
-                            m.spec_verify_steps += 1
-                            m.spec_draft_tokens += row.num_drafts
-                            m.spec_accepted_tokens += int(nacc[i])
-                else:
-                    sampled = [int(tokens[i]) if row.sample else None for i, row in enumerate(done.step.rows)]
-                n_sampled = sum(len(s) if isinstance(s, list) else 1 for s in sampled if s is not None)
-                m.output_tokens += n_sampled
-                if done.step.kind == "decode":
-                    m.decode_tokens += n_sampled
-                finished = sched.process_step(done.step, sampled)
-                so.advance(done.step, by_id, sched)
-                finished += sched.take_finished()  # requests whose grammar rejected a token
-                self._record_logprobs(done, logprobs, by_id)
-                for seq in finished:
-                    progress.done(len(seq.output_token_ids))
-                    if seq.finish_reason == "preempted":
-                        m.preemptions += 1
-                m.host_process_seconds += time.perf_counter() - t1
             if inflight and inflight[-1].pending is not None:  # async: step N's masks from state through step N - 1
                 last = inflight[-1]
                 self.runner.sample_step(last, so.masks(last.step, last.shape[0], by_id, sched))
@@ -567,6 +550,43 @@ class LLM:
             if idle_since is None and inflight and inflight[-1].tokens.is_ready():
                 idle_since = time.perf_counter()
         progress.close()
+
+    def _process_done(self, done: StepOutput, sched: Scheduler, by_id: dict[int, dict[str, Any]],
+                      progress: _Progress) -> float:
+        """Fold a finished step's tokens into the scheduler, the structured-output matchers, the logprobs and the
+        metrics. Returns the time its tokens reached the host."""
+        m, so = self._metrics, self._structured
+        t0 = time.perf_counter()
+        tokens = np.asarray(done.tokens)
+        wants_lp = any(by_id[r.request_id]["logprobs"] is not None for r in done.step.rows)
+        logprobs = jax.device_get(done.logprobs) if wants_lp else None
+        t1 = time.perf_counter()
+        m.host_waited_for_device_seconds += t1 - t0
+        if done.num_accepted is not None:  # speculative decode step: each row emitted a run
+            nacc = np.asarray(done.num_accepted)
+            sampled = [[int(t) for t in tokens[i, : nacc[i] + 1]] if row.num_drafts else int(tokens[i, 0])
+                       for i, row in enumerate(done.step.rows)]
+            for i, row in enumerate(done.step.rows):
+                if row.num_drafts:
+                    m.spec_verify_steps += 1
+                    m.spec_draft_tokens += row.num_drafts
+                    m.spec_accepted_tokens += int(nacc[i])
+        else:
+            sampled = [int(tokens[i]) if row.sample else None for i, row in enumerate(done.step.rows)]
+        n_sampled = sum(len(s) if isinstance(s, list) else 1 for s in sampled if s is not None)
+        m.output_tokens += n_sampled
+        if done.step.kind == "decode":
+            m.decode_tokens += n_sampled
+        finished = sched.process_step(done.step, sampled)
+        so.advance(done.step, by_id, sched)
+        finished += sched.take_finished()  # requests whose grammar rejected a token
+        self._record_logprobs(done, logprobs, by_id)
+        for seq in finished:
+            progress.done(len(seq.output_token_ids))
+            if seq.finish_reason == "preempted":
+                m.preemptions += 1
+        m.host_process_seconds += time.perf_counter() - t1
+        return t1
 
     def _run_dp(self, scheds: list[Scheduler], records: list[dict[str, Any]], use_tqdm: bool) -> None:
         """The host loop of the DP engines (``docs/dp_engines.md``): every engine schedules its own step; the

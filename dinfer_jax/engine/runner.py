@@ -155,11 +155,11 @@ class ModelRunner:
         return self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens, self._cmap
 
     def _spec_args(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any, decode: bool,
-                   ndraft: np.ndarray, next_tok: np.ndarray,
-                   sample_mask: np.ndarray) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                   ndraft: np.ndarray, next_tok: np.ndarray, sample_mask: np.ndarray,
+                   token_masks: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Arguments of the speculative program (:data:`_STEP_SPEC`): ``(positional, keyword)``."""
         return ((self.params, self.cache, self.spec, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
-                 self._cmap, ndraft, next_tok, sample_mask),
+                 self._cmap, ndraft, next_tok, sample_mask, token_masks),
                 dict(k=self.k, method=self.speculative, decode=decode, **self._static))
 
     def _sampler_args(self, b: int, use_filters: bool,
@@ -167,6 +167,17 @@ class ModelRunner:
         logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
         return logits, SamplingTensors.from_params([], [], [], pad_to=b, num_top_logprobs=self.max_logprobs,
                                                    use_filters=use_filters, all_greedy=all_greedy), self.full_mask(b)
+
+    def full_spec_masks(self, b: int) -> jax.Array:
+        """The speculative step's all-allowed token masks ``int32 [b, 1 + k, ceil(V / 32)]`` (one per verified
+        position), created once per batch size on the device."""
+        if (b, "spec") not in self._full_masks:
+            self._full_masks[(b, "spec")] = jnp.full((b, 1 + self.k, self.mask_words), -1, jnp.int32)
+        return self._full_masks[(b, "spec")]
+
+    def draft_tokens(self) -> np.ndarray:
+        """The drafts each state slot will have verified next ``int32 [slots, k]`` (waits for the steps in flight)."""
+        return np.asarray(self.spec.draft_tokens)
 
     def full_mask(self, b: int) -> jax.Array:
         """The all-allowed token mask ``int32 [b, ceil(V / 32)]`` (every bit set), created once per batch size on
@@ -194,14 +205,15 @@ class ModelRunner:
         with _CompileCounter(self, _SAMPLE, key, self.compiled_samplers):
             return _SAMPLE(logits, samp, token_mask, max_rows=self.max_rows)
 
-    def _spec_extra(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Speculative per-row inputs: drafts to verify, next token of a prefill chunk, rows that sample."""
-        return np.zeros((b,), np.int32), np.zeros((b,), np.int32), np.zeros((b,), bool)
+    def _spec_extra(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, jax.Array]:
+        """Speculative per-row inputs: drafts to verify, next token of a prefill chunk, rows that sample, and the
+        token masks of the verified positions (all allowed)."""
+        return np.zeros((b,), np.int32), np.zeros((b,), np.int32), np.zeros((b,), bool), self.full_spec_masks(b)
 
     def _call_spec(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any,
                    shape: tuple[int, int, int], decode: bool, ndraft: np.ndarray, next_tok: np.ndarray,
-                   sample_mask: np.ndarray):
-        args, kw = self._spec_args(inp, feed, samp, decode, ndraft, next_tok, sample_mask)
+                   sample_mask: np.ndarray, token_masks: Any):
+        args, kw = self._spec_args(inp, feed, samp, decode, ndraft, next_tok, sample_mask, token_masks)
         with _CompileCounter(self, _STEP_SPEC, (*shape, decode)):
             toks, nacc, logprobs, self.cache, self.spec = _STEP_SPEC(*args, **kw)
         return toks, nacc, logprobs
@@ -219,12 +231,14 @@ class ModelRunner:
                                            use_filters=not greedy, all_greedy=greedy)
 
     def dispatch(self, step: ScheduledStep, params: list[Any], seeds: list[int],
-                 defer_sample: bool = False) -> StepOutput:
+                 defer_sample: bool = False, spec_masks: np.ndarray | None = None) -> StepOutput:
         """Build the padded inputs of ``step`` (``params``/``seeds``: one per row) and launch it asynchronously.
 
         ``defer_sample`` launches only the model: the returned output is pending until :meth:`sample_step` gives
         the rows' token masks (structured outputs); the next step must not be dispatched before that. Not with
-        speculative decoding (its step samples inside the model's program).
+        speculative decoding (its step samples inside the model's program): there ``spec_masks``
+        ``int32 [len(step.rows), 1 + k, ceil(V / 32)]`` gives the token masks of each row's verified positions
+        (position 0: the target's own token; j: after draft j − 1), built before the dispatch.
 
         Each row samples at its RNG position ``end_pos`` — the absolute position of the generated token
         (DeepInfer's ``seqlen_k``) — so a request's draws never depend on its row or its batch. The page table
@@ -247,6 +261,10 @@ class ModelRunner:
             extra = self._spec_extra(b)
             for i, r in enumerate(rows):
                 extra[0][i], extra[1][i], extra[2][i] = r.num_drafts, r.next_token, r.sample
+            if spec_masks is not None:
+                masks = np.full((b, 1 + self.k, self.mask_words), -1, np.int32)
+                masks[: len(rows)] = spec_masks
+                extra = (*extra[:3], jax.device_put(masks))  # a device array like the warm-up's: same program
             decode = step.kind == "decode"
             t0 = time.perf_counter()
             toks, nacc, logprobs = self._call_spec(inp, feed, sampling, (b, q, p), decode, *extra)
@@ -391,8 +409,8 @@ def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_t
 
 def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: InFlight,
                       prev_tokens: jax.Array, samp: Any, cmap: Any, ndraft: jax.Array, next_tok: jax.Array,
-                      sample_mask: jax.Array, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any,
-                      attention: str,
+                      sample_mask: jax.Array, token_masks: jax.Array, *, cfg: Any, dtype: str, moe_impl: str,
+                      engram_fn: Any, attention: str,
                       max_rows: int, k: int, decode: bool, method: str):
     """Traced step with speculative decoding (V4 MTP drafter, ``engine/speculative.py``).
 
@@ -402,6 +420,8 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
     prefill: the ordinary sample of each row's last token, then the drafter runs over the chunk (next token of a
     position: the chunk's following token, ``next_tok`` after its end, or the sampled one) and rows that sample
     publish drafts. Returns ``(tokens [max_rows], zeros, logprobs, cache, spec)``.
+    ``token_masks [B, 1+k, ceil(V/32)]`` int32 (structured outputs): the target's logits at verified position j
+    are masked before verification (a draft the grammar forbids is rejected); prefill rows use position 0.
     """
     first = jnp.where(feed.use_prev, prev_tokens[feed.prev_row], inp.tokens[:, 0])
     tokens = inp.tokens.at[:, 0].set(first)
@@ -418,8 +438,11 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
     kw = dict(cfg=cfg, dtype=dtype, moe_impl=moe_impl, k=k)
     if decode:
         all_logits, _ = head_logits(params, {k_: v for k_, v in carry.items() if k_ in ("streams", "premix")}, cfg)
+        finite = jnp.all(jnp.isfinite(all_logits), axis=-1)  # before the masks: masked entries are -inf
+        V = all_logits.shape[-1]
+        all_logits = apply_token_bitmask(all_logits.reshape(-1, V), token_masks.reshape(B * Q, -1)).reshape(B, Q, V)
         toks, nacc, logprobs = verify(all_logits, drafts, dlp, ndraft, inp.start, samp, samp.num_top_logprobs)
-        toks = jnp.where(jnp.all(jnp.isfinite(all_logits), axis=-1), toks, NONFINITE_TOKEN)
+        toks = jnp.where(finite, toks, NONFINITE_TOKEN)
         if hist0 is not None:  # V4.1 Engram history: rewind to the committed tokens (rejected drafts leave no trace)
             committed = dataclasses.replace(inp, n=jnp.where(inp.n > 0, nacc + 1, 0))
             cache = dataclasses.replace(cache, ngram_hist=_engram_rows_device(hist0, committed, cfg, cmap)[1])
@@ -430,8 +453,9 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
             spec = draft(params, spec, streams, toks, inp, nacc + 1, inp.n > 0, samp, **kw)
         out = jnp.zeros((max_rows, Q), jnp.int32).at[:B].set(toks)
         return out, jnp.zeros((max_rows,), jnp.int32).at[:B].set(nacc), logprobs, cache, spec
-    toks, logprobs = sample(logits, samp)
-    toks = jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), toks, NONFINITE_TOKEN)
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    toks, logprobs = sample(apply_token_bitmask(logits, token_masks[:, 0]), samp)
+    toks = jnp.where(finite, toks, NONFINITE_TOKEN)
     j = jnp.arange(Q)[None, :]
     nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     nxt = jnp.where(j == (inp.n - 1)[:, None], jnp.where(sample_mask, toks, next_tok)[:, None], nxt)

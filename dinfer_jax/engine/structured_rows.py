@@ -15,7 +15,7 @@ request, with ``finish_reason="error"`` and the cause (DeepInfer's ``FINISHED_SO
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -122,6 +122,40 @@ class StructuredOutputs:
                 self._fail(sched, rec, "structured output: no token of the model's vocabulary "
                            f"({self._vocab_size}) continues the grammar after {len(rec['seq'].output_token_ids)} "
                            "output tokens")
+        self.mask_seconds += time.perf_counter() - t0
+        return mask
+
+    def spec_masks(self, step: ScheduledStep, k: int, by_id: dict[int, dict[str, Any]], sched: Scheduler,
+                   draft_tokens: Callable[[], np.ndarray]) -> np.ndarray:
+        """Token masks ``int32 [len(step.rows), 1 + k, words]`` of a speculative step: for each structured row,
+        position 0 from its committed state, then each draft it verifies is tentatively accepted and the mask of
+        the next position filled, and the drafts are rolled back (DeepInfer's per-draft-step masks). A draft the
+        grammar rejects leaves the later positions all allowed: verification rejects that draft at its own masked
+        position, so nothing after it is used. ``draft_tokens()`` reads the drafts ``[slots, k]`` from the device
+        (called only when some row verifies drafts)."""
+        t0 = time.perf_counter()
+        mask = np.full((len(step.rows), 1 + k, self.words), -1, np.int32)
+        drafts = None
+        for i, row in enumerate(step.rows):
+            rec = by_id[row.request_id]
+            m: StructuredMatcher | None = rec.get("matcher")
+            if not row.sample or m is None or rec["seq"].finished:
+                continue
+            m.fill_mask(mask[i, 0])
+            accepted = 0
+            if row.num_drafts:
+                drafts = draft_tokens() if drafts is None else drafts
+                for j, tok in enumerate(drafts[rec["seq"].state_slot, : row.num_drafts]):
+                    if not m.accept_token(int(tok)):
+                        break
+                    accepted += 1
+                    m.fill_mask(mask[i, j + 1])
+                m.rollback(accepted)
+            if m.error is not None:
+                self._fail(sched, rec, f"structured output: {m.error}")
+            elif not mask[i, 0].any():
+                self._fail(sched, rec, "structured output: no token of the model's vocabulary "
+                           f"({self._vocab_size}) continues the grammar")
         self.mask_seconds += time.perf_counter() - t0
         return mask
 
