@@ -76,13 +76,6 @@ class EngineMetrics:
     host_schedule_seconds: float = 0.0
     host_dispatch_seconds: float = 0.0
     host_process_seconds: float = 0.0
-    # structured outputs: requests with so_args, those that ended with a grammar error, host time filling token
-    # masks (the device can wait on the masks only while the host fills them), host time blocked on a grammar
-    # compilation with nothing else to run
-    structured_requests: int = 0
-    structured_failed: int = 0
-    structured_mask_seconds: float = 0.0
-    structured_build_wait_seconds: float = 0.0
 
 
 def _enable_compilation_cache() -> None:
@@ -407,7 +400,10 @@ class LLM:
 
     def metrics(self) -> dict[str, Any]:
         """Counters: tokens, steps, compilations, and the time the device waited for the host (``async`` keeps it
-        near zero) and the host waited for the device."""
+        near zero) and the host waited for the device. Structured outputs: ``structured_requests`` (with
+        ``so_args``), ``structured_failed`` (ended by a grammar error), ``structured_mask_seconds`` (host time
+        filling token masks: the device can wait on the masks only while the host fills them) and
+        ``structured_build_wait_seconds`` (host time blocked on a grammar compilation with nothing else to run)."""
         m = dataclasses.asdict(self._metrics)
         m["compilations"] = self.runner.num_compilations
         so = self._structured

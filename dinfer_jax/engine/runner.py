@@ -105,7 +105,7 @@ class ModelRunner:
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
         self._prev_step_id: int | None = None
         self.mask_words = mask_words(self.cfg.vocab_size)
-        self._full_masks: dict[int, jax.Array] = {}  # batch -> all-allowed token mask kept on the device
+        self._full_masks: dict[Any, jax.Array] = {}  # b or (b, "spec") -> all-allowed masks kept on the device
 
     # ------------------------------------------------------------------ compile
     def warmup(self, progress: bool = False, compile_threads: int | None = None) -> float:
