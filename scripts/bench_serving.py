@@ -88,6 +88,10 @@ def run_one(preset: str, layers: int, args, bw: float) -> dict:
     from dinfer_jax import LLM
 
     cfg = first_layers(load_config(preset), layers)
+    if args.no_engram and cfg.is_v41:
+        # V4.1-Flash's Engram tables (~384M rows per layer) are not built at random: the slice keeps the layer,
+        # without its Engram branch
+        cfg = cfg.replace(engram_layer_ids=(), engram_num_embeddings=())
     t0 = time.perf_counter()
     model = random_model(cfg, dtype="bfloat16", include_mtp=False, weights="native")
     jax.block_until_ready(model.params)
@@ -192,6 +196,8 @@ def main() -> None:
                     help="also list the device time of one decode step by kernel (CUPTI)")
     ap.add_argument("--compile-threads", type=int, default=None,
                     help="threads compiling the buckets at warm-up (LLM compile_threads; default: the cores)")
+    ap.add_argument("--no-engram", action="store_true",
+                    help="V4.1 presets: leave out the Engram branches (real-size tables cannot be built at random)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cache = tempfile.mkdtemp(prefix="dinfer_jax_cold_cache_")
