@@ -36,7 +36,8 @@ def _models(name: str):
 @pytest.mark.parametrize("name", ["default", "tiny-v4"])
 def test_nan_embedding_row_ends_only_its_requests(name):
     clean, bad = _models(name)
-    kw = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, progress=False,
+    # the shapes of tests/test_default_model.py's engine: one process compiles them once
+    kw = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=32, progress=False,
               buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(32,)))
     sp = [SamplingParams(temperature=0.0, max_tokens=8), SamplingParams(temperature=0.8, seq_seed=2, max_tokens=8)]
     first = [[10, 11, 12, 13], [20, BAD, 22], [30, 31, 32, 33, 34], [40, 41, BAD]]
