@@ -135,9 +135,9 @@ structured = [
                    so_args={"schema_type": "json", "schema": json.dumps(schema)}),
     SamplingParams(temperature=0.0, max_tokens=16,
                    so_args={"schema_type": "regex", "schema": r"[A-Z][a-z]{1,10} (is|are) [a-z]{1,10}\."}),
-    SamplingParams(temperature=0.0, max_tokens=40,
-                   so_args={"schema_type": "regex", "schema": "[0-9]{2}",
-                            "trigger_token_ids": tok.encode(" version").ids}),
+    SamplingParams(temperature=0.0, max_tokens=40,  # free text until " is", then the grammar
+                   so_args={"schema_type": "regex", "schema": " [0-9]{1,2} times\\.",
+                            "trigger_token_ids": tok.encode(" is").ids}),
 ]
 for sp, out in zip(structured, llm.generate(["The open() function"] * 4, structured, use_tqdm=False), strict=True):
     print(f"{sp.so_args['schema_type']:5s} {out.finish_reason:6s} {out.text!r}")
