@@ -451,10 +451,8 @@ class LLM:
         self._metrics.requests += 1
         if error is None and sp.structured is not None:
             if isinstance(self.runner, DPModelRunner):
-                rec["error"] = ("structured output (so_args) runs on the one-device engine; this engine has "
-                                "several DP/CP/EP ranks")
-                self._structured.requests += 1
-                self._structured.failed += 1
+                rec["error"] = self._structured.refuse("structured output (so_args) runs on the one-device engine; "
+                                                       "this engine has several DP/CP/EP ranks")
             else:
                 rec["error"] = self._structured.submit(rec)  # admitted to the scheduler once its matcher is built
             return rec
@@ -493,6 +491,7 @@ class LLM:
         m = self._metrics
         so = self._structured
         pending = [r for r in records if r["build"] is not None]  # structured requests whose grammar is building
+        any_structured = bool(pending)  # otherwise no step needs masks: skip the per-row check
         while sched.has_unfinished() or inflight or pending:
             if pending:
                 pending = self._admit_structured(sched, pending, not (sched.has_unfinished() or inflight), progress)
@@ -503,7 +502,7 @@ class LLM:
             if step is not None:
                 if idle_since is not None:  # the device had finished everything queued; it waited until now
                     m.device_waited_for_host_seconds += t_disp - idle_since
-                structured = so.needs_masks(step, by_id)
+                structured = any_structured and so.needs_masks(step, by_id)
                 spec_masks = None
                 if structured and self.speculative:
                     # the speculative step samples and verifies inside the model's program: its masks (one per

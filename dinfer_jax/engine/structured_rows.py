@@ -116,12 +116,7 @@ class StructuredOutputs:
             if not row.sample or m is None or rec["seq"].finished:
                 continue
             m.fill_mask(mask[i])
-            if m.error is not None:
-                self._fail(sched, rec, f"structured output: {m.error}")
-            elif not mask[i].any():  # e.g. the grammar's next token lies beyond the model's vocabulary
-                self._fail(sched, rec, "structured output: no token of the model's vocabulary "
-                           f"({self._vocab_size}) continues the grammar after {len(rec['seq'].output_token_ids)} "
-                           "output tokens")
+            self._check(sched, rec, m, mask[i])
         self.mask_seconds += time.perf_counter() - t0
         return mask
 
@@ -151,11 +146,7 @@ class StructuredOutputs:
                     accepted += 1
                     m.fill_mask(mask[i, j + 1])
                 m.rollback(accepted)
-            if m.error is not None:
-                self._fail(sched, rec, f"structured output: {m.error}")
-            elif not mask[i, 0].any():
-                self._fail(sched, rec, "structured output: no token of the model's vocabulary "
-                           f"({self._vocab_size}) continues the grammar")
+            self._check(sched, rec, m, mask[i, 0])
         self.mask_seconds += time.perf_counter() - t0
         return mask
 
@@ -177,6 +168,22 @@ class StructuredOutputs:
                     break
                 rec["so_fed"] += 1
             rec["so_fed"] = len(out)
+
+    def _check(self, sched: Scheduler, rec: dict[str, Any], m: StructuredMatcher, first: np.ndarray) -> None:
+        """End the request when its matcher failed, or when its mask for the next token (``first``) is empty (e.g.
+        the grammar's only continuations lie beyond the model's vocabulary)."""
+        if m.error is not None:
+            self._fail(sched, rec, f"structured output: {m.error}")
+        elif not first.any():
+            self._fail(sched, rec, "structured output: no token of the model's vocabulary "
+                       f"({self._vocab_size}) continues the grammar after {len(rec['seq'].output_token_ids)} "
+                       "output tokens")
+
+    def refuse(self, reason: str) -> str:
+        """Count a structured request this engine cannot serve; returns ``reason`` (its error)."""
+        self.requests += 1
+        self.failed += 1
+        return reason
 
     def _fail(self, sched: Scheduler, rec: dict[str, Any], message: str) -> None:
         self.failed += 1
