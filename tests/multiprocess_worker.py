@@ -8,6 +8,7 @@ and writes the tokens as JSON. Every process builds the same model (same seed) a
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -47,7 +48,10 @@ def main() -> None:
     ap.add_argument("--redundant-experts", type=int, default=None, help="EPLB: num_redundant_experts")
     ap.add_argument("--eplb-interval", type=int, default=None)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--hang-seconds", type=float, default=540,
+                    help="print every thread's Python stack and exit after this long (a collective that never meets)")
     args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.hang_seconds, exit=True)
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["DINFER_JAX_COMPILATION_CACHE"] = "off"

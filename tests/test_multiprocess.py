@@ -38,8 +38,8 @@ def test_two_processes_give_the_single_device_tokens(tmp_path):
              for i in range(2)]
     logs = []
     try:
-        for p in procs:
-            logs.append(p.communicate(timeout=1200)[0])
+        for p in procs:  # a worker that hangs dumps its stacks and exits after 540 s (--hang-seconds)
+            logs.append(p.communicate(timeout=900)[0])
     finally:
         for p in procs:
             p.kill()

@@ -49,8 +49,8 @@ from dinfer_jax.engine.runner import InFlight, _device_step, _engram_callback, e
 from dinfer_jax.engine.scheduler import ScheduledStep
 from dinfer_jax.models import Model
 from dinfer_jax.models.ep_model import logical_experts
-from dinfer_jax.models.eplb import Placement, initial_placement, physical_experts, rebalance_layers
-from dinfer_jax.models.layer_plan import StackedLayers, stack_params, unstack_layers
+from dinfer_jax.models.eplb import ExpertMap, Placement, initial_placement, physical_experts, rebalance_layers
+from dinfer_jax.models.layer_plan import StackedLayers, plan_layers, stack_params, unstack_layers
 from dinfer_jax.models.moe import EP_IMPLS
 from dinfer_jax.models.step_state import StepInput, cache_shapes
 from dinfer_jax.progress import PhaseProgress
@@ -150,6 +150,38 @@ def _placed_layers(cfg: Any, layers: Any, placements: Sequence[Placement]) -> li
     return out
 
 
+def _replacement_tables(cfg: Any, old: Sequence[Placement], new: Sequence[Placement]) -> StackedLayers:
+    """Per stacked layer (scan layout, as ``params["layers"]``): ``(src [repeats, P], logical_to_physical
+    [repeats, E, R+1], logical_count [repeats, E])`` int32, where ``src[r, p]`` is the slot of the current
+    placement that holds the expert the new placement puts in slot ``p`` (the current replica 0 of that expert)."""
+    groups = []
+    for g in plan_layers(cfg):
+        per_pos = []
+        for j in range(g.period):
+            layers = [g.layer(r, j) for r in range(g.repeats)]
+            src = np.stack([old[i].logical_to_physical[new[i].physical_to_logical, 0] for i in layers])
+            l2p = np.stack([new[i].logical_to_physical for i in layers])
+            cnt = np.stack([new[i].logical_count for i in layers])
+            per_pos.append(tuple(a.astype(np.int32) for a in (src, l2p, cnt)))
+        groups.append(tuple(per_pos))
+    return StackedLayers(tuple(groups))
+
+
+def _move_experts(layers: StackedLayers, tables: StackedLayers) -> StackedLayers:
+    """Stacked layers with every layer's experts gathered into its new slots and its expert map replaced
+    (:func:`_replacement_tables`); jitted by :class:`DPModelRunner` with the parameters' shardings."""
+    take = jax.vmap(lambda a, idx: jnp.take(a, idx, axis=0))  # over the stacked repeats
+    groups = []
+    for group, group_tables in zip(layers.groups, tables.groups, strict=True):
+        trees = []
+        for tree, (src, l2p, cnt) in zip(group, group_tables, strict=True):
+            ffn = tree["ffn"]
+            experts = jax.tree.map(lambda a, src=src: take(a, src), ffn["experts"])
+            trees.append({**tree, "ffn": {**ffn, "experts": experts, "expert_map": ExpertMap(l2p, cnt)}})
+        groups.append(tuple(trees))
+    return StackedLayers(tuple(groups))
+
+
 class DPModelRunner:
     """Owns the mesh, the engines' caches and the compiled whole-mesh steps (see the module docstring)."""
 
@@ -224,7 +256,9 @@ class DPModelRunner:
         if self.multi_process:  # host values, or arrays local to this process, become identical host copies
             stacked = jax.tree.map(lambda x: x if isinstance(x, jax.Array) and not x.is_fully_addressable
                                    else np.asarray(x), stacked)
-        self.params = jax.device_put(stacked, jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._param_specs))
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._param_specs)
+        self.params = jax.device_put(stacked, shardings)
+        self._replace_experts = jax.jit(_move_experts, out_shardings=shardings["layers"], donate_argnums=0)
 
     def expert_loads(self) -> np.ndarray:
         """Tokens routed to each (layer, logical expert) ``[L, E]`` int64 since the engine started or last
@@ -256,9 +290,12 @@ class DPModelRunner:
             raise ValueError(f"tokens_per_expert must be [layers={self.cfg.num_layers}, E={self.cfg.n_routed_experts}]"
                              f" (or [steps, layers, E]), got shape {np.shape(tokens_per_expert)}")
         placements = list(rebalance_layers(loads, self.placements[0].num_redundant, self.layout.ep))
-        layers = _placed_layers(self.cfg, unstack_layers(self.cfg, self.params["layers"]), placements)
+        # One compiled program moves every layer's experts (same shapes each time: compiled once). Dispatching the
+        # move as many small eager ops on mesh-wide arrays deadlocked two processes (XLA CPU: a device's share of
+        # one op waited for an in-flight slot that later ops held, while the other devices sat in its all-reduce).
+        tables = jax.device_put(_replacement_tables(self.cfg, self.placements, placements), self._replicated)
+        self.params = {**self.params, "layers": self._replace_experts(self.params["layers"], tables)}
         self.placements = placements
-        self._set_params(stack_params(self.cfg, {**self.params, "layers": layers}))
         return placements
 
     # ------------------------------------------------------------------ compile
