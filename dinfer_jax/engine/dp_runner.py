@@ -45,9 +45,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dinfer_jax.engine.buckets import Buckets, pages_needed
 from dinfer_jax.engine.compile_pool import compile_all, default_compile_threads
 from dinfer_jax.engine.kv_cache import CacheConfig
-from dinfer_jax.engine.runner import InFlight, _device_step, _engram_callback, empty_inputs, fill_step_inputs
+from dinfer_jax.engine.runner import InFlight, _device_step, empty_inputs, fill_step_inputs
 from dinfer_jax.engine.scheduler import ScheduledStep
 from dinfer_jax.models import Model
+from dinfer_jax.models.engram_lookup import EngramLookup
 from dinfer_jax.models.ep_model import logical_experts
 from dinfer_jax.models.eplb import ExpertMap, Placement, initial_placement, physical_experts, rebalance_layers
 from dinfer_jax.models.layer_plan import StackedLayers, plan_layers, stack_params, unstack_layers
@@ -225,14 +226,14 @@ class DPModelRunner:
         shapes = cache_shapes(self.cfg, cache_config, model.dtype)
         self.cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros((copies, *s.shape), s.dtype), shapes),
                              out_shardings=self._copies)()
-        cmap = efn = None
-        if self.cfg.engram_layer_ids:
-            cmap = jax.device_put(np.asarray(model.engram.compressed_map, np.int32), self._replicated)
-            efn = functools.partial(_engram_callback, self.cfg, model.engram.tables)
-        self._cmap = cmap
+        engram = lookup = None
+        if self.cfg.engram_layer_ids:  # tables replicated in every device's memory (the lookup runs per device)
+            engram = model.engram.state("device", self._replicated)
+            lookup = EngramLookup(self.cfg)
+        self._engram = engram
         count = self.placements is not None
         step_fn = functools.partial(_device_step, cfg=self.cfg, dtype=model.dtype, moe_impl=moe_impl,
-                                    engram_fn=efn, max_rows=self.max_rows, ep_manual=ep_manual,
+                                    engram_fn=lookup, max_rows=self.max_rows, ep_manual=ep_manual,
                                     cp_manual=lay.cp if lay.cp > 1 else 0, copies_manual=lay.replicas,
                                     count_experts=count)
         self._step = jax.jit(functools.partial(_mesh_step, step_fn=step_fn, mesh=self.mesh,
@@ -388,7 +389,7 @@ class DPModelRunner:
         host = (StepInput(**jax.tree.map(stack, *inps)), InFlight(**jax.tree.map(stack, *feeds)),
                 jax.tree.map(stack, *samps), stack(*active))
         inp, feed, samp, act = jax.device_put(host, self._copies)
-        return self.params, self.cache, inp, feed, self._prev_tokens, samp, act, self._cmap, self._loads
+        return self.params, self.cache, inp, feed, self._prev_tokens, samp, act, self._engram, self._loads
 
 
 def _axes_spec(mesh: Mesh, kind: str) -> PartitionSpec:
@@ -401,19 +402,19 @@ def _axes_spec(mesh: Mesh, kind: str) -> PartitionSpec:
 
 
 def _mesh_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
-               active: jax.Array, cmap: Any, loads: jax.Array | None, *, step_fn: Any, mesh: Mesh, param_specs: Any,
+               active: jax.Array, engram: Any, loads: jax.Array | None, *, step_fn: Any, mesh: Mesh, param_specs: Any,
                copies: PartitionSpec, replicas: int, host_replicated: bool = False):
     """All engines' step: ``step_fn`` (:func:`~dinfer_jax.engine.runner._device_step`) per device under
-    ``shard_map``; every argument but ``params`` / ``cmap`` / ``loads`` has the leading engine-copy dimension.
+    ``shard_map``; every argument but ``params`` / ``engram`` / ``loads`` has the leading engine-copy dimension.
     Returns ``(tokens, logprobs, cache, host_view, loads)``: ``host_view`` is ``(tokens, logprobs)`` replicated
     on every device when ``host_replicated`` (several processes: each must read every engine's tokens), else
     None; ``loads`` (EPLB engines, else None) is the ``[L, E]`` accumulator plus this step's tokens per expert
     over all engines."""
 
-    def body(params, cache, inp, feed, prev, samp, active, cmap):
+    def body(params, cache, inp, feed, prev, samp, active, engram):
         local = functools.partial(jax.tree.map, lambda x: x[0])
         cache, inp, feed, prev, samp, active = local((cache, inp, feed, prev, samp, active))
-        toks, logprobs, cache, step_loads = step_fn(params, cache, inp, feed, prev, samp, cmap)
+        toks, logprobs, cache, step_loads = step_fn(params, cache, inp, feed, prev, samp, engram)
         toks = jnp.where(active, toks, prev)  # an idle engine keeps its last real step's tokens
         return jax.tree.map(lambda x: x[None], (toks, logprobs, cache, step_loads))
 
@@ -421,7 +422,7 @@ def _mesh_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tok
     fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, copies, copies, copies, copies, copies, copies,
                                                   PartitionSpec()),
                        out_specs=(copies, copies, copies, copies), check_vma=False)
-    toks, logprobs, cache, step_loads = fn(params, cache, inp, feed, prev_tokens, samp, active, cmap)
+    toks, logprobs, cache, step_loads = fn(params, cache, inp, feed, prev_tokens, samp, active, engram)
     if loads is not None:  # one row per engine copy: count each engine once (copy 0 of its `replicas`)
         loads = loads + step_loads[::replicas].sum(axis=0)
     host_view = None

@@ -27,6 +27,7 @@ from dinfer_jax.engine.runner import Buckets, ModelRunner, StepOutput
 from dinfer_jax.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from dinfer_jax.engine.structured_rows import StructuredOutputs
 from dinfer_jax.models import Model, load_config, load_model, random_model
+from dinfer_jax.models.engram_lookup import ENGRAM_PLACEMENTS
 from dinfer_jax.sampling import SamplingParams
 
 DEFAULT_KV_BYTES = 256 * 1024 * 1024
@@ -223,6 +224,10 @@ class LLM:
             prompts, output text, and the vocabulary of structured-output grammars); default: the checkpoint's.
         structured_timeout_s: limit on compiling one request's structured-output grammar (``so_args``); a request
             whose grammar is not ready by then ends with ``finish_reason="error"`` (``docs/structured_outputs.md``).
+        engram_tables: V4.1 Engram tables for the compiled steps: ``"device"`` (default; copied once into device
+            memory) or ``"host"`` (pinned host memory, gathered on the host inside the step; one-device engine).
+            Either way the n-gram hash and the gather run inside the step, with no host callback
+            (``docs/engram.md``).
     """
 
     def __init__(self, model: str | Path | Model, dtype: str = "float32", max_num_seqs: int = 8,
@@ -236,10 +241,15 @@ class LLM:
                  device_memory_bytes: int | None = None, attention: str = "auto", kv_cache_dtype: str = "auto",
                  compile_threads: int | None = None, num_redundant_experts: int | None = None,
                  eplb_interval: int | None = None, tokenizer: str | Path | Any | None = None,
-                 structured_timeout_s: float = 20.0):
+                 structured_timeout_s: float = 20.0, engram_tables: str = "device"):
         _enable_compilation_cache()
         if attention not in ("auto", "sparse", "dense"):
             raise ValueError(f"attention must be 'auto', 'sparse' or 'dense', got {attention!r}")
+        if engram_tables not in ENGRAM_PLACEMENTS:
+            raise ValueError(f"engram_tables must be one of {ENGRAM_PLACEMENTS}, got {engram_tables!r}")
+        if engram_tables == "host" and (dp_size, cp_size, ep_size) != (1, 1, 1):
+            raise ValueError("engram_tables='host' runs on the one-device engine only; the DP engines keep the "
+                             "tables in every device's memory ('device')")
         self.parallel = parallel_layout(dp_size, cp_size, ep_size)
         self.dp_size = dp_size
         self.model, self.path = _resolve_model(model, dtype, seed, progress)
@@ -278,7 +288,7 @@ class LLM:
                     self.model, _largest_steps(self.buckets), block_size=self.block_size,
                     max_rows=max(max(self.buckets.decode_batch), max(self.buckets.prefill_batch)),
                     max_logprobs=max_logprobs, utilization=memory_utilization,
-                    device_memory_bytes=device_memory_bytes)
+                    device_memory_bytes=device_memory_bytes, engram_tables=engram_tables)
             budget = (kv_cache_memory_bytes if kv_cache_memory_bytes is not None
                       else self.memory_plan.kv_bytes if self.memory_plan is not None else DEFAULT_KV_BYTES)
             budget -= _draft_pool_bytes(cfg, self.speculative, k, max_num_seqs, self.block_size, self.model.dtype)
@@ -301,7 +311,8 @@ class LLM:
             self.runner: ModelRunner | DPModelRunner = ModelRunner(self.model, cache_cfg, self.max_model_len,
                                                                    self.buckets, max_logprobs=max_logprobs,
                                                                    speculative=self.speculative,
-                                                                   num_speculative_tokens=k, attention=attention)
+                                                                   num_speculative_tokens=k, attention=attention,
+                                                                   engram_tables=engram_tables)
             self.model = self.runner.model   # the scan-layout weights: no second copy held by the engine
         else:
             self.runner = DPModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, self.parallel,

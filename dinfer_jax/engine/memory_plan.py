@@ -73,11 +73,11 @@ def temp_bytes(compiled: Any) -> int:
 
 
 def measure_step_activations(model: Any, shapes: list[tuple[int, int, int]], block_size: int, max_rows: int,
-                             max_logprobs: int) -> dict[tuple[int, int, int], int]:
+                             max_logprobs: int, engram_tables: str = "device") -> dict[tuple[int, int, int], int]:
     """Temporary bytes of the engine step compiled for each ``(B, Q, P)`` shape against a minimal pool.
 
     ``model``: a :class:`~dinfer_jax.models.Model`; ``max_rows``: the runner's output width (largest bucket
-    batch)."""
+    batch); ``engram_tables``: where V4.1 Engram tables are placed (the runner's placement)."""
     from dinfer_jax.engine.runner import _SAMPLE, _STEP, InFlight, empty_inputs, step_statics
     from dinfer_jax.models.layer_plan import stack_params
     from dinfer_jax.models.step_state import CacheConfig, StepInput, cache_shapes
@@ -85,13 +85,13 @@ def measure_step_activations(model: Any, shapes: list[tuple[int, int, int]], blo
 
     cfg = model.config
     params = jax.eval_shape(lambda p: stack_params(cfg, p), model.params)
-    statics, cmap = step_statics(model)
+    statics, engram = step_statics(model, engram_tables=engram_tables)
     out = {}
     for b, q, p in shapes:
         cache = cache_shapes(cfg, CacheConfig(num_slots=b + 1, num_blocks=p + 1, block_size=block_size), model.dtype)
         inp, feed = empty_inputs(b, q, p)
         forward = _STEP.lower(params, cache, StepInput(**inp), InFlight(**feed), np.zeros((max_rows,), np.int32),
-                              cmap, **statics).compile()
+                              engram, **statics).compile()
         # the sampler runs after the model (its own program): the step's peak is the larger of the two; the
         # filtering variant (two sorts over the vocabulary) is the largest
         samp = SamplingTensors.from_params([], [], [], pad_to=b, num_top_logprobs=max_logprobs, use_filters=True,
@@ -115,17 +115,21 @@ def restack_bytes(model: Any) -> int:
 
 def plan_memory(model: Any, shapes: list[tuple[int, int, int]], *, block_size: int, max_rows: int,
                 max_logprobs: int, utilization: float, device_memory_bytes: int | None = None,
-                device: jax.Device | None = None) -> MemoryPlan | None:
+                device: jax.Device | None = None, engram_tables: str = "device") -> MemoryPlan | None:
     """The plan for ``model`` on ``device`` (default: the first device), or None when neither the device reports
     its memory nor ``device_memory_bytes`` is given (the caller then uses a fixed budget)."""
     device = device or jax.devices()[0]
+    if model.engram is not None:  # the runner's Engram tables, placed (once) before the device's use is read
+        model.engram.state(engram_tables)
     limit, in_use = device_memory(device)
     limit = device_memory_bytes or limit
     if limit is None:
         return None
     if in_use is None:
         in_use = model.param_bytes
+        if model.engram is not None and engram_tables == "device":
+            in_use += model.engram.table_bytes
     in_use += restack_bytes(model)
-    by_shape = measure_step_activations(model, shapes, block_size, max_rows, max_logprobs)
+    by_shape = measure_step_activations(model, shapes, block_size, max_rows, max_logprobs, engram_tables)
     return MemoryPlan(device_bytes=int(limit), in_use_bytes=int(in_use), activation_bytes=max(by_shape.values()),
                       activation_by_shape=by_shape, utilization=float(utilization)).check()

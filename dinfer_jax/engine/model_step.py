@@ -10,7 +10,7 @@ full-sequence forward runs); this module adds the on-device Engram n-gram rows a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from dinfer_jax.models.backbone import head_logits, run_backbone
 from dinfer_jax.models.config import ModelConfig
+from dinfer_jax.models.engram_lookup import EngramLookup, EngramState
 from dinfer_jax.models.layers import LayerOptions
 from dinfer_jax.models.step_state import ModelCache, StepInput
 
@@ -46,34 +47,34 @@ def _engram_rows_device(hist_all: jax.Array, inp: StepInput, cfg: ModelConfig,
 
 
 def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, cfg: ModelConfig, dtype: str,
-               moe_impl: str = "auto", engram_fn: Callable[[jax.Array], jax.Array] | None = None,
-               cmap: jax.Array | None = None, ep_manual: int = 0, cp_manual: int = 0,
+               moe_impl: str = "auto", engram_fn: EngramLookup | None = None,
+               engram: EngramState | None = None, ep_manual: int = 0, cp_manual: int = 0,
                copies_manual: int = 1, return_carry: bool = False, attention: str = "auto",
                attention_impl: str = "auto", count_experts: bool = False) -> tuple[Any, ...]:
     """Run the model on one step's rows.
 
     params: ``"layers"`` stacked (:func:`stack_params`) for serving, or in checkpoint layout (stacked per call).
     Returns ``(logits [B,V] fp32 at each row's ``last`` token, updated cache)``. V4.1 Engram rows come from
-    ``engram_fn`` (host gather of hashed n-grams, run through ``jax.pure_callback``) with ``cmap`` the raw →
-    compressed id table on device. ``ep_manual``: EP group size when called per device inside a ``shard_map``
-    over the mesh (:mod:`dinfer_jax.engine.dp_runner`), 0 otherwise; ``cp_manual`` likewise the CP group size
-    (prefill MoE rows split over the CP ranks by the mirrored rule), ``copies_manual`` the copies of each DP
-    engine (:class:`~dinfer_jax.models.layers.LayerOptions`).
+    ``engram_fn`` (:class:`~dinfer_jax.models.engram_lookup.EngramLookup`: n-gram hash and table gather inside
+    the program) reading ``engram`` (the compressed-id map and the placed tables). ``ep_manual``: EP group size
+    when called per device inside a ``shard_map`` over the mesh (:mod:`dinfer_jax.engine.dp_runner`), 0
+    otherwise; ``cp_manual`` likewise the CP group size (prefill MoE rows split over the CP ranks by the mirrored
+    rule), ``copies_manual`` the copies of each DP engine (:class:`~dinfer_jax.models.layers.LayerOptions`).
     ``attention`` / ``attention_impl``: how queries read the compressed rows, and what attends to the gathered ones
     (:class:`~dinfer_jax.models.layers.LayerOptions`).
     ``count_experts`` (EPLB) adds the step's per-layer expert loads ``[L, E]`` int32 (real tokens only) as a third
     output. ``return_carry`` (speculative decoding) adds the backbone's final carry (``streams [B,Q,n,D]`` at
     every query position, and V4.1's ``dspark_features``) as a third output.
     """
-    engram = None
+    engram_emb = None
     if cfg.engram_layer_ids:
-        rows, hist = _engram_rows_device(cache.ngram_hist, inp, cfg, cmap)
+        rows, hist = _engram_rows_device(cache.ngram_hist, inp, cfg, engram.cmap)
         cache = dataclasses.replace(cache, ngram_hist=hist)
-        engram = engram_fn(rows).astype(jnp.dtype(dtype))  # [n_engram, B, Q, E_in]
+        engram_emb = engram_fn(engram.tables, rows).astype(jnp.dtype(dtype))  # [n_engram, B, Q, E_in]
     opts = LayerOptions(moe_impl=moe_impl, ep_manual=ep_manual, cp_manual=cp_manual,
                         copies_manual=copies_manual, attention=attention, attention_impl=attention_impl,
                         count_experts=count_experts)
-    carry, cache, aux = run_backbone(params, cache, inp, cfg=cfg, dtype=dtype, opts=opts, engram=engram)
+    carry, cache, aux = run_backbone(params, cache, inp, cfg=cfg, dtype=dtype, opts=opts, engram=engram_emb)
     last = {k: jnp.take_along_axis(v, inp.last.reshape((-1,) + (1,) * (v.ndim - 1)), axis=1)
             for k, v in carry.items() if k in ("streams", "premix")}  # [B,1,...]
     logits, _ = head_logits(params, last, cfg)

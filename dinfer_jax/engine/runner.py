@@ -33,6 +33,7 @@ from dinfer_jax.engine.scheduler import ScheduledStep
 from dinfer_jax.engine.speculative import SpecState, draft, draft_dspark, init_spec_state, verify
 from dinfer_jax.models import Model
 from dinfer_jax.models.backbone import head_logits
+from dinfer_jax.models.engram_lookup import EngramLookup, EngramState
 from dinfer_jax.models.layer_plan import stack_params
 from dinfer_jax.models.step_state import StepInput
 from dinfer_jax.progress import PhaseProgress
@@ -76,7 +77,7 @@ class ModelRunner:
 
     def __init__(self, model: Model, cache_config: CacheConfig, max_model_len: int, buckets: Buckets,
                  max_logprobs: int = 0, speculative: str | None = None, num_speculative_tokens: int = 0,
-                 attention: str = "auto"):
+                 attention: str = "auto", engram_tables: str = "device"):
         self.cfg = model.config
         self.cache_config = cache_config
         self.max_pages = math.ceil(max_model_len / cache_config.block_size)
@@ -93,7 +94,7 @@ class ModelRunner:
         self.compiled_samplers: set[tuple[int, bool, bool]] = set()  # (batch, use_filters, all_greedy)
         self.num_compilations = 0  # compilations this runner's calls caused (shared steps: see _CompileCounter)
         self.launch_seconds = 0.0  # host time inside the jitted step calls of dispatch (argument transfer, launch)
-        self._forward_static, self._cmap = step_statics(model, attention)
+        self._forward_static, self._engram = step_statics(model, attention, engram_tables)
         self._static = {**self._forward_static, "max_rows": self.max_rows}  # the speculative step also samples
         self.speculative = speculative
         self.k = num_speculative_tokens if speculative else 0
@@ -152,14 +153,14 @@ class ModelRunner:
 
     def _forward_args(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray]) -> tuple[Any, ...]:
         """Positional arguments of the model program (:data:`_STEP`) for one step's host inputs."""
-        return self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens, self._cmap
+        return self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens, self._engram
 
     def _spec_args(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any, decode: bool,
                    ndraft: np.ndarray, next_tok: np.ndarray, sample_mask: np.ndarray,
                    token_masks: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Arguments of the speculative program (:data:`_STEP_SPEC`): ``(positional, keyword)``."""
         return ((self.params, self.cache, self.spec, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
-                 self._cmap, ndraft, next_tok, sample_mask, token_masks),
+                 self._engram, ndraft, next_tok, sample_mask, token_masks),
                 dict(k=self.k, method=self.speculative, decode=decode, **self._static))
 
     def _sampler_args(self, b: int, use_filters: bool,
@@ -302,16 +303,18 @@ class ModelRunner:
         self._prev_tokens, self._prev_step_id = out.tokens, out.step.step_id
 
 
-def step_statics(model: Model, attention: str = "auto") -> tuple[dict[str, Any], jax.Array | None]:
+def step_statics(model: Model, attention: str = "auto",
+                 engram_tables: str = "device") -> tuple[dict[str, Any], EngramState | None]:
     """The model program's static keyword arguments for ``model`` (configuration, dtype, MoE implementation,
-    Engram callback, compressed-row attention mode; steps that also sample add ``max_rows``) and its
-    compressed-id map (V4.1 Engram; None otherwise)."""
+    Engram lookup, compressed-row attention mode; steps that also sample add ``max_rows``) and the Engram state it
+    reads (V4.1: the compressed-id map and the tables placed by ``engram_tables``, ``"device"`` or ``"host"``;
+    None otherwise)."""
     cfg = model.config
-    cmap = efn = None
+    state = lookup = None
     if cfg.engram_layer_ids:
-        cmap = jnp.asarray(model.engram.compressed_map, jnp.int32)
-        efn = model.engram.gather_fn(cfg, lambda c, t: functools.partial(_engram_callback, c, t))
-    return dict(cfg=cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=efn, attention=attention), cmap
+        state = model.engram.state(engram_tables)
+        lookup = EngramLookup(cfg, on_host=engram_tables == "host")
+    return dict(cfg=cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=lookup, attention=attention), state
 
 
 def empty_inputs(b: int, q: int, p: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -354,28 +357,14 @@ def fill_step_inputs(step: ScheduledStep, b: int, q: int, p: int, block_size: in
     return inp, feed
 
 
-def _engram_callback(cfg: Any, tables: list[Any], rows: jax.Array) -> jax.Array:
-    """Host gather of Engram rows for device n-gram rows ``[B,Q,M]`` → ``[n_engram, B, Q, E_in]`` fp32."""
-    e_in = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim
-    shape = jax.ShapeDtypeStruct((len(tables), *rows.shape[:-1], e_in), jnp.float32)
-
-    def host(r: np.ndarray) -> np.ndarray:
-        from dinfer_jax.models.engram import engram_hash
-
-        ids = engram_hash(cfg, np.asarray(r, np.int64))
-        return np.stack([t.gather(ids[i]).reshape(*r.shape[:-1], -1) for i, t in enumerate(tables)]).astype(np.float32)
-
-    return jax.pure_callback(host, shape, rows)
-
-
-def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, cmap: Any, *,
+def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, engram: Any, *,
                     cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, ep_manual: int = 0, cp_manual: int = 0,
                     copies_manual: int = 1, attention: str = "auto", count_experts: bool = False) -> tuple[Any, ...]:
     """Traced model part of a step: resolve in-flight inputs on device, run the model. Returns ``(logits [B, V]
     fp32 at each row's last token, cache)``, plus the expert loads ``[L, E]`` with ``count_experts``."""
     first = jnp.where(feed.use_prev, prev_tokens[feed.prev_row], inp.tokens[:, 0])
     inp = dataclasses.replace(inp, tokens=inp.tokens.at[:, 0].set(first))
-    return model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn, cmap=cmap,
+    return model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn, engram=engram,
                       ep_manual=ep_manual, cp_manual=cp_manual, copies_manual=copies_manual, attention=attention,
                       count_experts=count_experts)
 
@@ -394,12 +383,12 @@ def _device_sample(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Arr
 
 
 def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
-                 cmap: Any, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int,
+                 engram: Any, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int,
                  ep_manual: int = 0, cp_manual: int = 0, copies_manual: int = 1, attention: str = "auto",
                  count_experts: bool = False):
     """Forward and sampling traced as one program (the DP engines' per-device step). Returns ``(tokens
     [max_rows], logprobs, cache, expert loads [L, E] int32 or None)`` (loads with ``count_experts``)."""
-    out = _device_forward(params, cache, inp, feed, prev_tokens, cmap, cfg=cfg, dtype=dtype, moe_impl=moe_impl,
+    out = _device_forward(params, cache, inp, feed, prev_tokens, engram, cfg=cfg, dtype=dtype, moe_impl=moe_impl,
                           engram_fn=engram_fn, ep_manual=ep_manual, cp_manual=cp_manual,
                           copies_manual=copies_manual, attention=attention, count_experts=count_experts)
     logits, cache = out[:2]
@@ -408,7 +397,7 @@ def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_t
 
 
 def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: InFlight,
-                      prev_tokens: jax.Array, samp: Any, cmap: Any, ndraft: jax.Array, next_tok: jax.Array,
+                      prev_tokens: jax.Array, samp: Any, engram: Any, ndraft: jax.Array, next_tok: jax.Array,
                       sample_mask: jax.Array, token_masks: jax.Array, *, cfg: Any, dtype: str, moe_impl: str,
                       engram_fn: Any, attention: str,
                       max_rows: int, k: int, decode: bool, method: str):
@@ -433,7 +422,7 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
     inp = dataclasses.replace(inp, tokens=tokens)
     hist0 = cache.ngram_hist
     logits, cache, carry = model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, attention=attention,
-                                      engram_fn=engram_fn, cmap=cmap, return_carry=True)
+                                      engram_fn=engram_fn, engram=engram, return_carry=True)
     streams = carry["streams"]
     kw = dict(cfg=cfg, dtype=dtype, moe_impl=moe_impl, k=k)
     if decode:
@@ -445,7 +434,7 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
         toks = jnp.where(finite, toks, NONFINITE_TOKEN)
         if hist0 is not None:  # V4.1 Engram history: rewind to the committed tokens (rejected drafts leave no trace)
             committed = dataclasses.replace(inp, n=jnp.where(inp.n > 0, nacc + 1, 0))
-            cache = dataclasses.replace(cache, ngram_hist=_engram_rows_device(hist0, committed, cfg, cmap)[1])
+            cache = dataclasses.replace(cache, ngram_hist=_engram_rows_device(hist0, committed, cfg, engram.cmap)[1])
         if method == "dspark":
             golden = jnp.take_along_axis(toks, nacc[:, None], axis=1)[:, 0]
             spec = draft_dspark(params, spec, carry["dspark_features"], golden, inp, nacc + 1, inp.n > 0, samp, **kw)

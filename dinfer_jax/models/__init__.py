@@ -21,19 +21,32 @@ DTYPES = ("float32", "bfloat16")
 
 @dataclasses.dataclass
 class EngramRuntime:
-    """V4.1 host-side Engram state: one memory-mapped table per Engram layer and the raw → compressed id map."""
+    """V4.1 Engram state: one (memory-mapped) host table per Engram layer and the raw → compressed id map. The
+    full forward gathers from the host tables; serving engines read copies placed once per placement
+    (:meth:`state`)."""
 
     tables: list[Any]
     compressed_map: np.ndarray
-    # one host-gather callback per config, so compiled engine steps (which take it as a static argument) are shared
-    # by every engine over this runtime
-    _gather_fns: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # placed copies for the compiled steps, by (placement, sharding): engines over one model share them
+    _placed: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
-    def gather_fn(self, cfg: ModelConfig, make: Any) -> Any:
-        """``make(cfg, tables)`` built once per config and kept (a stable identity for ``jax.jit``'s cache)."""
-        if cfg not in self._gather_fns:
-            self._gather_fns[cfg] = make(cfg, self.tables)
-        return self._gather_fns[cfg]
+    @property
+    def table_bytes(self) -> int:
+        """Bytes of the tables as stored (codes and scales)."""
+        return sum(t.weight.nbytes + (0 if t.scale is None else t.scale.nbytes) for t in self.tables)
+
+    def state(self, where: str = "device", sharding: Any = None) -> Any:
+        """The :class:`~dinfer_jax.models.engram_lookup.EngramState` a compiled step reads: the id map and the
+        tables placed in device memory (``where="device"``) or pinned host memory (``"host"``), each array with
+        ``sharding`` (default: the first local device). Placed once per (where, sharding) and kept."""
+        from dinfer_jax.models.engram_lookup import EngramState, place_tables
+
+        key = (where, sharding)
+        if key not in self._placed:
+            cmap_sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            self._placed[key] = EngramState(jax.device_put(np.asarray(self.compressed_map, np.int32), cmap_sharding),
+                                            place_tables(self.tables, where, sharding))
+        return self._placed[key]
 
 
 @dataclasses.dataclass
