@@ -14,6 +14,12 @@ directory per run). Then:
 Prints a Markdown table (and writes it under ``--out``).
 
     python scripts/bench_serving.py --preset deepseek-v4-flash --layers 2 4 --out /tmp/serving
+
+V4.1 slices keep their Engram layers with ``--engram-vocab`` (random FP8 tables of that hash vocabulary) and compare
+table placements with ``--engram-tables device host`` (issue 13: host tables within 5% of device tables):
+
+    python scripts/bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
+        --engram-tables device host --lean-buckets --out /tmp/serving
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import numpy as np  # noqa: E402
 from dinfer_jax.engine.buckets import Buckets  # noqa: E402
 from dinfer_jax.models import random_model  # noqa: E402
 from dinfer_jax.models.config import load_config  # noqa: E402
+from dinfer_jax.models.engram import engram_table_sizes  # noqa: E402
 from dinfer_jax.sampling.params import SamplingParams  # noqa: E402
 
 
@@ -82,7 +89,7 @@ def decode_breakdown(llm, prompts, steps: int) -> list[tuple[str, float]]:
     return sorted(((k, v) for k, v in per_step.items() if v > 1e-4), key=lambda kv: -kv[1])
 
 
-def run_one(preset: str, layers: int, args, bw: float) -> dict:
+def run_one(preset: str, layers: int, args, bw: float, engram_tables: str = "device") -> dict:
     from bench_compile import first_layers  # scripts/ is on sys.path when run as a script
 
     from dinfer_jax import LLM
@@ -92,6 +99,11 @@ def run_one(preset: str, layers: int, args, bw: float) -> dict:
         # V4.1-Flash's Engram tables (~384M rows per layer) are not built at random: the slice keeps the layer,
         # without its Engram branch
         cfg = cfg.replace(engram_layer_ids=(), engram_num_embeddings=())
+    elif args.engram_vocab and cfg.engram_layer_ids:
+        # smaller hash vocabulary: tables of about (M−1)·heads·vocab rows per layer, drawn at random in the release's
+        # FP8 format (the release's 16,000,000 gives 384M rows, 101 GB a layer)
+        cfg = cfg.replace(engram_vocab_size=args.engram_vocab)
+        cfg = cfg.replace(engram_num_embeddings=engram_table_sizes(cfg))
     t0 = time.perf_counter()
     model = random_model(cfg, dtype="bfloat16", include_mtp=False, weights="native")
     jax.block_until_ready(model.params)
@@ -102,7 +114,7 @@ def run_one(preset: str, layers: int, args, bw: float) -> dict:
     llm = LLM(model, dtype="bfloat16", max_num_seqs=args.batch, max_model_len=args.prefill_tokens + 64,
               max_num_batched_tokens=args.prefill_tokens,
               kv_cache_memory_bytes=(args.kv_gib << 30) if args.kv_gib > 0 else None,
-              progress=False, buckets=buckets, compile_threads=args.compile_threads)
+              progress=False, buckets=buckets, compile_threads=args.compile_threads, engram_tables=engram_tables)
     warm = llm.metrics()["warmup_seconds"]
     compiled_in_warmup = llm.metrics()["compilations"]
     plan = llm.memory_plan
@@ -145,7 +157,9 @@ def run_one(preset: str, layers: int, args, bw: float) -> dict:
     decode_s = max(gen_s - short_prefill_s, 1e-9)
     step_ms = 1e3 * decode_s / max(dsteps, 1)
     roofline_ms = 1e3 * model.param_bytes / bw
-    row = dict(layers=layers, param_GB=model.param_bytes / 1e9, init_s=init_s, warmup_s=warm, shapes=n_shapes,
+    engram_gb = model.engram.table_bytes / 1e9 if model.engram is not None else 0.0
+    row = dict(layers=layers, param_GB=model.param_bytes / 1e9, engram_tables=engram_tables if engram_gb else "-",
+               engram_GB=engram_gb, init_s=init_s, warmup_s=warm, shapes=n_shapes,
                compilations_after_warmup=m1["compilations"] - compiled_in_warmup,
                prefill_tokens=args.prefill_tokens, prefill_s=prefill_s,
                prefill_tok_per_s=args.prefill_tokens / prefill_s, first_tokens=out[0].token_ids,
@@ -198,29 +212,39 @@ def main() -> None:
                     help="threads compiling the buckets at warm-up (LLM compile_threads; default: the cores)")
     ap.add_argument("--no-engram", action="store_true",
                     help="V4.1 presets: leave out the Engram branches (real-size tables cannot be built at random)")
+    ap.add_argument("--engram-vocab", type=int, default=None,
+                    help="V4.1 presets: Engram hash vocabulary for random FP8 tables that fit (e.g. 1000000: ~24M "
+                         "rows, 6.3 GB a layer); the release's 16,000,000 does not fit")
+    ap.add_argument("--engram-tables", nargs="+", default=["device"], choices=["device", "host"],
+                    help="V4.1: Engram table placements to run (LLM engram_tables), each a full run")
+    ap.add_argument("--copy-gbps", type=float, default=None,
+                    help="roofline copy bandwidth, GB/s, instead of measuring it (CUPTI: GPUs only; a CPU smoke run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cache = tempfile.mkdtemp(prefix="dinfer_jax_cold_cache_")
     jax.config.update("jax_compilation_cache_dir", cache)     # cold: nothing compiled before this run
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    bw = copy_bandwidth()
+    bw = args.copy_gbps * 1e9 if args.copy_gbps else copy_bandwidth()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, copy {bw / 1e9:.0f} GB/s", flush=True)
     rows = []
-    for n in args.layers:
-        rows.append(run_one(args.preset, n, args, bw))
+    for where, n in [(w, n) for w in args.engram_tables for n in args.layers]:
+        rows.append(run_one(args.preset, n, args, bw, where))
         if args.out:   # after every slice, so a run cut short by a time limit keeps what it measured
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "bench_serving.json").write_text(json.dumps(rows, default=str, indent=1))
+    bw_src = "given (--copy-gbps)" if args.copy_gbps else "measured in this run"
     lines = [f"{args.preset} slices, random native weights (FP4 experts, FP8 linears), bf16 compute; "
-             f"copy bandwidth {bw / 1e9:.0f} GB/s measured in this run; jax {jax.__version__}", "",
-             "| layers | weights GB | warm-up s (shapes) | prefill tokens | prefill s | prefill tok/s | batch "
-             "| decode tok/s | decode step ms | roofline ms | % roofline |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"copy bandwidth {bw / 1e9:.0f} GB/s {bw_src}; jax {jax.__version__}", "",
+             "| layers | weights GB | Engram tables (GB) | warm-up s (shapes) | prefill tokens | prefill s "
+             "| prefill tok/s | batch | decode tok/s | decode step ms | roofline ms | % roofline | device idle % |",
+             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['layers']} | {r['param_GB']:.1f} | {r['warmup_s']:.1f} ({r['shapes']}) | "
+        idle = 100 * r["device_waited_s"] / max(r["generate_s"], 1e-9)
+        lines.append(f"| {r['layers']} | {r['param_GB']:.1f} | {r['engram_tables']} ({r['engram_GB']:.1f}) | "
+                     f"{r['warmup_s']:.1f} ({r['shapes']}) | "
                      f"{r['prefill_tokens']} | {r['prefill_s']:.2f} | {r['prefill_tok_per_s']:.0f} | {r['batch']} | "
                      f"{r['decode_tok_per_s']:.0f} | {r['decode_step_ms']:.2f} | {r['roofline_step_ms']:.2f} | "
-                     f"{100 * r['roofline_fraction']:.0f}% |")
+                     f"{100 * r['roofline_fraction']:.0f}% | {idle:.1f} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from dinfer_jax.models.config import ConfigError, ModelConfig, load_config
@@ -146,15 +147,27 @@ def _load_engram(cfg: ModelConfig, path: Path) -> EngramRuntime | None:
     return EngramRuntime(load_engram_tables(cfg, path), load_compressed_token_map(cfg, tok))
 
 
-def _random_engram(cfg: ModelConfig, seed: int) -> EngramRuntime | None:
-    """Random in-memory Engram tables; compressed ids = raw id mod the compressed vocabulary (no tokenizer)."""
+def _random_engram(cfg: ModelConfig, seed: int, release_format: bool = False) -> EngramRuntime | None:
+    """Random in-memory Engram tables; compressed ids = raw id mod the compressed vocabulary (no tokenizer).
+    ``release_format``: FP8 E4M3 codes (uniform random bytes, NaN codes excluded) with UE8M0 scales 2^-8, as the
+    release stores them (a byte a value, drawn fast enough for tables of tens of millions of rows); otherwise
+    standard-normal fp32 rows."""
     if not cfg.engram_layer_ids:
         return None
-    from dinfer_jax.models.engram import EngramTable
+    from dinfer_jax.models.engram import SCALE_BLOCK, EngramTable
 
     rng = np.random.default_rng(seed + 99)
-    tables = [EngramTable(rng.standard_normal((rows, cfg.engram_head_dim)).astype(np.float32), name=f"layer {l}")
-              for l, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings, strict=False)]
+    tables = []
+    for layer, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings, strict=False):
+        shape = (rows, cfg.engram_head_dim)
+        if release_format:
+            codes = np.frombuffer(rng.bytes(rows * cfg.engram_head_dim), np.uint8).reshape(shape).copy()
+            codes[(codes & 0x7F) == 0x7F] ^= 1                      # 0x7F / 0xFF are NaN in E4M3FN
+            scale = np.full((rows, cfg.engram_head_dim // SCALE_BLOCK), 127 - 8, np.uint8)
+            tables.append(EngramTable(codes.view(ml_dtypes.float8_e4m3fn), scale.view(ml_dtypes.float8_e8m0fnu),
+                                      name=f"layer {layer}"))
+        else:
+            tables.append(EngramTable(rng.standard_normal(shape).astype(np.float32), name=f"layer {layer}"))
     return EngramRuntime(tables, np.arange(cfg.vocab_size, dtype=np.int64) % cfg.engram_compressed_vocab_size)
 
 
@@ -164,7 +177,8 @@ def random_model(config: ModelConfig | str, seed: int = 0, dtype: str = "float32
 
     ``weights="dense"``: :func:`init_params` (host numpy RNG, every weight dense). ``weights="native"``: built on
     the device with ``jax.random`` (:func:`~dinfer_jax.models.random_init.init_params_native`), the weights the
-    config's ``quantization_config`` declares FP8/FP4 in those formats.
+    config's ``quantization_config`` declares FP8/FP4 in those formats, and V4.1 Engram tables in the release's
+    FP8 format.
     """
     cfg = load_config(config) if isinstance(config, (str, Path)) else config
     dtype = _check_dtype(dtype)
@@ -180,7 +194,8 @@ def random_model(config: ModelConfig | str, seed: int = 0, dtype: str = "float32
         shardings = map_specs(lambda s: sharder.named(s.axes, s.shape), param_specs(cfg, include_mtp))
         params = jax.device_put(params, shardings)
     impl = "ep" if sharder is not None else "auto"
-    return Model(cfg, _for_expert_kernel(params, dtype, impl), dtype, sharder, impl, _random_engram(cfg, seed))
+    return Model(cfg, _for_expert_kernel(params, dtype, impl), dtype, sharder, impl,
+                 _random_engram(cfg, seed, release_format=weights == "native"))
 
 
 def _validate_ids(model: Model, token_ids: Any, image_mask: np.ndarray | None = None) -> np.ndarray:
