@@ -24,6 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from dinfer_jax.engine.model_step import model_step  # noqa: E402
 from dinfer_jax.models.config import ModelConfig, load_config  # noqa: E402
+from dinfer_jax.models.engram_lookup import EngramLookup, abstract_state  # noqa: E402
 from dinfer_jax.models.layer_plan import plan_layers, stack_params  # noqa: E402
 from dinfer_jax.models.params import abstract_params  # noqa: E402
 from dinfer_jax.models.step_state import CacheConfig, StepInput, cache_shapes  # noqa: E402
@@ -50,12 +51,6 @@ def first_layers(base: ModelConfig, n: int, layout: ModelConfig | None = None) -
     return base.replace(**changes)
 
 
-def _engram_stub(cfg: ModelConfig, rows: jax.Array) -> jax.Array:
-    """Device stand-in for the host Engram gather (compile time only; shapes as the real callback)."""
-    e_in = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim
-    return jnp.zeros((len(cfg.engram_layer_ids), *rows.shape[:-1], e_in), jnp.float32) + rows[..., :1] * 0
-
-
 def compile_seconds(cfg: ModelConfig, dtype: str, batch: int, q: int, seq: int, block_size: int,
                     weights: str = "dense") -> tuple[float, float]:
     """Seconds to lower + compile one serving step ``[batch, q]`` and the full forward ``[batch, seq]``
@@ -68,11 +63,10 @@ def compile_seconds(cfg: ModelConfig, dtype: str, batch: int, q: int, seq: int, 
     i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
     inp = StepInput(tokens=i32(batch, q), start=i32(batch), n=i32(batch), slot=i32(batch), pages=i32(batch, pages),
                     last=i32(batch))
-    cmap = sds((cfg.vocab_size,), jnp.int32) if cfg.engram_layer_ids else None
-    step = jax.jit(functools.partial(model_step, cfg=cfg, dtype=dtype,
-                                     engram_fn=functools.partial(_engram_stub, cfg)), donate_argnums=(1,))
+    engram, lookup = (abstract_state(cfg), EngramLookup(cfg)) if cfg.engram_layer_ids else (None, None)
+    step = jax.jit(functools.partial(model_step, cfg=cfg, dtype=dtype, engram_fn=lookup), donate_argnums=(1,))
     t0 = time.perf_counter()
-    step.lower(params, cache_shapes(cfg, cc, dtype), inp, cmap=cmap).compile()
+    step.lower(params, cache_shapes(cfg, cc, dtype), inp, engram=engram).compile()
     t_step = time.perf_counter() - t0
     n_eng = len(cfg.engram_layer_ids)
     e_in = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim

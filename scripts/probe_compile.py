@@ -29,11 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.monitoring  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from bench_compile import _engram_stub, first_layers  # noqa: E402
+from bench_compile import first_layers  # noqa: E402
 
 from dinfer_jax.engine.model_step import model_step  # noqa: E402
 from dinfer_jax.models import mhc  # noqa: E402
 from dinfer_jax.models.config import load_config  # noqa: E402
+from dinfer_jax.models.engram_lookup import EngramLookup, abstract_state  # noqa: E402
 from dinfer_jax.models.layer_plan import stack_params  # noqa: E402
 from dinfer_jax.models.params import abstract_params  # noqa: E402
 from dinfer_jax.models.step_state import CacheConfig, StepInput, cache_shapes  # noqa: E402
@@ -68,12 +69,10 @@ def compile_step(cfg, batch: int, q: int, pages: int, block: int) -> dict:
     inp = StepInput(
         tokens=i32(batch, q), start=i32(batch), n=i32(batch), slot=i32(batch), pages=i32(batch, pages), last=i32(batch)
     )
-    step = jax.jit(
-        functools.partial(model_step, cfg=cfg, dtype="bfloat16", engram_fn=functools.partial(_engram_stub, cfg)),
-        donate_argnums=(1,),
-    )
+    engram, lookup = (abstract_state(cfg), EngramLookup(cfg)) if cfg.engram_layer_ids else (None, None)
+    step = jax.jit(functools.partial(model_step, cfg=cfg, dtype="bfloat16", engram_fn=lookup), donate_argnums=(1,))
     t0 = time.perf_counter()
-    lowered = step.lower(params, cache_shapes(cfg, cc, "bfloat16"), inp, cmap=None)
+    lowered = step.lower(params, cache_shapes(cfg, cc, "bfloat16"), inp, engram=engram)
     t1 = time.perf_counter()
     hlo = lowered.compile().as_text()
     return dict(

@@ -31,7 +31,8 @@ import numpy as np
 from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.engram import SCALE_BLOCK, EngramTable, engram_layout
 
-__all__ = ["ENGRAM_PLACEMENTS", "EngramLookup", "EngramState", "EngramTables", "device_hash", "place_tables"]
+__all__ = ["ENGRAM_PLACEMENTS", "EngramLookup", "EngramState", "EngramTables", "abstract_state", "device_hash",
+           "place_tables"]
 
 ENGRAM_PLACEMENTS = ("device", "host")
 _U32 = jnp.uint32
@@ -171,3 +172,16 @@ def place_tables(tables: Sequence[EngramTable], where: str, sharding: Any = None
         return None if a is None else jax.device_put(np.asarray(a), sharding)
 
     return EngramTables(tuple(put(t.weight) for t in tables), tuple(put(t.scale) for t in tables))
+
+
+def abstract_state(cfg: ModelConfig, release_format: bool = True) -> EngramState:
+    """Shapes and dtypes of the :class:`EngramState` a step reads for ``cfg`` (``jax.ShapeDtypeStruct`` leaves), to
+    lower and compile steps without building tables. ``release_format``: FP8 codes + UE8M0 scales, else fp32 rows."""
+    sds = jax.ShapeDtypeStruct
+    rows = cfg.engram_num_embeddings
+    if release_format:
+        codes = tuple(sds((r, cfg.engram_head_dim), jnp.float8_e4m3fn) for r in rows)
+        scales = tuple(sds((r, cfg.engram_head_dim // SCALE_BLOCK), jnp.float8_e8m0fnu) for r in rows)
+    else:
+        codes, scales = tuple(sds((r, cfg.engram_head_dim), jnp.float32) for r in rows), (None,) * len(rows)
+    return EngramState(sds((cfg.vocab_size,), jnp.int32), EngramTables(codes, scales))
