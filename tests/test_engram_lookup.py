@@ -115,6 +115,7 @@ def test_engine_steps_have_no_host_callback_and_host_tables_serve():
             assert "callback" not in text.lower(), f"{where}: a host callback in the compiled step"
             assert ('"pinned_host"' in text) == (where == "host")
     llm = LLM(model, engram_tables="host", **kw)
+    compiled = llm.metrics()["compilations"]
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(4, model.config.vocab_size, size=n)] for n in (9, 30)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
@@ -123,6 +124,8 @@ def test_engine_steps_have_no_host_callback_and_host_tables_serve():
     logits = forward_logits(model, np.array([s + [s[-1]] * (S - len(s)) for s in seqs]))
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
         assert o.token_ids == [int(t) for t in logits[i, len(p) - 1: len(p) + 9].argmax(-1)], f"prompt {i}"
+    # committed host tables commit the steps' outputs: warm-up must have compiled the committed variants
+    assert llm.metrics()["compilations"] == compiled, "compiled outside warm-up"
 
 
 def test_bad_engram_placement_is_named():

@@ -104,6 +104,14 @@ class ModelRunner:
                 raise ValueError(f"speculative decode buckets need decode_len = 1 + {self.k}")
             self.spec = init_spec_state(self.cfg, cache_config, self.k, model.dtype, speculative)
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
+        # Host-placed Engram tables are committed to a device (a memory kind needs a sharding), which commits every
+        # output of the steps that read them; the state fed back (cache, previous tokens, drafter state) and the
+        # sampler's warm-up logits are committed from the start, so warm-up compiles what serving runs.
+        self._commit = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+                        if self.cfg.engram_layer_ids and engram_tables == "host" else None)
+        if self._commit is not None:
+            self.cache, self._prev_tokens, self.spec = jax.device_put((self.cache, self._prev_tokens, self.spec),
+                                                                      self._commit)
         self._prev_step_id: int | None = None
         self.mask_words = mask_words(self.cfg.vocab_size)
         self._full_masks: dict[Any, jax.Array] = {}  # b or (b, "spec") -> all-allowed masks kept on the device
@@ -166,6 +174,8 @@ class ModelRunner:
     def _sampler_args(self, b: int, use_filters: bool,
                       all_greedy: bool) -> tuple[jax.Array, SamplingTensors, jax.Array]:
         logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
+        if self._commit is not None:
+            logits = jax.device_put(logits, self._commit)
         return logits, SamplingTensors.from_params([], [], [], pad_to=b, num_top_logprobs=self.max_logprobs,
                                                    use_filters=use_filters, all_greedy=all_greedy), self.full_mask(b)
 

@@ -44,9 +44,9 @@ class EngramRuntime:
 
         key = (where, sharding)
         if key not in self._placed:
-            cmap_sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            self._placed[key] = EngramState(jax.device_put(np.asarray(self.compressed_map, np.int32), cmap_sharding),
-                                            place_tables(self.tables, where, sharding))
+            cmap = np.asarray(self.compressed_map, np.int32)
+            cmap = jnp.asarray(cmap) if sharding is None else jax.device_put(cmap, sharding)  # as place_tables
+            self._placed[key] = EngramState(cmap, place_tables(self.tables, where, sharding))
         return self._placed[key]
 
 

@@ -161,9 +161,15 @@ class EngramLookup:
 def place_tables(tables: Sequence[EngramTable], where: str, sharding: Any = None) -> EngramTables:
     """Copy host tables (memory-mapped or in RAM) into device memory (``where="device"``) or pinned host memory
     (``"host"``), in their stored formats. ``sharding``: a sharding to place each array with (its memory kind is
-    set from ``where``); default the first local device."""
+    set from ``where``). Default: device tables go to the default device uncommitted, like the engine's other
+    one-device state (a committed argument makes a jitted step's outputs committed, and feeding those back would
+    compile every step a second time); host tables are committed to the first local device (a memory kind needs
+    a sharding)."""
     if where not in ENGRAM_PLACEMENTS:
         raise ValueError(f"Engram table placement must be one of {ENGRAM_PLACEMENTS}, got {where!r}")
+    if sharding is None and where == "device":
+        return EngramTables(tuple(jnp.asarray(t.weight) for t in tables),
+                            tuple(None if t.scale is None else jnp.asarray(t.scale) for t in tables))
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     sharding = sharding.with_memory_kind("pinned_host" if where == "host" else "device")
