@@ -51,7 +51,7 @@ def test_activation_figure_is_the_served_steps_own(model):
     r = llm.runner
     (b, q, p), temp = max(llm.memory_plan.activation_by_shape.items(), key=lambda kv: kv[0][1])
     inp, feed = empty_inputs(b, q, p)
-    compiled = _STEP.lower(r.params, r.cache, StepInput(**inp), InFlight(**feed), r._prev_tokens, r._cmap,
+    compiled = _STEP.lower(r.params, r.cache, StepInput(**inp), InFlight(**feed), r._prev_tokens, r._engram,
                            **r._forward_static).compile()
     assert temp_bytes(compiled) == temp > 0
 
