@@ -114,7 +114,8 @@ def run_one(preset: str, layers: int, args, bw: float, engram_tables: str = "dev
     llm = LLM(model, dtype="bfloat16", max_num_seqs=args.batch, max_model_len=args.prefill_tokens + 64,
               max_num_batched_tokens=args.prefill_tokens,
               kv_cache_memory_bytes=(args.kv_gib << 30) if args.kv_gib > 0 else None,
-              progress=False, buckets=buckets, compile_threads=args.compile_threads, engram_tables=engram_tables)
+              progress=False, buckets=buckets, compile_threads=args.compile_threads, engram_tables=engram_tables,
+              compiler_options=args.compiler_options)
     warm = llm.metrics()["warmup_seconds"]
     compiled_in_warmup = llm.metrics()["compilations"]
     plan = llm.memory_plan
@@ -188,6 +189,21 @@ def run_one(preset: str, layers: int, args, bw: float, engram_tables: str = "dev
     return row
 
 
+def parse_option(text: str) -> tuple[str, str | int | float | bool]:
+    """``NAME=VALUE`` → (name, value as int, float or bool when it reads as one, else the string)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--compiler-option wants NAME=VALUE, got {text!r}")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return name, kind(value)
+        except ValueError:
+            pass
+    return name, value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="deepseek-v4-flash")
@@ -219,8 +235,12 @@ def main() -> None:
                     help="V4.1: Engram table placements to run (LLM engram_tables), each a full run")
     ap.add_argument("--copy-gbps", type=float, default=None,
                     help="roofline copy bandwidth, GB/s, instead of measuring it (CUPTI: GPUs only; a CPU smoke run)")
+    ap.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
+                    help="XLA compile option for the engine's programs (LLM compiler_options), e.g. "
+                         "xla_gpu_autotune_level=0; repeatable")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.compiler_options = dict(parse_option(o) for o in args.compiler_option)
     cache = tempfile.mkdtemp(prefix="dinfer_jax_cold_cache_")
     jax.config.update("jax_compilation_cache_dir", cache)     # cold: nothing compiled before this run
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -234,7 +254,8 @@ def main() -> None:
             (Path(args.out) / "bench_serving.json").write_text(json.dumps(rows, default=str, indent=1))
     bw_src = "given (--copy-gbps)" if args.copy_gbps else "measured in this run"
     lines = [f"{args.preset} slices, random native weights (FP4 experts, FP8 linears), bf16 compute; "
-             f"copy bandwidth {bw / 1e9:.0f} GB/s {bw_src}; jax {jax.__version__}", "",
+             f"copy bandwidth {bw / 1e9:.0f} GB/s {bw_src}; jax {jax.__version__}; "
+             f"compiler options {args.compiler_options or 'XLA defaults'}", "",
              "| layers | weights GB | Engram tables (GB) | warm-up s (shapes) | prefill tokens | prefill s "
              "| prefill tok/s | batch | decode tok/s | decode step ms | roofline ms | % roofline | device idle % |",
              "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

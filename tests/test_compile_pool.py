@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dinfer_jax.engine.compile_pool import compile_all, default_compile_threads
+from dinfer_jax.engine.compile_pool import compile_all, compiler_options_key, default_compile_threads
 
 
 def test_every_job_runs_once_and_progress_counts_them():
@@ -69,3 +69,35 @@ def test_ahead_of_time_compiles_are_reused_by_the_jitted_calls():
         assert len(events) == len(shapes), "a jitted call compiled again what the pool had compiled"
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_bad_compiler_option_is_refused_by_name():
+    with pytest.raises(ValueError, match="xla_no_such_option"):
+        compiler_options_key({"xla_no_such_option": 1})
+    with pytest.raises(ValueError, match="names are strings"):
+        compiler_options_key({"xla_gpu_autotune_level": [0]})
+    assert compiler_options_key(None) == () == compiler_options_key({})
+    assert compiler_options_key({"xla_gpu_autotune_level": 0, "xla_disable_hlo_passes": "fusion"}) == (
+        ("xla_disable_hlo_passes", "fusion"), ("xla_gpu_autotune_level", 0))
+
+
+def test_engine_compiles_its_steps_with_the_given_options():
+    """``LLM(compiler_options=...)`` reaches XLA for the model step and the sampler: with HLO fusion disabled XLA:CPU
+    wraps every op left unfused in a fusion of its own (``wrapped_*``): many more of them than its default
+    pipeline leaves."""
+    from dinfer_jax import LLM
+    from dinfer_jax.engine.buckets import Buckets
+    from dinfer_jax.models import random_model
+    from dinfer_jax.models.config import load_config
+
+    model = random_model(load_config("tiny-v4"), seed=0, include_mtp=False)
+    buckets = Buckets(decode_batch=(2,), prefill_batch=(1,), prefill_len=(16,), pages=(2,))
+    texts = {}
+    for name, opts in (("default", None), ("no fusion", {"xla_disable_hlo_passes": "fusion"})):
+        llm = LLM(model, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, buckets=buckets, warmup=False,
+                  progress=False, kv_cache_memory_bytes=8 << 20, compiler_options=opts)
+        r = llm.runner
+        texts[name] = (r._lower_step((2, 1, 2), True).compile().as_text(),
+                       r._lower_sampler(2, False, True).compile().as_text())
+    for default, unfused in zip(texts["default"], texts["no fusion"], strict=True):
+        assert unfused.count("wrapped_") > 2 * default.count("wrapped_") + 10

@@ -44,15 +44,15 @@ def test_planned_pool_fits_the_budget_and_fills_it(model):
 def test_activation_figure_is_the_served_steps_own(model):
     """The plan compiles the largest steps against a one-page-per-entry pool; the engine's own compiled step (full
     pool) must need the same temporaries (the model's program is the larger of the two a step runs here)."""
-    from dinfer_jax.engine.runner import _STEP, InFlight, empty_inputs
+    from dinfer_jax.engine.runner import InFlight, empty_inputs, step_programs
     from dinfer_jax.models.step_state import StepInput
 
     llm = LLM(model, max_num_seqs=4, max_model_len=256, warmup=False, progress=False, device_memory_bytes=48 << 20)
     r = llm.runner
     (b, q, p), temp = max(llm.memory_plan.activation_by_shape.items(), key=lambda kv: kv[0][1])
     inp, feed = empty_inputs(b, q, p)
-    compiled = _STEP.lower(r.params, r.cache, StepInput(**inp), InFlight(**feed), r._prev_tokens, r._engram,
-                           **r._forward_static).compile()
+    compiled = step_programs().forward.lower(r.params, r.cache, StepInput(**inp), InFlight(**feed), r._prev_tokens,
+                                             r._engram, **r._forward_static).compile()
     assert temp_bytes(compiled) == temp > 0
 
 

@@ -11,11 +11,14 @@ program); the backend compiles overlap.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
-__all__ = ["compile_all", "default_compile_threads"]
+import jax
+import jax.numpy as jnp
+
+__all__ = ["CompilerOptions", "compile_all", "compiler_options_key", "default_compile_threads"]
 
 
 def default_compile_threads() -> int:
@@ -52,3 +55,24 @@ def compile_all(jobs: Sequence[Callable[[], Any]], threads: int, on_done: Callab
                 on_done()
     if errors:
         raise errors[0]
+
+
+CompilerOptions = tuple[tuple[str, str | int | float | bool], ...]
+
+
+def compiler_options_key(options: Mapping[str, str | int | float | bool] | None) -> CompilerOptions:
+    """XLA compile options (``DebugOptions`` fields by name, e.g. ``{"xla_gpu_autotune_level": 0}``) as a sorted,
+    hashable tuple, checked by compiling an empty program with them: ValueError naming the option XLA rejects.
+    ``None`` or ``{}``: XLA's defaults (``()``)."""
+    if not options:
+        return ()
+    key = []
+    for name, value in sorted(dict(options).items()):
+        if not isinstance(name, str) or not isinstance(value, (str, int, float, bool)):
+            raise ValueError(f"compiler option {name!r}={value!r}: names are strings, values str, int, float or bool")
+        key.append((name, value))
+    try:
+        jax.jit(lambda: jnp.zeros(()), compiler_options=dict(key)).lower().compile()
+    except Exception as exc:  # XLA's INVALID_ARGUMENT names the option; keep its text
+        raise ValueError(f"XLA rejects the compiler options {dict(key)}: {exc}") from exc
+    return tuple(key)

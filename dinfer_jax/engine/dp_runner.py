@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dinfer_jax.engine.buckets import Buckets, pages_needed
-from dinfer_jax.engine.compile_pool import compile_all, default_compile_threads
+from dinfer_jax.engine.compile_pool import CompilerOptions, compile_all, default_compile_threads
 from dinfer_jax.engine.kv_cache import CacheConfig
 from dinfer_jax.engine.runner import InFlight, _device_step, empty_inputs, fill_step_inputs
 from dinfer_jax.engine.scheduler import ScheduledStep
@@ -188,7 +188,7 @@ class DPModelRunner:
 
     def __init__(self, model: Model, cache_config: CacheConfig, max_model_len: int, buckets: Buckets,
                  lay: ParallelLayout, max_logprobs: int = 0, devices: Sequence[jax.Device] | None = None,
-                 num_redundant_experts: int | None = None):
+                 num_redundant_experts: int | None = None, compiler_options: CompilerOptions = ()):
         self.model = model
         self.cfg = model.config
         self.layout = lay
@@ -239,7 +239,7 @@ class DPModelRunner:
         self._step = jax.jit(functools.partial(_mesh_step, step_fn=step_fn, mesh=self.mesh,
                                                param_specs=self._param_specs, copies=self._copies_spec,
                                                replicas=lay.replicas, host_replicated=self.multi_process),
-                             donate_argnums=(1, 8))
+                             donate_argnums=(1, 8), compiler_options=dict(compiler_options) or None)
         # EPLB: tokens per (layer, logical expert) since the engine started or last rebalanced, summed on the device
         self._loads = (jax.device_put(np.zeros((self.cfg.num_layers, self.cfg.n_routed_experts), np.int32),
                                       self._replicated) if count else None)

@@ -12,7 +12,7 @@ import collections
 import dataclasses
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from dinfer_jax.engine.block_manager import BlockManager, StateSlots
+from dinfer_jax.engine.compile_pool import compiler_options_key
 from dinfer_jax.engine.dp_runner import DPModelRunner, DPStepOutput, parallel_layout
 from dinfer_jax.engine.kv_cache import CacheConfig, size_pools
 from dinfer_jax.engine.memory_plan import MemoryPlan, plan_memory
@@ -228,6 +229,10 @@ class LLM:
             memory) or ``"host"`` (pinned host memory, gathered on the host inside the step; one-device engine).
             Either way the n-gram hash and the gather run inside the step, with no host callback
             (``docs/engram.md``).
+        compiler_options: XLA compile options for the engine's programs (``DebugOptions`` fields by name, as
+            ``XLA_FLAGS`` takes them without the dashes), e.g. ``{"xla_gpu_autotune_level": 0}``: no GEMM
+            autotuning, the largest share of a GPU step's compile time (``docs/perf/serving_h200.md``). Checked at
+            start (ValueError naming an option XLA rejects); default: XLA's own.
     """
 
     def __init__(self, model: str | Path | Model, dtype: str = "float32", max_num_seqs: int = 8,
@@ -241,8 +246,10 @@ class LLM:
                  device_memory_bytes: int | None = None, attention: str = "auto", kv_cache_dtype: str = "auto",
                  compile_threads: int | None = None, num_redundant_experts: int | None = None,
                  eplb_interval: int | None = None, tokenizer: str | Path | Any | None = None,
-                 structured_timeout_s: float = 20.0, engram_tables: str = "device"):
+                 structured_timeout_s: float = 20.0, engram_tables: str = "device",
+                 compiler_options: Mapping[str, str | int | float | bool] | None = None):
         _enable_compilation_cache()
+        options = compiler_options_key(compiler_options)
         if attention not in ("auto", "sparse", "dense"):
             raise ValueError(f"attention must be 'auto', 'sparse' or 'dense', got {attention!r}")
         if engram_tables not in ENGRAM_PLACEMENTS:
@@ -288,7 +295,7 @@ class LLM:
                     self.model, _largest_steps(self.buckets), block_size=self.block_size,
                     max_rows=max(max(self.buckets.decode_batch), max(self.buckets.prefill_batch)),
                     max_logprobs=max_logprobs, utilization=memory_utilization,
-                    device_memory_bytes=device_memory_bytes, engram_tables=engram_tables)
+                    device_memory_bytes=device_memory_bytes, engram_tables=engram_tables, compiler_options=options)
             budget = (kv_cache_memory_bytes if kv_cache_memory_bytes is not None
                       else self.memory_plan.kv_bytes if self.memory_plan is not None else DEFAULT_KV_BYTES)
             budget -= _draft_pool_bytes(cfg, self.speculative, k, max_num_seqs, self.block_size, self.model.dtype)
@@ -312,11 +319,13 @@ class LLM:
                                                                    self.buckets, max_logprobs=max_logprobs,
                                                                    speculative=self.speculative,
                                                                    num_speculative_tokens=k, attention=attention,
-                                                                   engram_tables=engram_tables)
+                                                                   engram_tables=engram_tables,
+                                                                   compiler_options=options)
             self.model = self.runner.model   # the scan-layout weights: no second copy held by the engine
         else:
             self.runner = DPModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, self.parallel,
-                                        max_logprobs=max_logprobs, num_redundant_experts=num_redundant_experts)
+                                        max_logprobs=max_logprobs, num_redundant_experts=num_redundant_experts,
+                                        compiler_options=options)
         self.max_logprobs = max_logprobs
         self.tokenizer = self._load_tokenizer(tokenizer)
         eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, (list, tuple)) else [cfg.eos_token_id]

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dinfer_jax.engine.compile_pool import CompilerOptions
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
@@ -73,12 +75,14 @@ def temp_bytes(compiled: Any) -> int:
 
 
 def measure_step_activations(model: Any, shapes: list[tuple[int, int, int]], block_size: int, max_rows: int,
-                             max_logprobs: int, engram_tables: str = "device") -> dict[tuple[int, int, int], int]:
+                             max_logprobs: int, engram_tables: str = "device",
+                             compiler_options: CompilerOptions = ()) -> dict[tuple[int, int, int], int]:
     """Temporary bytes of the engine step compiled for each ``(B, Q, P)`` shape against a minimal pool.
 
     ``model``: a :class:`~dinfer_jax.models.Model`; ``max_rows``: the runner's output width (largest bucket
-    batch); ``engram_tables``: where V4.1 Engram tables are placed (the runner's placement)."""
-    from dinfer_jax.engine.runner import _SAMPLE, _STEP, InFlight, empty_inputs, step_statics
+    batch); ``engram_tables``: where V4.1 Engram tables are placed (the runner's placement); ``compiler_options``:
+    the runner's XLA options (:func:`~dinfer_jax.engine.compile_pool.compiler_options_key`)."""
+    from dinfer_jax.engine.runner import InFlight, empty_inputs, step_programs, step_statics
     from dinfer_jax.models.layer_plan import stack_params
     from dinfer_jax.models.step_state import CacheConfig, StepInput, cache_shapes
     from dinfer_jax.sampling.params import SamplingTensors
@@ -86,19 +90,20 @@ def measure_step_activations(model: Any, shapes: list[tuple[int, int, int]], blo
     cfg = model.config
     params = jax.eval_shape(lambda p: stack_params(cfg, p), model.params)
     statics, engram = step_statics(model, engram_tables=engram_tables)
+    programs = step_programs(compiler_options)
     out = {}
     for b, q, p in shapes:
         cache = cache_shapes(cfg, CacheConfig(num_slots=b + 1, num_blocks=p + 1, block_size=block_size), model.dtype)
         inp, feed = empty_inputs(b, q, p)
-        forward = _STEP.lower(params, cache, StepInput(**inp), InFlight(**feed), np.zeros((max_rows,), np.int32),
-                              engram, **statics).compile()
+        forward = programs.forward.lower(params, cache, StepInput(**inp), InFlight(**feed),
+                                         np.zeros((max_rows,), np.int32), engram, **statics).compile()
         # the sampler runs after the model (its own program): the step's peak is the larger of the two; the
         # filtering variant (two sorts over the vocabulary) is the largest
         samp = SamplingTensors.from_params([], [], [], pad_to=b, num_top_logprobs=max_logprobs, use_filters=True,
                                            all_greedy=False)
         mask = jax.ShapeDtypeStruct((b, -(-cfg.vocab_size // 32)), jnp.int32)  # structured outputs' token mask
-        sampler = _SAMPLE.lower(jax.ShapeDtypeStruct((b, cfg.vocab_size), jnp.float32), samp, mask,
-                                max_rows=max_rows).compile()
+        sampler = programs.sample.lower(jax.ShapeDtypeStruct((b, cfg.vocab_size), jnp.float32), samp, mask,
+                                        max_rows=max_rows).compile()
         out[(b, q, p)] = max(temp_bytes(forward), temp_bytes(sampler))
     return out
 
@@ -115,7 +120,8 @@ def restack_bytes(model: Any) -> int:
 
 def plan_memory(model: Any, shapes: list[tuple[int, int, int]], *, block_size: int, max_rows: int,
                 max_logprobs: int, utilization: float, device_memory_bytes: int | None = None,
-                device: jax.Device | None = None, engram_tables: str = "device") -> MemoryPlan | None:
+                device: jax.Device | None = None, engram_tables: str = "device",
+                compiler_options: CompilerOptions = ()) -> MemoryPlan | None:
     """The plan for ``model`` on ``device`` (default: the first device), or None when neither the device reports
     its memory nor ``device_memory_bytes`` is given (the caller then uses a fixed budget)."""
     device = device or jax.devices()[0]
@@ -130,6 +136,7 @@ def plan_memory(model: Any, shapes: list[tuple[int, int, int]], *, block_size: i
         if model.engram is not None and engram_tables == "device":
             in_use += model.engram.table_bytes
     in_use += restack_bytes(model)
-    by_shape = measure_step_activations(model, shapes, block_size, max_rows, max_logprobs, engram_tables)
+    by_shape = measure_step_activations(model, shapes, block_size, max_rows, max_logprobs, engram_tables,
+                                        compiler_options)
     return MemoryPlan(device_bytes=int(limit), in_use_bytes=int(in_use), activation_bytes=max(by_shape.values()),
                       activation_by_shape=by_shape, utilization=float(utilization)).check()

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax.engine.buckets import Buckets, pages_needed
-from dinfer_jax.engine.compile_pool import compile_all, default_compile_threads
+from dinfer_jax.engine.compile_pool import CompilerOptions, compile_all, default_compile_threads
 from dinfer_jax.engine.kv_cache import CacheConfig, init_cache
 from dinfer_jax.engine.model_step import _engram_rows_device, model_step
 from dinfer_jax.engine.records import NONFINITE_TOKEN
@@ -77,8 +77,9 @@ class ModelRunner:
 
     def __init__(self, model: Model, cache_config: CacheConfig, max_model_len: int, buckets: Buckets,
                  max_logprobs: int = 0, speculative: str | None = None, num_speculative_tokens: int = 0,
-                 attention: str = "auto", engram_tables: str = "device"):
+                 attention: str = "auto", engram_tables: str = "device", compiler_options: CompilerOptions = ()):
         self.cfg = model.config
+        self._programs = step_programs(compiler_options)
         self.cache_config = cache_config
         self.max_pages = math.ceil(max_model_len / cache_config.block_size)
         self.buckets = buckets.resolve(self.max_pages, cache_config.block_size)
@@ -156,17 +157,17 @@ class ModelRunner:
         inp, feed = self._empty_inputs(b, q, p)
         if self.spec is not None:
             args, kw = self._spec_args(inp, feed, self._sampling([], [], [], b), decode, *self._spec_extra(b))
-            return _STEP_SPEC.lower(*args, **kw)
-        return _STEP.lower(*self._forward_args(inp, feed), **self._forward_static)
+            return self._programs.step_spec.lower(*args, **kw)
+        return self._programs.forward.lower(*self._forward_args(inp, feed), **self._forward_static)
 
     def _forward_args(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray]) -> tuple[Any, ...]:
-        """Positional arguments of the model program (:data:`_STEP`) for one step's host inputs."""
+        """Positional arguments of the model program (``StepPrograms.forward``) for one step's host inputs."""
         return self.params, self.cache, StepInput(**inp), InFlight(**feed), self._prev_tokens, self._engram
 
     def _spec_args(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any, decode: bool,
                    ndraft: np.ndarray, next_tok: np.ndarray, sample_mask: np.ndarray,
                    token_masks: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Arguments of the speculative program (:data:`_STEP_SPEC`): ``(positional, keyword)``."""
+        """Arguments of the speculative program (``StepPrograms.step_spec``): ``(positional, keyword)``."""
         return ((self.params, self.cache, self.spec, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
                  self._engram, ndraft, next_tok, sample_mask, token_masks),
                 dict(k=self.k, method=self.speculative, decode=decode, **self._static))
@@ -198,7 +199,7 @@ class ModelRunner:
         return self._full_masks[b]
 
     def _lower_sampler(self, b: int, use_filters: bool, all_greedy: bool) -> Any:
-        return _SAMPLE.lower(*self._sampler_args(b, use_filters, all_greedy), max_rows=self.max_rows)
+        return self._programs.sample.lower(*self._sampler_args(b, use_filters, all_greedy), max_rows=self.max_rows)
 
     def _call(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: SamplingTensors,
               shape: tuple[int, int, int]):
@@ -208,13 +209,13 @@ class ModelRunner:
 
     def _forward(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray],
                  shape: tuple[int, int, int]) -> tuple[jax.Array, Any]:
-        with _CompileCounter(self, _STEP, shape):
-            return _STEP(*self._forward_args(inp, feed), **self._forward_static)
+        with _CompileCounter(self, self._programs.forward, shape):
+            return self._programs.forward(*self._forward_args(inp, feed), **self._forward_static)
 
     def _sample(self, logits: jax.Array, samp: SamplingTensors, token_mask: Any) -> tuple[jax.Array, Any]:
         key = (logits.shape[0], samp.use_filters, samp.all_greedy)
-        with _CompileCounter(self, _SAMPLE, key, self.compiled_samplers):
-            return _SAMPLE(logits, samp, token_mask, max_rows=self.max_rows)
+        with _CompileCounter(self, self._programs.sample, key, self.compiled_samplers):
+            return self._programs.sample(logits, samp, token_mask, max_rows=self.max_rows)
 
     def _spec_extra(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, jax.Array]:
         """Speculative per-row inputs: drafts to verify, next token of a prefill chunk, rows that sample, and the
@@ -225,8 +226,8 @@ class ModelRunner:
                    shape: tuple[int, int, int], decode: bool, ndraft: np.ndarray, next_tok: np.ndarray,
                    sample_mask: np.ndarray, token_masks: Any):
         args, kw = self._spec_args(inp, feed, samp, decode, ndraft, next_tok, sample_mask, token_masks)
-        with _CompileCounter(self, _STEP_SPEC, (*shape, decode)):
-            toks, nacc, logprobs, self.cache, self.spec = _STEP_SPEC(*args, **kw)
+        with _CompileCounter(self, self._programs.step_spec, (*shape, decode)):
+            toks, nacc, logprobs, self.cache, self.spec = self._programs.step_spec(*args, **kw)
         return toks, nacc, logprobs
 
     @staticmethod
@@ -474,12 +475,31 @@ _STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "max_rows", "attention")
 # host-decided variant: SamplingTensors.use_filters / all_greedy), so the sampler's variants cost small compiles
 # and the model step holds no data-dependent conditional (docs/perf/serving_h200.md).
 _FORWARD_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "ep_manual", "cp_manual", "copies_manual", "attention")
-_STEP = jax.jit(_device_forward, static_argnames=_FORWARD_STATIC, donate_argnums=(1,))
-_SAMPLE = jax.jit(_device_sample, static_argnames=("max_rows",))
 # the sampler variants every warm-up compiles, (use_filters, all_greedy): all rows greedy (argmax only), or some row
 # draws (filters on, skipped on the device when no row filters: that variant syncs with the host for its draw anyway)
 SAMPLER_VARIANTS = ((False, True), (True, False))
-_STEP_SPEC = jax.jit(_device_step_spec, static_argnames=_STATIC + ("k", "decode", "method"), donate_argnums=(1, 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrograms:
+    """The engine's jitted programs for one set of XLA compile options: ``forward`` (the model step, one program
+    per bucket), ``sample`` (the sampler) and ``step_spec`` (model + verify + draft of a speculative step)."""
+
+    forward: Any
+    sample: Any
+    step_spec: Any
+
+
+@functools.cache
+def step_programs(compiler_options: CompilerOptions = ()) -> StepPrograms:
+    """The shared programs compiled with ``compiler_options`` (:func:`~dinfer_jax.engine.compile_pool.
+    compiler_options_key`; ``()``: XLA's defaults). Engines with the same options share compiled steps."""
+    opts = dict(compiler_options) or None
+    return StepPrograms(
+        forward=jax.jit(_device_forward, static_argnames=_FORWARD_STATIC, donate_argnums=(1,), compiler_options=opts),
+        sample=jax.jit(_device_sample, static_argnames=("max_rows",), compiler_options=opts),
+        step_spec=jax.jit(_device_step_spec, static_argnames=_STATIC + ("k", "decode", "method"),
+                          donate_argnums=(1, 2), compiler_options=opts))
 
 
 class _CompileCounter:
