@@ -127,6 +127,20 @@ def _decode(codes: jax.Array, scales: jax.Array | None) -> jax.Array:
     return blocks.reshape(values.shape)
 
 
+def _gather_table(codes: jax.Array, scales: jax.Array | None, ids: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    return _gather_rows(codes, ids), (None if scales is None else _gather_rows(scales, ids))
+
+
+def _on_host(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` computed on the host inside the step (XLA host offloading), outputs in host memory. jax 0.10
+    names the function form ``compute_on2``; jax 0.11 gives that form the name ``compute_on`` (0.10's
+    ``compute_on`` is a context manager)."""
+    from jax.experimental import compute_on as offload
+
+    transform = getattr(offload, "compute_on2", None) or offload.compute_on
+    return transform(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(*args)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngramLookup:
     """The compiled step's Engram lookup (a static argument: hashable by value, so engines over one config share
@@ -142,12 +156,8 @@ class EngramLookup:
         out = []
         for i, (codes, scales) in enumerate(zip(tables.codes, tables.scales, strict=True)):
             if self.on_host:
-                from jax.experimental.compute_on import compute_on
-
                 host_ids = jax.device_put(ids[i], jax.memory.Space.Host)
-                with compute_on("device_host"):
-                    c = _gather_rows(codes, host_ids)
-                    s = None if scales is None else _gather_rows(scales, host_ids)
+                c, s = _on_host(_gather_table, codes, scales, host_ids)
                 c = jax.device_put(c, jax.memory.Space.Device)
                 s = None if s is None else jax.device_put(s, jax.memory.Space.Device)
             else:
