@@ -664,3 +664,22 @@ def test_builder_closed_and_cancel(tok):
     b.close()
     m = b.submit(StructuredSpec("regex", "[0-9]")).try_result()
     assert m is not None and "closed" in m.error
+
+
+def test_a_build_finished_after_its_deadline_times_out_however_late_it_is_read():
+    """The outcome of a timeout does not depend on when the engine looks: a build that finished within the limit is
+    used even if read much later; one that finished after it is a timeout even if it is done when first read."""
+    import concurrent.futures
+
+    start = time.monotonic() - 10.0   # submitted 10 s ago; both builds are done now
+    matcher = object()
+    for finished_after, want_timeout in ((0.4, False), (0.6, True)):
+        task: concurrent.futures.Future = concurrent.futures.Future()
+        task.set_result((matcher, start + finished_after))
+        for read in ("try_result", "result"):
+            fut = builder_mod.MatcherFuture(task, 0.5, start)
+            got = getattr(fut, read)()
+            if want_timeout:
+                assert got is not matcher and "timed out after 0.5 s" in got.error, read
+            else:
+                assert got is matcher, read

@@ -168,6 +168,20 @@ def _check_speculative(model: Model, speculative: str | None, k: int) -> str | N
     return speculative
 
 
+def _check_yoco(cfg: Any, yoco: str, keep: Any, num_speculative_tokens: int) -> int | None:
+    """The engine's YOCO keep (None when ``yoco="off"``); ValueError for a V4 model or a keep that does not cover
+    the sliding window plus the speculative backtracking (``docs/spec/engine.md`` §12.2's invariant)."""
+    if yoco == "off":
+        return None
+    if not cfg.is_v41:
+        raise ValueError("yoco='mask' is V4.1's prefill truncation; V4 models have no YOCO layers")
+    backtrack = num_speculative_tokens + 1 if num_speculative_tokens else 0
+    if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < cfg.sliding_window + backtrack:
+        raise ValueError(f"yoco_keep={keep!r} must be an int covering the sliding window ({cfg.sliding_window}) plus "
+                         f"the speculative backtracking ({backtrack})")
+    return int(keep)
+
+
 class LLM:
     """An offline engine over one model.
 
@@ -235,6 +249,12 @@ class LLM:
             slower on the H200; level 1 (no result checks) saved 30 s of 182 at equal speed
             (``docs/perf/serving_h200.md``). Checked at start (ValueError naming an option XLA rejects); default:
             XLA's own.
+        yoco / yoco_keep: V4.1 SWA bounded replay (DeepInfer's YOCO prefill truncation, ``docs/yoco.md``):
+            ``"off"`` (default, exact) or ``"mask"``: from the first YOCO layer on, the window keys a prefill sees
+            are cut to the last ``yoco_keep`` tokens of the sequence's prefill (chunked or not), so the sampled
+            tokens equal the full forward's ``yoco="compact"``. ``"compact"`` (running those layers on the kept rows
+            only, the prefill speed-up) is not built in the engine. ``yoco_keep`` must cover the window plus the
+            speculative backtracking; one-device engine only.
     """
 
     def __init__(self, model: str | Path | Model, dtype: str = "float32", max_num_seqs: int = 8,
@@ -249,9 +269,16 @@ class LLM:
                  compile_threads: int | None = None, num_redundant_experts: int | None = None,
                  eplb_interval: int | None = None, tokenizer: str | Path | Any | None = None,
                  structured_timeout_s: float = 20.0, engram_tables: str = "device",
-                 compiler_options: Mapping[str, str | int | float | bool] | None = None):
+                 compiler_options: Mapping[str, str | int | float | bool] | None = None, yoco: str = "off",
+                 yoco_keep: int = 140):
         _enable_compilation_cache()
         options = compiler_options_key(compiler_options)
+        if yoco not in ("off", "mask"):
+            raise ValueError(f"yoco must be 'off' or 'mask', got {yoco!r}" + (
+                " ('compact', the consumer layers on the kept rows only, is not built in the engine; 'mask' gives "
+                "its tokens)" if yoco == "compact" else ""))
+        if yoco != "off" and (dp_size, cp_size, ep_size) != (1, 1, 1):
+            raise ValueError("yoco='mask' runs on the one-device engine only (dp_size = cp_size = ep_size = 1)")
         if attention not in ("auto", "sparse", "dense"):
             raise ValueError(f"attention must be 'auto', 'sparse' or 'dense', got {attention!r}")
         if engram_tables not in ENGRAM_PLACEMENTS:
@@ -277,6 +304,7 @@ class LLM:
                              f"ep_size = 1), got dp_size={dp_size}, cp_size={cp_size}, ep_size={ep_size}")
         k = int(num_speculative_tokens) if speculative else 0
         self.num_speculative_tokens = k
+        self.yoco_keep = _check_yoco(cfg, yoco, yoco_keep, k)
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 4096))
         ratios = [r for r in cfg.compress_ratios if r] or [1]
         lcm = int(np.lcm.reduce(ratios))
@@ -322,7 +350,8 @@ class LLM:
                                                                    speculative=self.speculative,
                                                                    num_speculative_tokens=k, attention=attention,
                                                                    engram_tables=engram_tables,
-                                                                   compiler_options=options)
+                                                                   compiler_options=options,
+                                                                   yoco_keep=self.yoco_keep)
             self.model = self.runner.model   # the scan-layout weights: no second copy held by the engine
         else:
             self.runner = DPModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, self.parallel,

@@ -77,8 +77,10 @@ class ModelRunner:
 
     def __init__(self, model: Model, cache_config: CacheConfig, max_model_len: int, buckets: Buckets,
                  max_logprobs: int = 0, speculative: str | None = None, num_speculative_tokens: int = 0,
-                 attention: str = "auto", engram_tables: str = "device", compiler_options: CompilerOptions = ()):
+                 attention: str = "auto", engram_tables: str = "device", compiler_options: CompilerOptions = (),
+                 yoco_keep: int | None = None):
         self.cfg = model.config
+        self.yoco_keep = yoco_keep  # V4.1 yoco="mask": rows carry their window floor (fill_step_inputs)
         self._programs = step_programs(compiler_options)
         self.cache_config = cache_config
         self.max_pages = math.ceil(max_model_len / cache_config.block_size)
@@ -230,9 +232,8 @@ class ModelRunner:
             toks, nacc, logprobs, self.cache, self.spec = self._programs.step_spec(*args, **kw)
         return toks, nacc, logprobs
 
-    @staticmethod
-    def _empty_inputs(b: int, q: int, p: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        return empty_inputs(b, q, p)
+    def _empty_inputs(self, b: int, q: int, p: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        return empty_inputs(b, q, p, window_floor=self.yoco_keep is not None)
 
     # ------------------------------------------------------------------ dispatch
     def _sampling(self, params: list[Any], seeds: list[int], positions: list[int], b: int) -> SamplingTensors:
@@ -267,7 +268,7 @@ class ModelRunner:
             q = Buckets.pick(self.buckets.prefill_len, max(r.num_tokens for r in rows), "prefill chunk")
         bs = self.cache_config.block_size
         p = self.buckets.pick_pages(pages_needed((r.start_pos + r.num_tokens for r in rows), bs))
-        inp, feed = fill_step_inputs(step, b, q, p, bs, self._prev_step_id)
+        inp, feed = fill_step_inputs(step, b, q, p, bs, self._prev_step_id, self.yoco_keep)
         sampling = self._sampling(params, seeds, [r.end_pos for r in rows], b)
         if self.spec is not None:
             extra = self._spec_extra(b)
@@ -328,22 +329,28 @@ def step_statics(model: Model, attention: str = "auto",
     return dict(cfg=cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=lookup, attention=attention), state
 
 
-def empty_inputs(b: int, q: int, p: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def empty_inputs(b: int, q: int, p: int, window_floor: bool = False) -> tuple[dict[str, np.ndarray],
+                                                                            dict[str, np.ndarray]]:
     """Host buffers of an all-padding ``[b, q]`` step with ``[b, p]`` page tables: the :class:`StepInput` fields and
-    the in-flight feed."""
+    the in-flight feed; ``window_floor``: with the ``[b]`` YOCO window floor (the engine's ``yoco="mask"``)."""
     def z() -> np.ndarray:
         return np.zeros((b,), np.int32)
 
     inp = dict(tokens=np.zeros((b, q), np.int32), start=z(), n=z(), slot=z(), last=z(),
                pages=np.zeros((b, p), np.int32))
+    if window_floor:
+        inp["window_floor"] = z()
     return inp, dict(use_prev=np.zeros((b,), bool), prev_row=z())
 
 
-def fill_step_inputs(step: ScheduledStep, b: int, q: int, p: int, block_size: int,
-                     prev_step_id: int | None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def fill_step_inputs(step: ScheduledStep, b: int, q: int, p: int, block_size: int, prev_step_id: int | None,
+                     yoco_keep: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Host buffers of ``step``'s rows padded to the bucket ``(b, q, p)``; ``prev_step_id``: the step whose
-    device outputs in-flight input tokens are read from (RuntimeError if a row names another)."""
-    inp, feed = empty_inputs(b, q, p)
+    device outputs in-flight input tokens are read from (RuntimeError if a row names another). ``yoco_keep``
+    (V4.1 ``yoco="mask"``): each row's window floor is ``prefill_len − yoco_keep`` of its sequence's admission, so
+    the YOCO layers' window keys before the last ``yoco_keep`` prefilled tokens are hidden, in every chunk and in
+    decode (where the window lies above the floor: ``yoco_keep`` ≥ window + backtracking)."""
+    inp, feed = empty_inputs(b, q, p, window_floor=yoco_keep is not None)
     rows = step.rows
     n = len(rows)
     start = np.fromiter((r.start_pos for r in rows), np.int32, n)
@@ -351,6 +358,8 @@ def fill_step_inputs(step: ScheduledStep, b: int, q: int, p: int, block_size: in
     inp["start"][:n], inp["n"][:n] = start, count
     inp["slot"][:n] = np.fromiter((r.state_slot for r in rows), np.int32, n)
     inp["last"][:n] = count - 1
+    if yoco_keep is not None:
+        inp["window_floor"][:n] = np.fromiter((max(0, r.seq.prefill_len - yoco_keep) for r in rows), np.int32, n)
     need = -(-(start.astype(np.int64) + count) // block_size)
     for i, r in enumerate(rows):
         if len(r.block_ids) < need[i]:

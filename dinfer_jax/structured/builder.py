@@ -28,7 +28,10 @@ class MatcherFuture:
     later call returns that same object, even if a timed-out compilation finishes afterwards.
     """
 
-    def __init__(self, task: concurrent.futures.Future[StructuredMatcher] | None, timeout_s: float, start: float):
+    def __init__(self, task: concurrent.futures.Future[tuple[StructuredMatcher, float]] | None, timeout_s: float,
+                 start: float):
+        # the task yields (matcher, the monotonic time it finished): a build that finished after the deadline counts
+        # as timed out however late the engine looks at it, so the outcome does not depend on the engine's timing
         self._task = task
         self._timeout_s = timeout_s
         self._start = start
@@ -46,13 +49,14 @@ class MatcherFuture:
             self._task.cancel()  # only helps while it has not started; a running compilation finishes unobserved
         return StructuredMatcher.failed(f"structured output: grammar compilation timed out after {self._timeout_s:g} s")
 
-    def _collect(self, task: concurrent.futures.Future[StructuredMatcher]) -> StructuredMatcher:
+    def _collect(self, task: concurrent.futures.Future[tuple[StructuredMatcher, float]]) -> StructuredMatcher:
         if task.cancelled():
             return StructuredMatcher.failed("structured output: matcher build cancelled (builder closed)")
         exc = task.exception()
         if exc is not None:  # the worker turns every expected failure into a failed matcher; this is a bug
             return StructuredMatcher.failed(f"structured output: matcher build crashed: {exc!r}")
-        return task.result()
+        matcher, finished = task.result()
+        return matcher if finished - self._start <= self._timeout_s else self._timed_out()
 
     def try_result(self) -> StructuredMatcher | None:
         """The matcher if it is ready, a failed matcher once the timeout has passed, else None (never blocks)."""
@@ -149,7 +153,7 @@ class MatcherBuilder:
         start = time.monotonic()
         if not self._closed:
             try:
-                return MatcherFuture(self._pool.submit(self._build, spec), self._timeout_s, start)
+                return MatcherFuture(self._pool.submit(self._timed_build, spec), self._timeout_s, start)
             except RuntimeError:  # shut down concurrently
                 pass
         return MatcherFuture.resolved(StructuredMatcher.failed("structured output: the matcher builder is closed"))
@@ -199,6 +203,10 @@ class MatcherBuilder:
                     self._cache.popitem(last=False)
         pending.set_result(grammar)
         return grammar
+
+    def _timed_build(self, spec: StructuredSpec) -> tuple[StructuredMatcher, float]:
+        matcher = self._build(spec)
+        return matcher, time.monotonic()
 
     def _build(self, spec: StructuredSpec) -> StructuredMatcher:
         try:

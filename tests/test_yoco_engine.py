@@ -1,0 +1,86 @@
+"""The engine's V4.1 SWA bounded replay (``LLM(yoco="mask")``, DeepInfer's YOCO prefill truncation) against the
+full-sequence forward's YOCO modes: a request's first sampled token and its logprob equal the forward's
+``yoco="compact"`` result on the prompt (the forward's compact is its mask result, logits of the kept rows),
+whatever the chunking and scheduling; short prompts (≤ keep) are untouched; bad settings are refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dinfer_jax import LLM, SamplingParams
+from dinfer_jax.engine.runner import Buckets
+from dinfer_jax.models import forward_logits, load_config, random_model, run
+
+KEEP = 20          # tiny-v41's sliding window is 16: KEEP covers it, and prompts of 33–70 tokens are truncated
+GEN = 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(load_config("tiny-v41"), seed=3, include_mtp=False)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def test_mask_engine_first_token_equals_forward_compact_and_short_prompts_are_exact(model):
+    cfg = model.config
+    assert cfg.sliding_window <= KEEP
+    rng = np.random.default_rng(5)
+    lengths = [12, 33, 47, 70]
+    prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, n)] for n in lengths]
+    llm = LLM(model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, progress=False, max_logprobs=1,
+              buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(32, 128), pages=(2, 8)),
+              yoco="mask", yoco_keep=KEEP)
+    compiled = llm.metrics()["compilations"]
+    sp = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True, logprobs=1)
+    results = {}
+    for name, switches in {"async+chunked": dict(async_scheduling=True, max_num_batched_tokens=32),
+                           "sync+unchunked": dict(async_scheduling=False, max_num_batched_tokens=128)}.items():
+        llm.configure(**switches)
+        results[name] = llm.generate(prompts, sp, use_tqdm=False)
+    llm.configure(async_scheduling=True, max_num_batched_tokens=32)
+    results["one at a time"] = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
+    # greedy logprobs are those of the processed (one-hot) distribution; at temperature 1 they are log_softmax
+    drawn = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=1, logprobs=1, seq_seed=11),
+                         use_tqdm=False)
+    assert llm.metrics()["compilations"] == compiled, "compiled outside warm-up"
+
+    differs_from_off = 0
+    for i, p in enumerate(prompts):
+        ids = np.asarray([p])
+        compact = np.asarray(run(model, ids, yoco="compact", yoco_keep=KEEP).logits)[0, -1]
+        off = np.asarray(run(model, ids).logits)[0, -1]
+        want_tok = int(compact.argmax())
+        for name, outs in results.items():
+            assert outs[i].token_ids[0] == want_tok, f"{name}: prompt {i} (len {lengths[i]}) first token"
+        # fp32 on both sides; the engine sums attention over cached pages and chunks in another order than the
+        # one-shot forward: differences of a few fp32 ulps of the logits, far below 1e-4
+        tok = drawn[i].token_ids[0]
+        assert drawn[i].logprobs[0]["logprob"] == pytest.approx(float(_log_softmax(compact)[tok]), abs=1e-4)
+        if len(p) > KEEP:
+            # fp32 noise is ~1e-7 of the scale; the truncation moves these logits by 1e-3 to 7e-3 of it
+            differs_from_off += int(np.abs(compact - off).max() > 1e-4 * np.abs(off).max())
+        else:  # nothing to truncate: the whole continuation equals the exact forward's greedy argmax
+            seq = p + results["async+chunked"][i].token_ids
+            ref = forward_logits(model, np.asarray([seq]))[0, len(p) - 1: len(seq) - 1].argmax(-1)
+            assert results["async+chunked"][i].token_ids == [int(t) for t in ref]
+    assert differs_from_off == 3, "truncation should change the long prompts' logits (else this test shows nothing)"
+    for name, outs in results.items():   # decode after the truncated prefill: the same under every schedule
+        assert [o.token_ids for o in outs] == [o.token_ids for o in results["async+chunked"]], name
+
+
+def test_bad_yoco_settings_are_refused(model):
+    kw = dict(max_num_seqs=2, max_model_len=64, warmup=False, progress=False, kv_cache_memory_bytes=8 << 20)
+    with pytest.raises(ValueError, match="'compact'.*not built"):
+        LLM(model, yoco="compact", **kw)
+    with pytest.raises(ValueError, match="yoco must be"):
+        LLM(model, yoco="on", **kw)
+    with pytest.raises(ValueError, match=r"yoco_keep=8 .*sliding window \(16\)"):
+        LLM(model, yoco="mask", yoco_keep=8, **kw)
+    with pytest.raises(ValueError, match="V4.1"):
+        LLM(random_model(load_config("tiny-v4"), seed=0, include_mtp=False), yoco="mask", **kw)
