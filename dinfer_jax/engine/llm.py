@@ -251,9 +251,10 @@ class LLM:
             XLA's own.
         yoco / yoco_keep: V4.1 SWA bounded replay (DeepInfer's YOCO prefill truncation, ``docs/yoco.md``):
             ``"off"`` (default, exact) or ``"mask"``: from the first YOCO layer on, the window keys a prefill sees
-            are cut to the last ``yoco_keep`` tokens of the sequence's prefill (chunked or not), so the sampled
-            tokens equal the full forward's ``yoco="compact"``. ``"compact"`` (running those layers on the kept rows
-            only, the prefill speed-up) is not built in the engine. ``yoco_keep`` must cover the window plus the
+            are cut to the last ``yoco_keep`` tokens of the sequence's prefill (chunked or not), so a request's
+            first token is the full forward's ``yoco="compact"`` one on its prompt (decode then runs as usual).
+            ``"compact"`` (running those layers on the kept rows only, the prefill speed-up) is not built in the
+            engine. ``yoco_keep`` must cover the window plus the
             speculative backtracking; one-device engine only.
     """
 
