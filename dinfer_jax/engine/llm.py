@@ -168,11 +168,18 @@ def _check_speculative(model: Model, speculative: str | None, k: int) -> str | N
     return speculative
 
 
-def _check_yoco(cfg: Any, yoco: str, keep: Any, num_speculative_tokens: int) -> int | None:
-    """The engine's YOCO keep (None when ``yoco="off"``); ValueError for a V4 model or a keep that does not cover
-    the sliding window plus the speculative backtracking (``docs/spec/engine.md`` §12.2's invariant)."""
+def _check_yoco(cfg: Any, yoco: str, keep: Any, num_speculative_tokens: int, one_device: bool) -> int | None:
+    """The engine's YOCO keep (None when ``yoco="off"``); ValueError for a mode the engine does not run, a DP
+    layout, a V4 model, or a keep that does not cover the sliding window plus the speculative backtracking
+    (``docs/spec/engine.md`` §12.2's invariant)."""
+    if yoco not in ("off", "mask"):
+        raise ValueError(f"yoco must be 'off' or 'mask', got {yoco!r}" + (
+            " ('compact', the consumer layers on the kept rows only, is not built in the engine; 'mask' gives "
+            "its first tokens)" if yoco == "compact" else ""))
     if yoco == "off":
         return None
+    if not one_device:
+        raise ValueError("yoco='mask' runs on the one-device engine only (dp_size = cp_size = ep_size = 1)")
     if not cfg.is_v41:
         raise ValueError("yoco='mask' is V4.1's prefill truncation; V4 models have no YOCO layers")
     backtrack = num_speculative_tokens + 1 if num_speculative_tokens else 0
@@ -274,12 +281,6 @@ class LLM:
                  yoco_keep: int = 140):
         _enable_compilation_cache()
         options = compiler_options_key(compiler_options)
-        if yoco not in ("off", "mask"):
-            raise ValueError(f"yoco must be 'off' or 'mask', got {yoco!r}" + (
-                " ('compact', the consumer layers on the kept rows only, is not built in the engine; 'mask' gives "
-                "its tokens)" if yoco == "compact" else ""))
-        if yoco != "off" and (dp_size, cp_size, ep_size) != (1, 1, 1):
-            raise ValueError("yoco='mask' runs on the one-device engine only (dp_size = cp_size = ep_size = 1)")
         if attention not in ("auto", "sparse", "dense"):
             raise ValueError(f"attention must be 'auto', 'sparse' or 'dense', got {attention!r}")
         if engram_tables not in ENGRAM_PLACEMENTS:
@@ -305,7 +306,7 @@ class LLM:
                              f"ep_size = 1), got dp_size={dp_size}, cp_size={cp_size}, ep_size={ep_size}")
         k = int(num_speculative_tokens) if speculative else 0
         self.num_speculative_tokens = k
-        self.yoco_keep = _check_yoco(cfg, yoco, yoco_keep, k)
+        self.yoco_keep = _check_yoco(cfg, yoco, yoco_keep, k, (dp_size, cp_size, ep_size) == (1, 1, 1))
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 4096))
         ratios = [r for r in cfg.compress_ratios if r] or [1]
         lcm = int(np.lcm.reduce(ratios))
