@@ -29,6 +29,7 @@ from dinfer_jax.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfi
 from dinfer_jax.engine.structured_rows import StructuredOutputs
 from dinfer_jax.models import Model, load_config, load_model, random_model
 from dinfer_jax.models.engram_lookup import ENGRAM_PLACEMENTS
+from dinfer_jax.models.invariant import CPU_INVARIANT_OPTIONS, DEFAULT_TILE
 from dinfer_jax.sampling import SamplingParams
 
 DEFAULT_KV_BYTES = 256 * 1024 * 1024
@@ -189,6 +190,20 @@ def _check_yoco(cfg: Any, yoco: str, keep: Any, num_speculative_tokens: int, one
     return int(keep)
 
 
+def _check_batch_invariant(batch_invariant: Any, speculative: str | None, one_device: bool) -> int:
+    """The engine's batch-invariant tile (0: off); ValueError for a non-bool, speculative decoding or a DP layout."""
+    if not isinstance(batch_invariant, (bool, np.bool_)):
+        raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+    if not batch_invariant:
+        return 0
+    if speculative:
+        raise ValueError("batch_invariant=True is not combined with speculative decoding (the drafter's steps are "
+                         "not batch-invariant)")
+    if not one_device:
+        raise ValueError("batch_invariant=True runs on the one-device engine only (dp_size = cp_size = ep_size = 1)")
+    return DEFAULT_TILE
+
+
 class LLM:
     """An offline engine over one model.
 
@@ -263,6 +278,12 @@ class LLM:
             ``"compact"`` (running those layers on the kept rows only, the prefill speed-up) is not built in the
             engine. ``yoco_keep`` must cover the window plus the
             speculative backtracking; one-device engine only.
+        batch_invariant: ``True``: a request's logits (hence logprobs and seeded samples) are bitwise the same
+            whatever else is in its batch, its row in it and how its prompt is chunked (DeepInfer's batch-invariant
+            inference; ``docs/batch_invariance.md``): every product runs at fixed shapes (tiles of 16 token rows,
+            experts densely per tile, attention per query over fixed key blocks). It costs throughput (measured
+            there); one-device engine, no speculative decoding. Its values are the default path's up to fp32
+            rounding, not bit for bit.
     """
 
     def __init__(self, model: str | Path | Model, dtype: str = "float32", max_num_seqs: int = 8,
@@ -278,7 +299,7 @@ class LLM:
                  eplb_interval: int | None = None, tokenizer: str | Path | Any | None = None,
                  structured_timeout_s: float = 20.0, engram_tables: str = "device",
                  compiler_options: Mapping[str, str | int | float | bool] | None = None, yoco: str = "off",
-                 yoco_keep: int = 140):
+                 yoco_keep: int = 140, batch_invariant: bool = False):
         _enable_compilation_cache()
         options = compiler_options_key(compiler_options)
         if attention not in ("auto", "sparse", "dense"):
@@ -307,6 +328,10 @@ class LLM:
         k = int(num_speculative_tokens) if speculative else 0
         self.num_speculative_tokens = k
         self.yoco_keep = _check_yoco(cfg, yoco, yoco_keep, k, (dp_size, cp_size, ep_size) == (1, 1, 1))
+        self.batch_invariant_tile = _check_batch_invariant(batch_invariant, self.speculative,
+                                                           (dp_size, cp_size, ep_size) == (1, 1, 1))
+        if self.batch_invariant_tile and jax.default_backend() == "cpu":
+            options = compiler_options_key({**dict(options), **CPU_INVARIANT_OPTIONS})
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 4096))
         ratios = [r for r in cfg.compress_ratios if r] or [1]
         lcm = int(np.lcm.reduce(ratios))
@@ -353,7 +378,8 @@ class LLM:
                                                                    num_speculative_tokens=k, attention=attention,
                                                                    engram_tables=engram_tables,
                                                                    compiler_options=options,
-                                                                   yoco_keep=self.yoco_keep)
+                                                                   yoco_keep=self.yoco_keep,
+                                                                   batch_invariant=self.batch_invariant_tile)
             self.model = self.runner.model   # the scan-layout weights: no second copy held by the engine
         else:
             self.runner = DPModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, self.parallel,

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from dinfer_jax.models.backbone import head_logits, run_backbone
 from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.engram_lookup import EngramLookup, EngramState
+from dinfer_jax.models.invariant import batch_invariant as invariant_tracing
 from dinfer_jax.models.layers import LayerOptions
 from dinfer_jax.models.step_state import ModelCache, StepInput
 
@@ -50,7 +51,7 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
                moe_impl: str = "auto", engram_fn: EngramLookup | None = None,
                engram: EngramState | None = None, ep_manual: int = 0, cp_manual: int = 0,
                copies_manual: int = 1, return_carry: bool = False, attention: str = "auto",
-               attention_impl: str = "auto", count_experts: bool = False) -> tuple[Any, ...]:
+               attention_impl: str = "auto", count_experts: bool = False, batch_invariant: int = 0) -> tuple[Any, ...]:
     """Run the model on one step's rows.
 
     params: ``"layers"`` stacked (:func:`stack_params`) for serving, or in checkpoint layout (stacked per call).
@@ -64,8 +65,21 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
     (:class:`~dinfer_jax.models.layers.LayerOptions`).
     ``count_experts`` (EPLB) adds the step's per-layer expert loads ``[L, E]`` int32 (real tokens only) as a third
     output. ``return_carry`` (speculative decoding) adds the backbone's final carry (``streams [B,Q,n,D]`` at
-    every query position, and V4.1's ``dspark_features``) as a third output.
+    every query position, and V4.1's ``dspark_features``) as a third output. ``batch_invariant`` > 0 traces the
+    step batch-invariantly with that many token rows per product (:mod:`dinfer_jax.models.invariant`): a row's
+    logits then do not depend on the other rows, their number, its position or its prompt's chunking.
     """
+    with invariant_tracing(batch_invariant):
+        return _model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn,
+                           engram=engram, ep_manual=ep_manual, cp_manual=cp_manual, copies_manual=copies_manual,
+                           return_carry=return_carry, attention=attention, attention_impl=attention_impl,
+                           count_experts=count_experts)
+
+
+def _model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, cfg: ModelConfig, dtype: str,
+                moe_impl: str, engram_fn: EngramLookup | None, engram: EngramState | None, ep_manual: int,
+                cp_manual: int, copies_manual: int, return_carry: bool, attention: str, attention_impl: str,
+                count_experts: bool) -> tuple[Any, ...]:
     engram_emb = None
     if cfg.engram_layer_ids:
         rows, hist = _engram_rows_device(cache.ngram_hist, inp, cfg, engram.cmap)

@@ -78,7 +78,7 @@ class ModelRunner:
     def __init__(self, model: Model, cache_config: CacheConfig, max_model_len: int, buckets: Buckets,
                  max_logprobs: int = 0, speculative: str | None = None, num_speculative_tokens: int = 0,
                  attention: str = "auto", engram_tables: str = "device", compiler_options: CompilerOptions = (),
-                 yoco_keep: int | None = None):
+                 yoco_keep: int | None = None, batch_invariant: int = 0):
         self.cfg = model.config
         self.yoco_keep = yoco_keep  # V4.1 yoco="mask": rows carry their window floor (fill_step_inputs)
         self._programs = step_programs(compiler_options)
@@ -97,7 +97,7 @@ class ModelRunner:
         self.compiled_samplers: set[tuple[int, bool, bool]] = set()  # (batch, use_filters, all_greedy)
         self.num_compilations = 0  # compilations this runner's calls caused (shared steps: see _CompileCounter)
         self.launch_seconds = 0.0  # host time inside the jitted step calls of dispatch (argument transfer, launch)
-        self._forward_static, self._engram = step_statics(model, attention, engram_tables)
+        self._forward_static, self._engram = step_statics(model, attention, engram_tables, batch_invariant)
         self._static = {**self._forward_static, "max_rows": self.max_rows}  # the speculative step also samples
         self.speculative = speculative
         self.k = num_speculative_tokens if speculative else 0
@@ -315,10 +315,11 @@ class ModelRunner:
         self._prev_tokens, self._prev_step_id = out.tokens, out.step.step_id
 
 
-def step_statics(model: Model, attention: str = "auto",
-                 engram_tables: str = "device") -> tuple[dict[str, Any], EngramState | None]:
+def step_statics(model: Model, attention: str = "auto", engram_tables: str = "device",
+                 batch_invariant: int = 0) -> tuple[dict[str, Any], EngramState | None]:
     """The model program's static keyword arguments for ``model`` (configuration, dtype, MoE implementation,
-    Engram lookup, compressed-row attention mode; steps that also sample add ``max_rows``) and the Engram state it
+    Engram lookup, compressed-row attention mode, the batch-invariant tile when on; steps that also sample add
+    ``max_rows``) and the Engram state it
     reads (V4.1: the compressed-id map and the tables placed by ``engram_tables``, ``"device"`` or ``"host"``;
     None otherwise)."""
     cfg = model.config
@@ -326,7 +327,10 @@ def step_statics(model: Model, attention: str = "auto",
     if cfg.engram_layer_ids:
         state = model.engram.state(engram_tables)
         lookup = EngramLookup(cfg, on_host=engram_tables == "host")
-    return dict(cfg=cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=lookup, attention=attention), state
+    statics = dict(cfg=cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=lookup, attention=attention)
+    if batch_invariant:   # only the one-device forward takes it (LLM refuses it with speculative decoding or DP)
+        statics["batch_invariant"] = batch_invariant
+    return statics, state
 
 
 def empty_inputs(b: int, q: int, p: int, window_floor: bool = False) -> tuple[dict[str, np.ndarray],
@@ -379,14 +383,16 @@ def fill_step_inputs(step: ScheduledStep, b: int, q: int, p: int, block_size: in
 
 def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, engram: Any, *,
                     cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, ep_manual: int = 0, cp_manual: int = 0,
-                    copies_manual: int = 1, attention: str = "auto", count_experts: bool = False) -> tuple[Any, ...]:
+                    copies_manual: int = 1, attention: str = "auto", count_experts: bool = False,
+                    batch_invariant: int = 0) -> tuple[Any, ...]:
     """Traced model part of a step: resolve in-flight inputs on device, run the model. Returns ``(logits [B, V]
-    fp32 at each row's last token, cache)``, plus the expert loads ``[L, E]`` with ``count_experts``."""
+    fp32 at each row's last token, cache)``, plus the expert loads ``[L, E]`` with ``count_experts``.
+    ``batch_invariant``: token rows per fixed-shape product (0: off; :mod:`dinfer_jax.models.invariant`)."""
     first = jnp.where(feed.use_prev, prev_tokens[feed.prev_row], inp.tokens[:, 0])
     inp = dataclasses.replace(inp, tokens=inp.tokens.at[:, 0].set(first))
     return model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn, engram=engram,
                       ep_manual=ep_manual, cp_manual=cp_manual, copies_manual=copies_manual, attention=attention,
-                      count_experts=count_experts)
+                      count_experts=count_experts, batch_invariant=batch_invariant)
 
 
 def _device_sample(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Array | None = None, *,
@@ -483,7 +489,8 @@ _STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "max_rows", "attention")
 # The plain engine runs a step as two programs: the model (one per bucket) and the sampler (one per batch size and
 # host-decided variant: SamplingTensors.use_filters / all_greedy), so the sampler's variants cost small compiles
 # and the model step holds no data-dependent conditional (docs/perf/serving_h200.md).
-_FORWARD_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "ep_manual", "cp_manual", "copies_manual", "attention")
+_FORWARD_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "ep_manual", "cp_manual", "copies_manual", "attention",
+                   "batch_invariant")
 # the sampler variants every warm-up compiles, (use_filters, all_greedy): all rows greedy (argmax only), or some row
 # draws (filters on, skipped on the device when no row filters: that variant syncs with the host for its draw anyway)
 SAMPLER_VARIANTS = ((False, True), (True, False))

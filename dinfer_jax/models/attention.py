@@ -15,7 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dinfer_jax.models.attention_invariant import index_dots_invariant
 from dinfer_jax.models.config import ModelConfig
+from dinfer_jax.models.invariant import active_tile, token_tiled
 from dinfer_jax.models.ops import F32, apply_rope_tail, linear, matmul, rms_norm, rope_cos_sin, rope_inv_freq
 from dinfer_jax.models.qweights import as_dense
 
@@ -58,8 +60,11 @@ def index_scores(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, k_rows: jax.
         q = hadamard(q)
     q = maybe_fake_quant(cfg.kv_fake_quant, q4u_fake, q, 32)
     w = linear(h.astype(F32), p["weights_proj"]) * (di ** -0.5) * (Hi ** -0.5)  # [B,S,Hi]
-    dots = jnp.einsum("bshd,btd->bsht", q, k_rows.astype(F32), precision=jax.lax.Precision.HIGHEST)
-    scores = jnp.einsum("bsht,bsh->bst", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)
+    if active_tile():
+        scores = index_dots_invariant(q, w, k_rows)
+    else:
+        dots = jnp.einsum("bshd,btd->bsht", q, k_rows.astype(F32), precision=jax.lax.Precision.HIGHEST)
+        scores = jnp.einsum("bsht,bsh->bst", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)
     visible = jnp.arange(k_rows.shape[1]) < ((pos + 1) // ratio)[..., None]  # [S,T] or [B,S,T]
     return jnp.where(visible, scores, -jnp.inf)
 
@@ -214,5 +219,10 @@ def output_projection(p: Mapping[str, Any], o: jax.Array, *, cfg: ModelConfig, r
     dt = o.dtype
     o = apply_rope_tail(o, rope.cos[..., None, :], rope.sin[..., None, :], inverse=True)
     wo_a = as_dense(p["wo_a"], dt).reshape(G, R, H * d // G)
-    z = matmul("bsgi,gri->bsgr", o.reshape(B, S, G, H * d // G), wo_a).astype(dt)
+
+    def grouped(o: jax.Array) -> jax.Array:
+        return matmul("...gi,gri->...gr", o, wo_a).astype(dt)
+
+    o = o.reshape(B, S, G, H * d // G)
+    z = token_tiled(grouped, o, lead=2) if active_tile() else grouped(o)
     return linear(z.reshape(B, S, G * R), p["wo_b"])

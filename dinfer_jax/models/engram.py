@@ -24,8 +24,7 @@ import numpy as np
 
 from dinfer_jax.loading.safetensors_io import CheckpointError, CheckpointFiles
 from dinfer_jax.models.config import ModelConfig
-from dinfer_jax.models.ops import F32, matmul
-from dinfer_jax.models.qweights import as_dense
+from dinfer_jax.models.ops import F32, linear
 
 HASH_SEED = 0
 LAYER_SEED_STRIDE = 10007
@@ -434,8 +433,8 @@ def engram_gate(streams: jax.Array, emb: jax.Array, p: Mapping[str, jax.Array], 
     the streams' dtype. ``image_mask [B, S]`` bool zeroes the gate.
     """
     n, dim = streams.shape[-2:]
-    kv = matmul("...i,oi->...o", emb.astype(streams.dtype), as_dense(p["wkv"], streams.dtype))
-    kv = kv.astype(streams.dtype).astype(F32).reshape((*kv.shape[:-1], n + 1, dim))
+    kv = linear(emb.astype(streams.dtype), p["wkv"])   # in the streams' dtype, as the references round it
+    kv = kv.astype(F32).reshape((*kv.shape[:-1], n + 1, dim))
     k, v = kv[..., :n, :], kv[..., n, :]
     w = p["q_weight"].astype(F32) * p["k_weight"].astype(F32)
     g = engram_gate_scores(streams, k, w, norm_eps, image_mask)

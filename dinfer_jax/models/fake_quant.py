@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dinfer_jax.models.invariant import active_tile, token_tiled
+
 F32 = jnp.float32
 
 E4M3_MAX = 448.0
@@ -180,6 +182,8 @@ def hadamard(x: jax.Array) -> jax.Array:
     h = np.ones((1, 1), np.float32)
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
+    if active_tile() and x.ndim > 1:
+        return token_tiled(hadamard, x, lead=x.ndim - 1)
     return jnp.einsum("...i,ij->...j", x.astype(jnp.float32), jnp.asarray(h / np.sqrt(n), jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
 

@@ -31,6 +31,7 @@ from dinfer_jax.models.attention import (
     selected_attention_impl,
     use_selected_rows,
 )
+from dinfer_jax.models.attention_invariant import attend_invariant
 from dinfer_jax.models.cache_codec import RowCodec, cache_codecs
 from dinfer_jax.models.cache_io import (
     buffer_take,
@@ -49,6 +50,7 @@ from dinfer_jax.models.csa2 import candidate_blocks, topk_select
 from dinfer_jax.models.engram import engram_gate
 from dinfer_jax.models.eplb import expert_loads
 from dinfer_jax.models.fake_quant import hadamard, maybe_fake_quant, q8_fake
+from dinfer_jax.models.invariant import active_tile, ordered_sum
 from dinfer_jax.models.layer_plan import LayerInfo
 from dinfer_jax.models.mhc import hc_collapse, hc_mixes, hc_post, hc_pre
 from dinfer_jax.models.moe import moe, route
@@ -128,6 +130,17 @@ def _window(swa: jax.Array, k: jax.Array, kv: jax.Array, inp: StepInput, pos: ja
 # compressors over (ring state + this step's tokens)
 
 
+def _pool(values: jax.Array, scores: jax.Array) -> jax.Array:
+    """Softmax-gated pooling of a compression group: ``Σ_t v[..., t, :] · softmax_t(s)[..., t, :]`` over axis 2 of
+    ``[B, W, t, C]`` (batch-invariantly as chains of adds: XLA reduces a middle axis in an order that can follow
+    the array's shape)."""
+    if active_tile():
+        s = scores - jnp.max(scores, axis=2, keepdims=True)   # the max is exact in any order
+        e = jnp.exp(s)
+        return ordered_sum(values * (e / ordered_sum(e, 2)[:, :, None]), 2)
+    return jnp.sum(values * jax.nn.softmax(scores, axis=2), axis=2)
+
+
 def compress_v4(p: Any, h: jax.Array, st_kv: jax.Array, st_gate: jax.Array, start: jax.Array, n: jax.Array, *,
                 ratio: int, dim: int, overlap: bool, inv_freq: Any,
                 norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -155,7 +168,7 @@ def compress_v4(p: Any, h: jax.Array, st_kv: jax.Array, st_gate: jax.Array, star
     else:
         tok = w[..., None] * ratio + jnp.arange(ratio)
         kv_sel, g_sel = buffer_take(st_kv, kv, start, tok), buffer_take(st_gate, gate, start, tok)
-    pooled = jnp.sum(kv_sel * jax.nn.softmax(g_sel, axis=2), axis=2)
+    pooled = _pool(kv_sel, g_sel)
     pooled = rms_norm(pooled, p["norm"], norm_eps, out_dtype=F32)
     cos, sin = rope_cos_sin(w * ratio, inv_freq)
     return apply_rope_tail(pooled, cos, sin), w, valid, kv, gate
@@ -178,7 +191,7 @@ def compress_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, inp: StepIn
     tok = w[..., None] * ratio + jnp.arange(ratio)
     lat_t = buffer_take(ring_read(lc.cst_latent, k, inp.slot), latent, inp.start, tok)
     sc_t = buffer_take(ring_read(lc.cst_score, k, inp.slot), score, inp.start, tok)
-    pooled = jnp.sum(lat_t * jax.nn.softmax(sc_t, axis=2), axis=2)
+    pooled = _pool(lat_t, sc_t)
     updates = {"cst_latent": ring_write(lc.cst_latent, k, inp.slot, pos, inp.n, latent),
                "cst_score": ring_write(lc.cst_score, k, inp.slot, pos, inp.n, score)}
     return pooled, w, valid, updates
@@ -186,6 +199,24 @@ def compress_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, inp: StepIn
 
 # ---------------------------------------------------------------------------------------------------------------
 # attention sublayers
+
+
+def _attend_rows(q: jax.Array, keys: jax.Array, wmask: jax.Array, rows: jax.Array, row_mask: jax.Array,
+                 sink: jax.Array, ctx: StepContext, cfg: ModelConfig, opts: LayerOptions) -> jax.Array:
+    """Attention over the window and each query's selected compressed rows (batch-invariantly when tracing so)."""
+    if active_tile():
+        return attend_invariant(q, keys, wmask, ctx.inp.start, ctx.pos, cfg.sliding_window, sink, rows=rows,
+                                row_mask=row_mask)
+    return attend_selected(q, keys, wmask, rows, row_mask, sink, impl=selected_attention_impl(opts.attention_impl, q))
+
+
+def _attend_all(q: jax.Array, keys: jax.Array, wmask: jax.Array, ckv: jax.Array | None, cmask: jax.Array | None,
+                sink: jax.Array, ctx: StepContext, cfg: ModelConfig) -> jax.Array:
+    """Attention over the window and all compressed rows under ``cmask`` (batch-invariantly when tracing so)."""
+    if active_tile():
+        return attend_invariant(q, keys, wmask, ctx.inp.start, ctx.pos, cfg.sliding_window, sink, ckv=ckv,
+                                cmask=cmask)
+    return attend(q, keys, wmask, ckv, cmask, sink)
 
 
 def _compress_into_cache(params: Any, h: jax.Array, kv_ring: jax.Array, gate_ring: jax.Array,
@@ -244,17 +275,17 @@ def attention_v4(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, ctx: StepCo
             top_idx, selected = topk_select(scores, cfg.index_topk)
             if opts.collect:
                 aux.update(indexer_topk=top_idx, indexer_scores=scores)
-        if overlap and use_selected_rows(opts.attention, q.shape[1], cfg.index_topk, n_rows):
+        # batch-invariantly always the selected rows: their number (top-k) does not follow the step's page bucket
+        if overlap and (active_tile() or use_selected_rows(opts.attention, q.shape[1], cfg.index_topk, n_rows)):
             rows = codecs.ckv.unpack(pages_gather(upd["ckv"], k, pages, top_idx))
-            o = attend_selected(q, keys, wmask, rows, top_idx >= 0, p["attn_sink"],
-                                impl=selected_attention_impl(opts.attention_impl, q))
+            o = _attend_rows(q, keys, wmask, rows, top_idx >= 0, p["attn_sink"], ctx, cfg, opts)
             return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), aux
         ckv = codecs.ckv.unpack(pages_read(upd["ckv"], k, pages))
         cmask = jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]  # [B,Q,T]
         cmask = cmask & _real_queries(inp, pos.shape[1])[..., None]
         if overlap:
             cmask = cmask & selected
-    o = attend(q, keys, wmask, ckv, cmask, p["attn_sink"])
+    o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg)
     return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), aux
 
 
@@ -309,15 +340,15 @@ def attention_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, carry: Car
             carry["selected_idx"], carry["selected"] = topk_select(scores, cfg.index_topk)
             if opts.collect:
                 aux.update(indexer_topk=carry["selected_idx"], indexer_scores=scores)
-        if use_selected_rows(opts.attention, q.shape[1], cfg.index_topk, stored.shape[1]):
+        if active_tile() or use_selected_rows(opts.attention, q.shape[1], cfg.index_topk, stored.shape[1]):
             idx = carry["selected_idx"]
-            o = attend_selected(q, keys, wmask, codecs.ckv.unpack(take_rows(stored, idx)), idx >= 0,
-                                p["attn_sink"], impl=selected_attention_impl(opts.attention_impl, q))
+            o = _attend_rows(q, keys, wmask, codecs.ckv.unpack(take_rows(stored, idx)), idx >= 0, p["attn_sink"],
+                             ctx, cfg, opts)
             return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), carry, aux
         ckv = codecs.ckv.unpack(stored)
         cmask = (jnp.arange(ckv.shape[1]) < visible[..., None]) & carry["selected"]
         cmask = cmask & _real_queries(inp, pos.shape[1])[..., None]
-    o = attend(q, keys, wmask, ckv, cmask, p["attn_sink"])
+    o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg)
     return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), carry, aux
 
 

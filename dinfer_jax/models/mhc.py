@@ -7,11 +7,15 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from dinfer_jax.models.invariant import active_tile, token_tiled
 from dinfer_jax.models.ops import F32
 
 
 def _normed_mix(streams: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
-    """``(x̄ · fnᵀ) · rsqrt(mean(x̄²) + eps)`` with x̄ the flattened streams ``[B,S,n·D]`` in fp32."""
+    """``(x̄ · fnᵀ) · rsqrt(mean(x̄²) + eps)`` with x̄ the flattened streams ``[B,S,n·D]`` in fp32 (batch-invariantly
+    over fixed tiles of tokens)."""
+    if active_tile():
+        return token_tiled(lambda t: _normed_mix(t, fn, norm_eps), streams, lead=streams.ndim - 2)
     flat = streams.reshape(*streams.shape[:-2], -1).astype(F32)
     flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
     return jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision=jax.lax.Precision.HIGHEST)

@@ -6,6 +6,8 @@ Expert implementations of the same function:
 * ``"ragged"``: tokens sorted by expert, grouped GEMM with ``jax.lax.ragged_dot``; work ∝ tokens·k.
 * ``"pallas"``: the Mosaic GPU kernel of ``pallas_kernels.moe`` (MXFP4 experts, bf16 activations, GPU only).
 * ``"auto"`` (default): ``"pallas"`` where it can run (see :func:`pallas_supported`), else ``"ragged"``.
+* batch-invariant tracing (:mod:`dinfer_jax.models.invariant`) replaces ``"auto"``/``"ragged"``/``"dense"``/``"pallas"``
+  by ``"dense"`` over fixed tiles of tokens.
 * ``"dense"``: every expert on every token, combined with a dense ``[N, E]`` weight matrix; work ∝ tokens·E. With
   experts sharded over the ``ep`` mesh axis each device computes its own experts and XLA reduces the sum; this is
   the mesh-friendly reference.
@@ -31,6 +33,7 @@ from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.eplb import ExpertMap
 from dinfer_jax.models.expert_ffn import combine_choices, expert_rows_ffn, grouped_expert_ffn, swiglu
 from dinfer_jax.models.expert_parallel import ep_experts, ep_experts_manual
+from dinfer_jax.models.invariant import active_tile, token_tiled
 from dinfer_jax.models.ops import F32, linear, matmul
 from dinfer_jax.models.qweights import QuantizedWeight, as_dense, is_quantized
 from sharding.rules import Sharder, constrain
@@ -148,7 +151,11 @@ def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg:
     tid = None if token_ids is None else token_ids.reshape(B * S)
     img = None if image_mask is None else image_mask.reshape(B * S)
     idx, w = route(p["gate"], xf, tid, cfg=cfg, hash_routed=hash_routed, top_k=top_k, image_mask=img)
-    if impl == "auto":
+    if active_tile() and impl not in EP_IMPLS and expert_map is None:
+        # batch-invariant: every expert on a fixed tile of tokens (work ∝ tokens · E), so a token's expert rows never
+        # depend on how many other tokens chose the same expert (the grouped GEMMs' shapes do)
+        impl = "invariant"
+    elif impl == "auto":
         impl = "pallas" if pallas_supported(p["experts"], xf.dtype) is None else "ragged"
     if expert_map is not None and impl not in EP_IMPLS:
         raise ValueError(f"an EPLB expert map needs an expert-parallel moe_impl ({tuple(EP_IMPLS)}), got {impl!r}")
@@ -166,6 +173,9 @@ def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg:
         y = y.reshape(B * S, D)
     elif impl == "dense":
         y = _experts_dense(p["experts"], xf, idx, w, cfg=cfg, sharder=sharder)
+    elif impl == "invariant":
+        y = token_tiled(lambda x, i, r: _experts_dense(p["experts"], x, i, r, cfg=cfg, sharder=None), xf, idx, w,
+                        lead=1)
     elif impl == "pallas":
         y = _experts_pallas(p["experts"], xf, idx, w, cfg=cfg)
     elif impl == "ragged":

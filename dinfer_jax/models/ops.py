@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax.models.config import YarnConfig
+from dinfer_jax.models.invariant import active_tile, token_tiled
 from dinfer_jax.models.qweights import QuantizedWeight, as_dense
 
 F32 = jnp.float32
@@ -39,7 +40,10 @@ def matmul(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
 
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight, out_dtype: jnp.dtype | None = None) -> jax.Array:
     """``x · wᵀ`` for a weight stored ``[out, in]`` (dense, or quantised and decoded here, inside the computation);
-    computed in ``x``'s dtype with fp32 accumulation."""
+    computed in ``x``'s dtype with fp32 accumulation. Batch-invariantly (:mod:`~dinfer_jax.models.invariant`)
+    over fixed tiles of rows."""
+    if active_tile() and x.ndim > 1:
+        return token_tiled(lambda t: linear(t, w, out_dtype), x, lead=x.ndim - 1)
     y = matmul("...i,oi->...o", x, as_dense(w, x.dtype))
     return y.astype(out_dtype or x.dtype)
 
@@ -57,6 +61,8 @@ def linear_fp32_input(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array
 
     Status: not yet used by the model's head. Its first version (bf16 round trips instead of ``reduce_precision``)
     measured 2e-4 relative error on the H200 (tests/test_head_gpu.py); this version has not run on a GPU yet."""
+    if active_tile() and x.ndim > 1:
+        return token_tiled(lambda t: linear_fp32_input(t, w), x, lead=x.ndim - 1)
     if isinstance(w, jax.Array) and w.dtype == jnp.bfloat16 and jax.default_backend() != "cpu":
         parts = jnp.einsum("k...i,oi->k...o", split_bf16x3(x), w, preferred_element_type=F32)
         return (parts[0] + parts[1]) + parts[2]
