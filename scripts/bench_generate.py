@@ -47,6 +47,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="comma-separated max_model_len values: compare tokens/s across them instead")
     ap.add_argument("--attention-modes", default=None,
                     help="comma-separated LLM(attention=...) modes: compare decode rates across them instead")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="compare LLM(batch_invariant=True) with the default engine (decode rate, prefill time)")
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="compare DSpark speculation (K drafts per verification) on the default model instead")
     return ap.parse_args(argv)
@@ -54,7 +56,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def bench_dinfer(model, prompts, max_tokens: int, async_scheduling: bool, repeats: int,
                  max_model_len: int | None = None, attention: str = "auto",
-                 chunk: int | None = None, decode_rate: bool = False) -> dict[str, float]:
+                 chunk: int | None = None, decode_rate: bool = False,
+                 batch_invariant: bool = False) -> dict[str, float]:
     from dinfer_jax import LLM, SamplingParams
     from dinfer_jax.engine.runner import Buckets
 
@@ -62,7 +65,7 @@ def bench_dinfer(model, prompts, max_tokens: int, async_scheduling: bool, repeat
     chunk = chunk or len(prompts[0])
     llm = LLM(model, max_num_seqs=B, max_model_len=max_model_len or len(prompts[0]) + max_tokens + 1,
               max_num_batched_tokens=B * chunk, async_scheduling=async_scheduling, progress=False,
-              attention=attention,
+              attention=attention, batch_invariant=batch_invariant,
               buckets=Buckets(decode_batch=(B,), prefill_batch=(B,), prefill_len=(chunk, B * chunk)))
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)  # warm the host paths too
@@ -173,6 +176,29 @@ def bench_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_batch_invariant(args: argparse.Namespace) -> int:
+    """Decode rate, prefill time and warm-up per model with ``LLM(batch_invariant=True)`` against the default
+    engine (async, greedy, fp32): what batch invariance costs."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"LLM on CPU, batch_invariant on/off: batch {args.batch}, prompt {args.prompt_len}, "
+                        f"{args.max_tokens} new tokens, greedy fp32, async (median of {args.repeats})")
+    for col in ("model", "batch_invariant", "decode tok/s", "vs off", "prefill s", "vs off", "warm-up s"):
+        table.add_column(col, justify="left" if col in ("model", "batch_invariant") else "right")
+    for name, _cfg, model, prompts in _models_and_prompts(args):
+        base = None
+        for inv in (False, True):
+            r = bench_dinfer(model, prompts, args.max_tokens, True, args.repeats, decode_rate=True,
+                             batch_invariant=inv)
+            base = base or r
+            table.add_row(name, "on" if inv else "off", f"{r['decode_tok_s']:.1f}",
+                          f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}×", f"{r['prefill_s']:.3f}",
+                          f"{r['prefill_s'] / base['prefill_s']:.2f}×", f"{r['warmup_s']:.1f}")
+    Console(width=140).print(table)
+    return 0
+
+
 def bench_speculative(args: argparse.Namespace) -> int:
     """Output tokens/s on the default model with and without DSpark speculation (greedy, identical outputs)."""
     from pathlib import Path
@@ -225,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_max_model_len(args)
     if args.attention_modes:
         return bench_attention(args)
+    if args.batch_invariant:
+        return bench_batch_invariant(args)
     from rich.console import Console
     from rich.table import Table
 
