@@ -60,7 +60,7 @@ def test_engine_logits_are_batch_invariant(v41):
     def gen(ids: list[int], chunk: int) -> dict[int, list]:
         llm.configure(max_num_batched_tokens=chunk)
         outs = llm.generate([prompts[i] for i in ids], [params[i] for i in ids], use_tqdm=False)
-        return {i: _vectors(o) for i, o in zip(ids, outs)}
+        return {i: _vectors(o) for i, o in zip(ids, outs, strict=True)}
 
     alone = {}
     for i in range(N_REQ):

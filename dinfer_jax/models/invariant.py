@@ -1,7 +1,8 @@
 """Batch-invariant computation: a row's results do not depend on the other rows of its step.
 
-``LLM(batch_invariant=True)`` (DeepInfer ``engine.md`` §6) asks that a request's logits be bitwise the same whether
-it runs alone or among any other requests, at any row of the batch, whatever the chunking of its prefill. XLA picks
+``LLM(batch_invariant=True)`` (DeepInfer, ``docs/spec/engine.md`` §6) asks that a request's logits be bitwise the
+same whether it runs alone or among any other requests, at any row of the batch, whatever the chunking of its
+prefill. XLA picks
 a contraction's algorithm from its operand shapes (measured on XLA:CPU: a ``[T, 256] · [256, 512]`` product gives
 a row different bits at T = 1, 2 and 64), and a step's shapes follow the batch. So in this mode every contraction
 a token takes part in runs at a shape fixed by the model alone:
