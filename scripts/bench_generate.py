@@ -49,6 +49,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="comma-separated LLM(attention=...) modes: compare decode rates across them instead")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="compare LLM(batch_invariant=True) with the default engine (decode rate, prefill time)")
+    ap.add_argument("--yoco", action="store_true",
+                    help="prefill tokens/s of long prompts with LLM(yoco=off / mask / compact) (V4.1 models)")
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="compare DSpark speculation (K drafts per verification) on the default model instead")
     return ap.parse_args(argv)
@@ -199,6 +201,47 @@ def bench_batch_invariant(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_yoco(args: argparse.Namespace) -> int:
+    """Prefill tokens/s (generate with one new token) of ``--batch`` prompts of ``--prompt-len`` tokens per V4.1
+    model with ``yoco`` off, mask and compact (keep 140; chunk buckets of 256 and ``--prompt-len`` tokens)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from dinfer_jax import LLM, SamplingParams
+    from dinfer_jax.engine.runner import Buckets
+
+    L, B = args.prompt_len, args.batch
+    table = Table(title=f"LLM prefill on CPU by YOCO mode: {B} prompts of {L} tokens, one new token, keep 140, "
+                        f"greedy fp32 (median of {args.repeats})")
+    for col in ("model", "yoco", "prefill tok/s", "vs off", "region-skipping steps", "same first tokens as mask"):
+        table.add_column(col, justify="left" if col in ("model", "yoco") else "right")
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for name, cfg, model, prompts in _models_and_prompts(args):
+        if not cfg.is_v41:
+            continue
+        base = ref = None
+        for mode in ("off", "mask", "compact"):
+            llm = LLM(model, max_num_seqs=B, max_model_len=L + 2, max_num_batched_tokens=L, progress=False,
+                      yoco=mode, yoco_keep=140,
+                      buckets=Buckets(decode_batch=(B,), prefill_batch=(1,), prefill_len=(min(256, L), L)))
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            before = llm.metrics()["yoco_skipped_steps"]
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+                times.append(time.perf_counter() - t0)
+            rate = B * L / statistics.median(times)
+            base = base or rate
+            toks = [o.token_ids for o in outs]
+            ref = toks if mode == "mask" else ref
+            skipped = (llm.metrics()["yoco_skipped_steps"] - before) / args.repeats
+            table.add_row(name, mode, f"{rate:.0f}", f"{rate / base:.2f}×", f"{skipped:.0f}",
+                          "—" if mode != "compact" else str(toks == ref))
+    Console(width=140).print(table)
+    return 0
+
+
 def bench_speculative(args: argparse.Namespace) -> int:
     """Output tokens/s on the default model with and without DSpark speculation (greedy, identical outputs)."""
     from pathlib import Path
@@ -253,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_attention(args)
     if args.batch_invariant:
         return bench_batch_invariant(args)
+    if args.yoco:
+        return bench_yoco(args)
     from rich.console import Console
     from rich.table import Table
 

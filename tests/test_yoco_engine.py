@@ -1,5 +1,5 @@
-"""The engine's V4.1 SWA bounded replay (``LLM(yoco="mask")``, DeepInfer's YOCO prefill truncation) against the
-full-sequence forward's YOCO modes: a request's first sampled token and its logprob equal the forward's
+"""The engine's V4.1 SWA bounded replay (``LLM(yoco="mask" | "compact")``, DeepInfer's YOCO prefill truncation)
+against the full-sequence forward's YOCO modes: a request's first sampled token and its logprob equal the forward's
 ``yoco="compact"`` result on the prompt (the forward's compact is its mask result, logits of the kept rows),
 whatever the chunking and scheduling; short prompts (≤ keep) are untouched; bad settings are refused by name."""
 
@@ -73,10 +73,48 @@ def test_mask_engine_first_token_equals_forward_compact_and_short_prompts_are_ex
         assert [o.token_ids for o in outs] == [o.token_ids for o in results["async+chunked"]], name
 
 
+def test_compact_engine_skips_the_region_below_the_floor_and_equals_forward_compact(model):
+    """``yoco="compact"``: a prompt's kept suffix is its own chunk and the chunks below it run the YOCO region's
+    KV sources only; first token and logprob equal the full forward's ``compact`` result (as ``mask``), greedy
+    continuations equal those of ``yoco="mask"``, short prompts are exact."""
+    cfg = model.config
+    rng = np.random.default_rng(7)
+    lengths = [12, 45, 90, 100]
+    prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, n)] for n in lengths]
+    kw = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64, progress=False, max_logprobs=1,
+              buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(64,), pages=(8,)),
+              yoco_keep=KEEP)
+    sp = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    compact = LLM(model, yoco="compact", **kw)
+    compiled = compact.metrics()["compilations"]
+    outs = compact.generate(prompts, sp, use_tqdm=False)
+    alone = [compact.generate([p], sp, use_tqdm=False)[0] for p in prompts]
+    drawn = compact.generate(prompts, SamplingParams(temperature=1.0, max_tokens=1, logprobs=1, seq_seed=11),
+                             use_tqdm=False)
+    m = compact.metrics()
+    assert m["compilations"] == compiled, "compiled outside warm-up"
+    # every prompt longer than KEEP prefilled its kept-out part in region-skipping steps (3 long prompts, 3 runs)
+    assert m["yoco_skipped_steps"] >= 9
+    mask = LLM(model, yoco="mask", **kw)
+    want = mask.generate(prompts, sp, use_tqdm=False)
+    for i, p in enumerate(prompts):
+        ref = np.asarray(run(model, np.asarray([p]), yoco="compact", yoco_keep=KEEP).logits)[0, -1]
+        assert outs[i].token_ids[0] == alone[i].token_ids[0] == int(ref.argmax()), f"prompt {i}: first token"
+        tok = drawn[i].token_ids[0]
+        assert drawn[i].logprobs[0]["logprob"] == pytest.approx(float(_log_softmax(ref)[tok]), abs=1e-4)
+        assert outs[i].token_ids == alone[i].token_ids == want[i].token_ids, f"prompt {i}: continuation"
+
+
 def test_bad_yoco_settings_are_refused(model):
     kw = dict(max_num_seqs=2, max_model_len=64, warmup=False, progress=False, kv_cache_memory_bytes=8 << 20)
-    with pytest.raises(ValueError, match="'compact'.*not built"):
-        LLM(model, yoco="compact", **kw)
+    with pytest.raises(ValueError, match="needs enable_chunked_prefill"):
+        LLM(model, yoco="compact", enable_chunked_prefill=False, **kw)
+    llm = LLM(model, yoco="compact", **kw)
+    with pytest.raises(ValueError, match="needs enable_chunked_prefill"):
+        llm.configure(enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="not combined with speculative"):
+        LLM(random_model(load_config("tiny-v41"), seed=3), yoco="compact", speculative="dspark",
+            num_speculative_tokens=2, **kw)
     with pytest.raises(ValueError, match="yoco must be"):
         LLM(model, yoco="on", **kw)
     with pytest.raises(ValueError, match=r"yoco_keep=8 .*sliding window \(16\)"):

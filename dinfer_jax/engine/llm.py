@@ -169,20 +169,24 @@ def _check_speculative(model: Model, speculative: str | None, k: int) -> str | N
     return speculative
 
 
-def _check_yoco(cfg: Any, yoco: str, keep: Any, num_speculative_tokens: int, one_device: bool) -> int | None:
-    """The engine's YOCO keep (None when ``yoco="off"``); ValueError for a mode the engine does not run, a DP
-    layout, a V4 model, or a keep that does not cover the sliding window plus the speculative backtracking
-    (``docs/spec/engine.md`` §12.2's invariant)."""
-    if yoco not in ("off", "mask"):
-        raise ValueError(f"yoco must be 'off' or 'mask', got {yoco!r}" + (
-            " ('compact', the consumer layers on the kept rows only, is not built in the engine; 'mask' gives "
-            "its first tokens)" if yoco == "compact" else ""))
+def _check_yoco(cfg: Any, yoco: str, keep: Any, num_speculative_tokens: int, one_device: bool,
+                chunked_prefill: bool = True) -> int | None:
+    """The engine's YOCO keep (None when ``yoco="off"``); ValueError for an unknown mode, a DP layout, a V4 model, a
+    keep that does not cover the sliding window plus the speculative backtracking (``docs/spec/engine.md`` §12.2's
+    invariant), and for ``"compact"`` speculative decoding or unchunked prefill."""
+    if yoco not in ("off", "mask", "compact"):
+        raise ValueError(f"yoco must be 'off', 'mask' or 'compact', got {yoco!r}")
     if yoco == "off":
         return None
     if not one_device:
-        raise ValueError("yoco='mask' runs on the one-device engine only (dp_size = cp_size = ep_size = 1)")
+        raise ValueError(f"yoco={yoco!r} runs on the one-device engine only (dp_size = cp_size = ep_size = 1)")
     if not cfg.is_v41:
-        raise ValueError("yoco='mask' is V4.1's prefill truncation; V4 models have no YOCO layers")
+        raise ValueError(f"yoco={yoco!r} is V4.1's prefill truncation; V4 models have no YOCO layers")
+    if yoco == "compact" and num_speculative_tokens:
+        raise ValueError("yoco='compact' is not combined with speculative decoding (the drafter reads the YOCO "
+                         "layers' hidden states of every prompt row); use yoco='mask'")
+    if yoco == "compact" and not chunked_prefill:
+        raise ValueError("yoco='compact' needs enable_chunked_prefill=True (a prompt's kept suffix is its own chunk)")
     backtrack = num_speculative_tokens + 1 if num_speculative_tokens else 0
     if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < cfg.sliding_window + backtrack:
         raise ValueError(f"yoco_keep={keep!r} must be an int covering the sliding window ({cfg.sliding_window}) plus "
@@ -272,12 +276,13 @@ class LLM:
             (``docs/perf/serving_h200.md``). Checked at start (ValueError naming an option XLA rejects); default:
             XLA's own.
         yoco / yoco_keep: V4.1 SWA bounded replay (DeepInfer's YOCO prefill truncation, ``docs/yoco.md``):
-            ``"off"`` (default, exact) or ``"mask"``: from the first YOCO layer on, the window keys a prefill sees
+            ``"off"`` (default, exact), ``"mask"``: from the first YOCO layer on, the window keys a prefill sees
             are cut to the last ``yoco_keep`` tokens of the sequence's prefill (chunked or not), so a request's
-            first token is the full forward's ``yoco="compact"`` one on its prompt (decode then runs as usual).
-            ``"compact"`` (running those layers on the kept rows only, the prefill speed-up) is not built in the
-            engine. ``yoco_keep`` must cover the window plus the
-            speculative backtracking; one-device engine only.
+            first token is the full forward's ``yoco="compact"`` one on its prompt (decode then runs as usual); or
+            ``"compact"``: the same values, with the YOCO layers run on the kept rows only (a prompt's kept suffix
+            is its own prefill chunk; before it those layers only write their KV sources' compressed rows): the
+            prefill speed-up. ``yoco_keep`` must cover the window plus the speculative backtracking; one-device
+            engine only; ``"compact"`` without speculative decoding.
         batch_invariant: ``True``: a request's logits (hence logprobs and seeded samples) are bitwise the same
             whatever else is in its batch, its row in it and how its prompt is chunked (DeepInfer's batch-invariant
             inference; ``docs/batch_invariance.md``): every product runs at fixed shapes (tiles of 16 token rows,
@@ -327,7 +332,9 @@ class LLM:
                              f"ep_size = 1), got dp_size={dp_size}, cp_size={cp_size}, ep_size={ep_size}")
         k = int(num_speculative_tokens) if speculative else 0
         self.num_speculative_tokens = k
-        self.yoco_keep = _check_yoco(cfg, yoco, yoco_keep, k, (dp_size, cp_size, ep_size) == (1, 1, 1))
+        self.yoco_keep = _check_yoco(cfg, yoco, yoco_keep, k, (dp_size, cp_size, ep_size) == (1, 1, 1),
+                                     enable_chunked_prefill)
+        self.yoco = yoco
         self.batch_invariant_tile = _check_batch_invariant(batch_invariant, self.speculative,
                                                            (dp_size, cp_size, ep_size) == (1, 1, 1))
         if self.batch_invariant_tile and jax.default_backend() == "cpu":
@@ -368,7 +375,8 @@ class LLM:
                                             preemption_mode=preemption_mode,
                                             max_prefill_seqs=max(self.buckets.prefill_batch),
                                             cp_align=2 * cp_size if cp_size > 1 else 1,
-                                            num_speculative_tokens=k)
+                                            num_speculative_tokens=k,
+                                            yoco_split_keep=self.yoco_keep if yoco == "compact" else 0)
         self.cache_config = cache_cfg
         self.async_scheduling = async_scheduling
         if (dp_size, cp_size, ep_size) == (1, 1, 1):
@@ -379,7 +387,8 @@ class LLM:
                                                                    engram_tables=engram_tables,
                                                                    compiler_options=options,
                                                                    yoco_keep=self.yoco_keep,
-                                                                   batch_invariant=self.batch_invariant_tile)
+                                                                   batch_invariant=self.batch_invariant_tile,
+                                                                   yoco_compact=yoco == "compact")
             self.model = self.runner.model   # the scan-layout weights: no second copy held by the engine
         else:
             self.runner = DPModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, self.parallel,
@@ -450,6 +459,9 @@ class LLM:
         if "max_num_batched_tokens" in changes and changes["max_num_batched_tokens"] > max(self.buckets.prefill_len):
             raise ValueError(f"max_num_batched_tokens {changes['max_num_batched_tokens']} exceeds the largest compiled "
                              f"prefill bucket {max(self.buckets.prefill_len)}")
+        if changes.get("enable_chunked_prefill") is False and self.yoco == "compact":
+            raise ValueError("yoco='compact' needs enable_chunked_prefill=True (a prompt's kept suffix is its own "
+                             "chunk)")
         if changes:
             self.sched_config = dataclasses.replace(self.sched_config, **changes)
 
@@ -489,6 +501,7 @@ class LLM:
         m.update(structured_requests=so.requests, structured_failed=so.failed,
                  structured_mask_seconds=so.mask_seconds, structured_build_wait_seconds=so.build_wait_seconds)
         m["host_launch_seconds"] = getattr(self.runner, "launch_seconds", 0.0)
+        m["yoco_skipped_steps"] = getattr(self.runner, "yoco_skip_steps", 0)
         busy = m["generate_seconds"]
         m["device_wait_fraction"] = m["device_waited_for_host_seconds"] / busy if busy else 0.0
         m["output_tokens_per_second"] = m["output_tokens"] / busy if busy else 0.0

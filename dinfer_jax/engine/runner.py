@@ -78,9 +78,14 @@ class ModelRunner:
     def __init__(self, model: Model, cache_config: CacheConfig, max_model_len: int, buckets: Buckets,
                  max_logprobs: int = 0, speculative: str | None = None, num_speculative_tokens: int = 0,
                  attention: str = "auto", engram_tables: str = "device", compiler_options: CompilerOptions = (),
-                 yoco_keep: int | None = None, batch_invariant: int = 0):
+                 yoco_keep: int | None = None, batch_invariant: int = 0, yoco_compact: bool = False):
         self.cfg = model.config
-        self.yoco_keep = yoco_keep  # V4.1 yoco="mask": rows carry their window floor (fill_step_inputs)
+        self.yoco_keep = yoco_keep  # V4.1 yoco="mask"/"compact": rows carry their window floor (fill_step_inputs)
+        if yoco_compact and yoco_keep is None:
+            raise ValueError("yoco_compact needs yoco_keep")
+        # yoco="compact": prefill steps whose rows all lie below their floor run the YOCO region's sources only
+        self.yoco_compact = yoco_compact
+        self.yoco_skip_steps = 0  # prefill steps that ran so (LLM.metrics()["yoco_skipped_steps"])
         self._programs = step_programs(compiler_options)
         self.cache_config = cache_config
         self.max_pages = math.ceil(max_model_len / cache_config.block_size)
@@ -128,22 +133,25 @@ class ModelRunner:
         t0 = time.perf_counter()
         shapes = list(self.buckets.shapes())
         n_decode = len(self.buckets.decode_batch) * len(self.buckets.pages)  # shapes() lists decode first
+        # (shape, decode, yoco_skip) of every model program: yoco="compact" adds each prefill shape's skip variant
+        programs = [(shape, idx < n_decode, False) for idx, shape in enumerate(shapes)]
+        programs += [(shape, False, True) for shape in shapes[n_decode:] if self.yoco_compact]
         samplers = [] if self.spec is not None else [  # the speculative step samples inside its own program
             (b, *variant) for b in sorted({b for b, _, _ in shapes}) for variant in SAMPLER_VARIANTS]
         threads = default_compile_threads() if compile_threads is None else compile_threads
-        with PhaseProgress("compile buckets", len(shapes) + len(samplers), enabled=progress) as bar:
+        with PhaseProgress("compile buckets", len(programs) + len(samplers), enabled=progress) as bar:
             if threads > 1:
-                jobs = [functools.partial(self._lower_step, shape, idx < n_decode) for idx, shape in enumerate(shapes)]
+                jobs = [functools.partial(self._lower_step, *prog) for prog in programs]
                 jobs += [functools.partial(self._lower_sampler, *s) for s in samplers]
                 compile_all([lambda j=j: j().compile() for j in jobs], threads, on_done=bar.advance)
-            for idx, (b, q, p) in enumerate(shapes):
+            for (b, q, p), decode, skip in programs:
                 if self.spec is not None:
                     inp, feed = self._empty_inputs(b, q, p)
-                    toks = self._call_spec(inp, feed, self._sampling([], [], [], b), (b, q, p), idx < n_decode,
+                    toks = self._call_spec(inp, feed, self._sampling([], [], [], b), (b, q, p), decode,
                                            *self._spec_extra(b))[0]
                 else:
                     toks, _, self.cache = self._call(*self._empty_inputs(b, q, p), self._sampling([], [], [], b),
-                                                     (b, q, p))
+                                                     (b, q, p), skip)
                 toks.block_until_ready()
                 if threads <= 1:
                     bar.advance()
@@ -153,14 +161,17 @@ class ModelRunner:
                     bar.advance()
         return time.perf_counter() - t0
 
-    def _lower_step(self, shape: tuple[int, int, int], decode: bool) -> Any:
+    def _lower_step(self, shape: tuple[int, int, int], decode: bool, yoco_skip: bool = False) -> Any:
         """The lowered model program of bucket ``shape`` (as :meth:`_call` / :meth:`_call_spec` will run it)."""
         b, q, p = shape
         inp, feed = self._empty_inputs(b, q, p)
         if self.spec is not None:
             args, kw = self._spec_args(inp, feed, self._sampling([], [], [], b), decode, *self._spec_extra(b))
             return self._programs.step_spec.lower(*args, **kw)
-        return self._programs.forward.lower(*self._forward_args(inp, feed), **self._forward_static)
+        return self._programs.forward.lower(*self._forward_args(inp, feed), **self._forward_kw(yoco_skip))
+
+    def _forward_kw(self, yoco_skip: bool) -> dict[str, Any]:
+        return {**self._forward_static, "yoco_skip": True} if yoco_skip else self._forward_static
 
     def _forward_args(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray]) -> tuple[Any, ...]:
         """Positional arguments of the model program (``StepPrograms.forward``) for one step's host inputs."""
@@ -204,15 +215,16 @@ class ModelRunner:
         return self._programs.sample.lower(*self._sampler_args(b, use_filters, all_greedy), max_rows=self.max_rows)
 
     def _call(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: SamplingTensors,
-              shape: tuple[int, int, int]):
-        logits, cache = self._forward(inp, feed, shape)
+              shape: tuple[int, int, int], yoco_skip: bool = False):
+        logits, cache = self._forward(inp, feed, shape, yoco_skip)
         toks, logprobs = self._sample(logits, samp, self.full_mask(shape[0]))
         return toks, logprobs, cache
 
     def _forward(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray],
-                 shape: tuple[int, int, int]) -> tuple[jax.Array, Any]:
-        with _CompileCounter(self, self._programs.forward, shape):
-            return self._programs.forward(*self._forward_args(inp, feed), **self._forward_static)
+                 shape: tuple[int, int, int], yoco_skip: bool = False) -> tuple[jax.Array, Any]:
+        key = (*shape, "yoco_skip") if yoco_skip else shape
+        with _CompileCounter(self, self._programs.forward, key):
+            return self._programs.forward(*self._forward_args(inp, feed), **self._forward_kw(yoco_skip))
 
     def _sample(self, logits: jax.Array, samp: SamplingTensors, token_mask: Any) -> tuple[jax.Array, Any]:
         key = (logits.shape[0], samp.use_filters, samp.all_greedy)
@@ -285,8 +297,13 @@ class ModelRunner:
             first = toks[:, 0] if decode else toks
             self._prev_tokens, self._prev_step_id = first, step.step_id
             return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p), nacc if decode else None)
+        # yoco="compact": no row reaches its kept suffix [prefill_len − keep, prefill_len) (the scheduler cuts a
+        # prompt's chunks at that floor), so the YOCO region only writes its sources' rows
+        skip = self.yoco_compact and step.kind == "prefill" and all(
+            r.start_pos + r.num_tokens <= r.seq.prefill_len - self.yoco_keep for r in rows)
+        self.yoco_skip_steps += skip
         t0 = time.perf_counter()
-        logits, self.cache = self._forward(inp, feed, (b, q, p))
+        logits, self.cache = self._forward(inp, feed, (b, q, p), skip)
         self.launch_seconds += time.perf_counter() - t0
         out = StepOutput(step, None, None, time.perf_counter(), (b, q, p), pending=(logits, sampling))
         if not defer_sample:
@@ -384,15 +401,16 @@ def fill_step_inputs(step: ScheduledStep, b: int, q: int, p: int, block_size: in
 def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, engram: Any, *,
                     cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, ep_manual: int = 0, cp_manual: int = 0,
                     copies_manual: int = 1, attention: str = "auto", count_experts: bool = False,
-                    batch_invariant: int = 0) -> tuple[Any, ...]:
+                    batch_invariant: int = 0, yoco_skip: bool = False) -> tuple[Any, ...]:
     """Traced model part of a step: resolve in-flight inputs on device, run the model. Returns ``(logits [B, V]
     fp32 at each row's last token, cache)``, plus the expert loads ``[L, E]`` with ``count_experts``.
-    ``batch_invariant``: token rows per fixed-shape product (0: off; :mod:`dinfer_jax.models.invariant`)."""
+    ``batch_invariant``: token rows per fixed-shape product (0: off; :mod:`dinfer_jax.models.invariant`).
+    ``yoco_skip``: a V4.1 ``yoco="compact"`` prefill step of kept-out rows (:func:`model_step`)."""
     first = jnp.where(feed.use_prev, prev_tokens[feed.prev_row], inp.tokens[:, 0])
     inp = dataclasses.replace(inp, tokens=inp.tokens.at[:, 0].set(first))
     return model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn, engram=engram,
                       ep_manual=ep_manual, cp_manual=cp_manual, copies_manual=copies_manual, attention=attention,
-                      count_experts=count_experts, batch_invariant=batch_invariant)
+                      count_experts=count_experts, batch_invariant=batch_invariant, yoco_skip=yoco_skip)
 
 
 def _device_sample(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Array | None = None, *,
@@ -490,7 +508,7 @@ _STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "max_rows", "attention")
 # host-decided variant: SamplingTensors.use_filters / all_greedy), so the sampler's variants cost small compiles
 # and the model step holds no data-dependent conditional (docs/perf/serving_h200.md).
 _FORWARD_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "ep_manual", "cp_manual", "copies_manual", "attention",
-                   "batch_invariant")
+                   "batch_invariant", "yoco_skip")
 # the sampler variants every warm-up compiles, (use_filters, all_greedy): all rows greedy (argmax only), or some row
 # draws (filters on, skipped on the device when no row filters: that variant syncs with the host for its draw anyway)
 SAMPLER_VARIANTS = ((False, True), (True, False))

@@ -80,6 +80,8 @@ class SchedulerConfig:
         and process_step takes the row's emitted run (a list of ints). A sequence with a row in flight is not
         scheduled (its next position depends on how many drafts that row accepts), so under the asynchronous loop
         each sequence verifies every other step; DeepInfer's on-device position correction is not ported.
+    yoco_split_keep: k > 0 (V4.1 ``yoco="compact"``): a prefill chunk never straddles a sequence's kept suffix
+        ``[prefill_len − k, prefill_len)``, so a step's rows lie either all below it or reach into it.
     """
 
     max_num_seqs: int
@@ -94,6 +96,7 @@ class SchedulerConfig:
     max_prefill_seqs: int | None = None
     cp_align: int = 1
     num_speculative_tokens: int = 0  # drafts verified per decode row (0: no speculative decoding); sync loop only
+    yoco_split_keep: int = 0
 
     def __post_init__(self) -> None:
         if self.max_prefill_seqs is None:
@@ -372,7 +375,8 @@ class Scheduler:
         assert len(self.prefilling) <= 1
         if self.prefilling:
             seq = self.prefilling[0]
-            n = self._chunk_len(seq.prefill_len - seq.num_computed_tokens, budget)
+            n = self._split_at_floor(seq.prefill_len, seq.num_computed_tokens,
+                                     self._chunk_len(seq.prefill_len - seq.num_computed_tokens, budget))
             rows.append(self._prefill_row(seq, n))
             budget -= self._charge(n)
             if seq.is_prefilling:
@@ -400,7 +404,7 @@ class Scheduler:
                     self._finish(seq, "error", f"request {seq.request_id!r}: prompt of {plen} tokens can never be "
                                  f"scheduled ({need} blocks needed, {bm.capacity} usable)")
                 continue
-            n = self._chunk_len(plen, budget)
+            n = self._split_at_floor(plen, 0, self._chunk_len(plen, budget))
             if n == 0 or (not cfg.enable_chunked_prefill and n < plen):
                 break  # no room for an aligned chunk / the whole prompt next step
             if bm.num_free < need or slots.num_free < 1:
@@ -427,6 +431,14 @@ class Scheduler:
         a = self.config.cp_align
         room = max(budget, 0) // a * a
         return remaining if remaining <= room else room
+
+    def _split_at_floor(self, prefill_len: int, start: int, n: int) -> int:
+        """``n`` cut so that a chunk from ``start`` ends at the kept suffix's floor when it would cross it
+        (``yoco_split_keep``)."""
+        floor = prefill_len - self.config.yoco_split_keep
+        if self.config.yoco_split_keep and start < floor < start + n:
+            return floor - start
+        return n
 
     def _charge(self, n: int) -> int:
         """Budget a row of ``n`` tokens uses: ``n`` rounded up to ``cp_align``."""

@@ -81,6 +81,9 @@ class LayerOptions:
     attention_impl: str = "auto"
     # every MoE sublayer reports aux["expert_loads"] [E] int32: this step's real tokens per logical expert (EPLB)
     count_experts: bool = False
+    # V4.1 YOCO "compact" on a prefill step whose rows all lie below their kept suffix: the YOCO region only writes
+    # its KV sources' compressed rows (layer_v41_region_sources); attention, MoE and window rings are skipped
+    yoco_skip: bool = False
 
 
 class StepContext(NamedTuple):
@@ -415,13 +418,42 @@ def _moe(p: Any, x: jax.Array, token_ids: jax.Array | None, image_mask: jax.Arra
     return y, {**aux, **counted}
 
 
+def layer_v41_region_sources(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Array,
+                             ctx: StepContext, *, cfg: ModelConfig,
+                             info: LayerInfo) -> tuple[Carry, LayerCache, dict[str, jax.Array]]:
+    """A YOCO-region layer on kept-out prefill rows (``yoco="compact"``): only what the kept rows will read later —
+    a KV source's compressed rows (and index keys) written to its pages, computed exactly as :func:`attention_v41`
+    does from the layer's input; nothing else (no window-ring slots, no attention, no MoE; streams unchanged)."""
+    if not (info.ratio > 0 and info.kv_source):
+        return carry, lc, {}
+    inp = ctx.inp
+    streams = carry["streams"]
+    if info.engram:
+        rows = ctx.engram[ctx.engram_index[layer]]
+        streams = engram_gate(streams, rows, p["engram"], norm_eps=cfg.norm_eps, image_mask=inp.image_mask)
+    h = rms_norm(hc_collapse(streams, carry["premix"]), p["attn_norm"], cfg.norm_eps)
+    ap = p["attn"]
+    inv, _ = ctx.ropes[True]
+    codecs = cache_codecs(cfg, h.dtype)
+    latent, w, valid, upd = compress_v41(ap["compressor"], h, lc, k, inp, ratio=info.ratio)
+    kvc, kidx, kvc_pre, kidx_pre = source_rows(ap, latent, w * info.ratio, cfg=cfg, dtype=h.dtype, inv_freq=inv,
+                                               has_index_k=info.has_index_k)
+    upd["ckv"] = pages_write(lc.ckv, k, inp.pages, w, valid, codecs.ckv.pack(kvc_pre if codecs.packed else kvc))
+    if info.has_index_k:
+        upd["ik"] = pages_write(lc.ik, k, inp.pages, w, valid, codecs.ik.pack(kidx_pre if codecs.packed else kidx))
+    return carry, dataclasses.replace(lc, **upd), {}
+
+
 def layer_v41(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Array, ctx: StepContext, *,
               cfg: ModelConfig, info: LayerInfo,
               opts: LayerOptions) -> tuple[Carry, LayerCache, dict[str, jax.Array]]:
     """One V4.1 block with shifted mHC: Engram gate (Engram layers), attention, MoE. ``carry`` holds ``streams``
     ``[B,Q,n,D]``, ``premix`` ``[B,Q,n]`` (the previous FFN site's pre) and the cross-layer source values.
     ``layer`` (absolute index, possibly traced) picks the Engram rows. Returns ``(carry, cache, aux)``; aux has
-    ``dspark_feature [B,Q,D]`` (mean attention-input stream) on DSpark target layers."""
+    ``dspark_feature [B,Q,D]`` (mean attention-input stream) on DSpark target layers. With ``opts.yoco_skip`` a
+    YOCO-region layer runs :func:`layer_v41_region_sources` instead."""
+    if opts.yoco_skip and info.yoco_region:
+        return layer_v41_region_sources(p, carry, lc, k, layer, ctx, cfg=cfg, info=info)
     hc_kw = _hc_kw(cfg)
     inp = ctx.inp
     streams, premix = carry["streams"], carry["premix"]
