@@ -195,7 +195,8 @@ def _check_yoco(cfg: Any, yoco: str, keep: Any, num_speculative_tokens: int, one
 
 
 def _check_batch_invariant(batch_invariant: Any, speculative: str | None, one_device: bool) -> int:
-    """The engine's batch-invariant tile (0: off); ValueError for a non-bool, speculative decoding or a DP layout."""
+    """The engine's batch-invariant tile (0: off); ValueError for a non-bool, speculative decoding (any requested
+    method) or a DP layout."""
     if not isinstance(batch_invariant, (bool, np.bool_)):
         raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
     if not batch_invariant:
@@ -314,6 +315,9 @@ class LLM:
         if engram_tables == "host" and (dp_size, cp_size, ep_size) != (1, 1, 1):
             raise ValueError("engram_tables='host' runs on the one-device engine only; the DP engines keep the "
                              "tables in every device's memory ('device')")
+        # settings checked before anything is built or any device is asked for
+        self.batch_invariant_tile = _check_batch_invariant(batch_invariant, speculative,
+                                                           (dp_size, cp_size, ep_size) == (1, 1, 1))
         self.parallel = parallel_layout(dp_size, cp_size, ep_size)
         self.dp_size = dp_size
         self.model, self.path = _resolve_model(model, dtype, seed, progress)
@@ -335,8 +339,6 @@ class LLM:
         self.yoco_keep = _check_yoco(cfg, yoco, yoco_keep, k, (dp_size, cp_size, ep_size) == (1, 1, 1),
                                      enable_chunked_prefill)
         self.yoco = yoco
-        self.batch_invariant_tile = _check_batch_invariant(batch_invariant, self.speculative,
-                                                           (dp_size, cp_size, ep_size) == (1, 1, 1))
         if self.batch_invariant_tile and jax.default_backend() == "cpu":
             options = compiler_options_key({**dict(options), **CPU_INVARIANT_OPTIONS})
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 4096))

@@ -1,0 +1,138 @@
+"""Which of the model's operations give a row the same bits whatever the other rows (batch invariance), on the
+current backend.
+
+Each probe runs one operation on ``T`` rows for several ``T`` (and row positions), with one fixed row planted at
+the last position, and reports whether that row's output is bitwise the same at every ``T``; then the serving step
+of the tiny models (``model_step``) for one prompt alone and inside other batches, with the batch-invariant
+tracing (:mod:`dinfer_jax.models.invariant`) and without it. Used to find what breaks invariance on a backend
+(``docs/batch_invariance.md``)::
+
+    python3 scripts/probe_invariance.py [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dinfer_jax.models import load_config, mhc, ops, random_model  # noqa: E402
+from dinfer_jax.models.attention_invariant import _attend_tile, index_dots_invariant  # noqa: E402
+from dinfer_jax.models.invariant import CPU_INVARIANT_OPTIONS, DEFAULT_TILE, batch_invariant, token_tiled  # noqa: E402
+from dinfer_jax.models.moe import moe  # noqa: E402
+
+TS = (1, 2, 5, 16, 17, 40, 100)
+
+
+def _row_stable(fn, make, tile: int) -> tuple[bool, float]:
+    """(bitwise equal at every T, largest difference) of the last row's output, a fixed input row."""
+    def traced(x):
+        with batch_invariant(tile):
+            return fn(x)
+
+    opts = CPU_INVARIANT_OPTIONS if tile and jax.default_backend() == "cpu" else None
+    f = jax.jit(traced, compiler_options=opts)
+    fixed = make(1)
+    base, worst = None, 0.0
+    for t in TS:
+        x = make(t).at[t - 1].set(fixed[0])
+        y = np.asarray(f(x))[t - 1]
+        if base is None:
+            base = y
+        else:
+            worst = max(worst, float(np.abs(y - base).max()))
+    return worst == 0.0, worst
+
+
+def op_probes(tile: int) -> dict[str, tuple[bool, float]]:
+    rng = np.random.default_rng(0)
+
+    def normal(*shape):
+        return lambda t: jnp.asarray(rng.standard_normal((t, *shape)), jnp.float32)
+
+    w = jnp.asarray(rng.standard_normal((512, 256)), jnp.float32)
+    site = {"fn": jnp.asarray(rng.standard_normal((24, 4 * 64)), jnp.float32),
+            "base": jnp.asarray(rng.standard_normal(24), jnp.float32),
+            "scale": jnp.asarray(rng.standard_normal(3), jnp.float32)}
+    cfg = load_config("tiny-v4")
+    ffn = random_model(cfg, seed=3, include_mtp=False).params["layers"][5]["ffn"]
+    H, d, W = 4, 32, 8
+    sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
+
+    def attend(x):
+        t = x.shape[0]
+        q, wr, wv = x[:, :H * d].reshape(t, H, d), x[:, H * d:(H + W) * d].reshape(t, W, d), x[:, -W:] > 0
+        if tile:
+            return token_tiled(lambda a, b, c: _attend_tile(a, b, c, None, None, sink), q, wr, wv, lead=1)
+        return _attend_tile(q, wr, wv, None, None, sink)
+
+    keys = jnp.asarray(rng.standard_normal((1, 100, 32)), jnp.float32)
+
+    def index(x):
+        q, wt = x[:, :4 * 32].reshape(-1, 4, 32), x[:, 4 * 32:]
+        if tile:
+            return index_dots_invariant(q[None], wt[None], keys)[0]
+        dots = jnp.einsum("shd,td->sht", q, keys[0], precision=jax.lax.Precision.HIGHEST)
+        return jnp.einsum("sht,sh->st", jax.nn.relu(dots), wt, precision=jax.lax.Precision.HIGHEST)
+
+    probes = {
+        "linear [T,256]·[256,512]": (lambda x: ops.linear(x, w), normal(256)),
+        "rms_norm [T,64]": (lambda x: ops.rms_norm(x, None, 1e-6), normal(64)),
+        "softmax [T,64]": (lambda x: jax.nn.softmax(x, -1), normal(64)),
+        "exp, cos (elementwise)": (lambda x: jnp.exp(x) + jnp.cos(x), normal(64)),
+        "mHC mixes + Sinkhorn": (lambda x: mhc.hc_pre(x[:, None], site, hc_mult=4, sinkhorn_iters=20, hc_eps=1e-6,
+                                                      norm_eps=1e-6)[0][:, 0], normal(4, 64)),
+        "attention block (online softmax)": (attend, normal(H * d + W * d + W)),
+        "indexer scores (100 keys)": (index, normal(4 * 32 + 4)),
+        "MoE (tiny V4 layer)": (lambda x: moe(ffn, x[None], None, cfg=cfg, hash_routed=False)[0][0],
+                                normal(cfg.hidden_size)),
+    }
+    return {name: _row_stable(fn, make, tile) for name, (fn, make) in probes.items()}
+
+
+def step_probe(name: str, tile: int) -> tuple[bool, float]:
+    """One prompt's logits through the serving step alone and at other rows of other batches (tests'
+    ``_step_rows``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_batch_invariance import _step_rows
+
+    rows = _step_rows(name, tile, [(1, 16, 0, 2, 0), (4, 32, 2, 4, 30), (8, 16, 7, 4, 16)])
+    worst = max(float(np.abs(lg - rows[0][0]).max()) for lg, _ in rows[1:])
+    return worst == 0.0, worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--no-step", action="store_true", help="skip the model-step probes")
+    args = ap.parse_args(argv)
+    results = {}
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; T in {TS}")
+    print(f"{'probe':<38} {'default':>22} {'batch-invariant':>22}")
+    default, invariant = op_probes(0), op_probes(DEFAULT_TILE)
+    rows = [(k, default[k], invariant[k]) for k in default]
+    if not args.no_step:
+        for name in ("tiny-v4", "tiny-v41"):
+            rows.append((f"serving step, {name}", step_probe(name, 0), step_probe(name, DEFAULT_TILE)))
+    for key, a, b in rows:
+        fmt = functools.partial("{}: {:.1e}".format)
+        da, db = fmt("same" if a[0] else "DIFFERS", a[1]), fmt("same" if b[0] else "DIFFERS", b[1])
+        print(f"{key:<38} {da:>22} {db:>22}")
+        results[key] = {"default": {"invariant": a[0], "max_diff": a[1]},
+                        "batch_invariant": {"invariant": b[0], "max_diff": b[1]}}
+    if args.out:
+        args.out.write_text(json.dumps({"backend": jax.default_backend(), "jax": jax.__version__,
+                                        "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
