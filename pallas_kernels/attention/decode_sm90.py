@@ -14,7 +14,10 @@ Contract (the same as :func:`pallas_kernels.attention.reference.sparse_decode_at
     P is rounded to bf16 before the P·V product (fp32 accumulation); o is rounded to bf16. A query with no valid row
     gets o = 0 (all its mass is on the sink).
 
-Organisation (one kernel launch, no combine step):
+Two organisations, chosen by ``sparse_decode_attention(..., organisation=...)``: ``"split_cta"`` (the default, the
+one measured on the H200) and ``"shared_qk"`` (below it; not yet run on a GPU).
+
+Organisation ``split_cta`` (one kernel launch, no combine step):
 
 * Grid ``(v_split, H / 64, N)``, one CTA per (column split of d, block of 64 heads, query token). The split is the
   fastest grid axis, so the CTAs that read the same token's rows run side by side and the second read of a KV
@@ -48,6 +51,61 @@ Organisation (one kernel launch, no combine step):
   is no QK/softmax/PV overlap inside a CTA (one compute warpgroup); at decode sizes the launch is short (10 KV steps
   at L = 640) and the copies of the next stage overlap the current step's compute.
 
+Organisation ``shared_qk`` (no duplicated QK product):
+
+* Grid ``(l_split, H / 64, N)``, one CTA per (part of L, block of 64 heads, query token); ``l_split = 1`` by default
+  (one launch, no combine). Three warpgroups (``num_threads=3``), as jax's ``attention_mgpu.py`` forward kernel:
+  warpgroups 0 and 1 compute, warpgroup 2 only issues TMA copies; ``set_max_registers`` 232 / 40 (that kernel's
+  figures: 2 · 128 · 232 + 128 · 40 = 64512 of the 65536 registers of an SM).
+* Consumer ``c`` owns the column chunk ``c`` of d (``dh = d / 2`` ≤ 256 columns): its Q chunk ``Q_c`` (loaded once),
+  its accumulator ``[64, dh]`` (128 registers per thread at dh = 256) and the output columns
+  ``[c·dh, (c+1)·dh)``. Per KV block it computes the partial logits ``S_c = Q_c · K_cᵀ`` over its chunk only (one
+  WGMMA, K_c read transposed as in ``split_cta``), stores them (fp32 ``[64, block_kv]``, in the WGMMA register
+  layout through a (8, 32)-tiled, 128-byte-swizzled buffer: Mosaic finds no bank-conflict-free plan for that layout
+  on an unswizzled one) into its exchange buffer, arrives on and waits for the "written" barrier (two warpgroup
+  arrivals: in Pallas's Lane semantics each of the 256 threads arrives with release semantics and the wait
+  acquires, so the other consumer's stores are visible), loads the other consumer's partial, arrives on the "read"
+  barrier and forms ``S = S_own + S_other``: one fp32 addition of the same two values in both consumers (IEEE
+  addition is commutative), so both hold bitwise the same S and hence the same running max, P and sum. Then the same
+  mask, sink, base-2 online softmax as ``split_cta``, and ``P·V_c`` on its own columns of the same KV tile; the
+  stage's "consumed" barrier expects both consumers.
+* A consumer overwrites its exchange buffer only after waiting on the "read" barrier of the previous step (the other
+  consumer has loaded it); that wait comes after the next QK product, so it costs nothing unless the other consumer
+  lags. One buffer per consumer: double buffering by step parity would need 64 KiB, which does not fit.
+* Shared memory at d = 512, block_kv = 64, 2 stages, as Pallas allocates it (every buffer rounded up to 1 KiB): Q
+  64 KiB (reused for O) + KV 128 KiB + mask rows 1 KiB + the sink (one copy per consumer) 1 KiB + exchange
+  2 × 16 KiB + 8 mbarriers = 231488 B of the 232448 B per CTA (checked against Mosaic's own count in the CPU tests).
+  It fits only because the kernel asks for no reduction scratch (``reduction_scratch_bytes=0``; Pallas reserves
+  2 KiB by default): its row reductions over the WGMMA layout stay inside a warp (shuffles). Three stages do not fit.
+* Work per SM: one token's QK + PV (``4·H·L·d`` FLOPs) now runs on one SM, where ``split_cta`` spreads ``6·H·L·d``
+  over two. At N = 64 only 64 CTAs run (of 132 SMs) and each does 4/3 of a ``split_cta`` CTA's tensor work, so
+  ``shared_qk`` wins at N = 64 only if ``split_cta`` is bound by the serial QK → softmax → PV chain of its single
+  compute warpgroup (22.7 µs against ~10 µs of tensor work per SM at peak) rather than by tensor throughput; the two
+  consumers' WGMMAs are half as large and run concurrently. Both consumers are in lockstep through the exchange, so
+  the tensor cores idle during their softmax (no ping-pong as in FlashAttention 3; a later version could issue the
+  next block's QK before the softmax).
+* ``l_split > 1`` splits each token's L rows into ``l_split`` parts of ``L / l_split`` rows (CTAs side by side in the
+  grid): 128 CTAs at N = 64 with ``l_split = 2``, and 5 or 10 SMs instead of one for a single query. Each part starts
+  from the sink's max, with running sum 1 in part 0 and 0 in the others (the sink counted once), and writes its
+  unnormalised fp32 accumulator (through its exchange buffer, ``block_kv`` columns at a time, after the other
+  consumer's last read) with its running max and sum; XLA merges the parts (:func:`_combine_parts`:
+  ``o = Σ w_i acc_i / Σ w_i l_i``, ``w_i = 2^(m_i − max m)``). The P rounding is the same (relative to each part's
+  running max, as within one CTA), so the contract and its error bound are unchanged. The price: the fp32 partials
+  (``2 · l_split · N · H · d · 4`` B written and read back, 40% of the KV bytes at N = 64, ``l_split = 2``) and a
+  second (XLA) kernel.
+
+GPU-only assumptions of ``shared_qk`` (on top of those below; checked by tests/test_decode_attention_gpu.py, not on
+CPU):
+
+* ``setmaxnreg`` 232 / 40 with 384 threads per CTA and a compute warpgroup holding accumulator 128 + own and other
+  partial S 2 × 32 + P 32 + bf16 P 16 + mask 16 registers per thread (peak near 232 at dh = 256: a spill would be
+  slow, not wrong);
+* the fp32 WGMMA-layout store / load through the (8, 32)-tiled, 128-byte-swizzled exchange buffer, and the ordering
+  of those generic-proxy stores and loads by the two mbarriers (release arrive / acquire wait per thread);
+* WGMMA operands addressed with the consumer index (``q_smem.at[c]``, ``kv_smem.at[slot, c]``; jax's attention
+  kernel indexes its Q buffer by warpgroup the same way);
+* with ``l_split > 1``: TMA stores of fp32 ``[64, block_kv]`` tiles into a 5-D output and of 64-entry fp32 rows.
+
 GPU-only assumptions (not checked by lowering on CPU; see tests/test_decode_attention_gpu.py):
 
 * the 128-byte swizzled ``[block_kv, dh]`` tile read transposed as the WGMMA B operand with ``dh`` up to 256 and
@@ -63,7 +121,9 @@ GPU-only assumptions (not checked by lowering on CPU; see tests/test_decode_atte
 
 Checked on CPU (tests/test_decode_attention_cpu.py): lowering for CUDA under jax 0.10.2 and 0.11.2 (Mosaic's own
 shared-memory check included), and, under jax 0.11.2, the whole kernel in the Mosaic GPU interpreter with the
-register-operand WGMMA and ``pl.run_state`` replaced by shared-memory equivalents. On the H200 (jax 0.11.2,
+register-operand WGMMA and ``pl.run_state`` replaced by shared-memory equivalents; for ``shared_qk`` too (with and
+without ``l_split``), whose exchange also ran under the interpreter's happens-before race detector without a race
+reported. On the H200 (jax 0.11.2,
 2026-12-01): tests/test_decode_attention_gpu.py passed (21 cases), and :func:`benchmark` at the real size
 (N = 64, H = 64, d = 512, L = 640, CUPTI) gave 22.7 µs against 231 µs for the jitted ``jnp`` reference: 2.23 TB/s
 of :func:`traffic`'s bytes, 237 TFLOP/s useful (355 executed). One query alone takes 16.9 µs: the ten KV steps
