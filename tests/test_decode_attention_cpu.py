@@ -7,7 +7,9 @@ slices, barriers and stage reuse, mask, sink, online softmax, column splits, out
 interpreter. The interpreter runs neither a WGMMA with its A operand in registers nor ``pl.run_state`` over an
 initialised accumulator (jax 0.11.2), so that test stages P through shared memory and initialises the accumulator
 with a WGMMA against an identity matrix (trace-time shims, see ``_interpreter_shims``); the register-operand WGMMA
-itself is checked on the GPU only.
+itself is checked on the GPU only. The interpreter runs each warpgroup as a host thread blocked in callbacks at its
+barriers; with a single host CPU device it can starve and hang (seen with ``shared_qk``'s three warpgroups on a
+2-core machine), so these tests rely on conftest.py's 8 host devices.
 
 Tolerance of the reference against exact arithmetic. Per output element ``o[n,h,c]`` let
 ``A[n,h,c] = Σ_l p[n,h,l] · |kv[n,l,c]|`` (exact probabilities); bf16's unit roundoff is ``u = 2^-8``. The contract

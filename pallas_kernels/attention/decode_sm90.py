@@ -122,8 +122,10 @@ GPU-only assumptions (not checked by lowering on CPU; see tests/test_decode_atte
 Checked on CPU (tests/test_decode_attention_cpu.py): lowering for CUDA under jax 0.10.2 and 0.11.2 (Mosaic's own
 shared-memory check included), and, under jax 0.11.2, the whole kernel in the Mosaic GPU interpreter with the
 register-operand WGMMA and ``pl.run_state`` replaced by shared-memory equivalents; for ``shared_qk`` too (with and
-without ``l_split``), whose exchange also ran under the interpreter's happens-before race detector without a race
-reported. On the H200 (jax 0.11.2,
+without ``l_split``), whose exchange also ran under the interpreter's happens-before race detector: no race on the
+exchange buffers or the outputs (removing either exchange wait is reported); the one pattern it reports, in both
+organisations, is the TMA refill of a stage's mask row after the consumers' plain loads of it, ordered by the
+"consumed" mbarrier without a proxy fence (tests/test_decode_attention_cpu.py::test_shared_qk_exchange_has_no_race). On the H200 (jax 0.11.2,
 2026-12-01): tests/test_decode_attention_gpu.py passed (21 cases), and :func:`benchmark` at the real size
 (N = 64, H = 64, d = 512, L = 640, CUPTI) gave 22.7 µs against 231 µs for the jitted ``jnp`` reference: 2.23 TB/s
 of :func:`traffic`'s bytes, 237 TFLOP/s useful (355 executed). One query alone takes 16.9 µs: the ten KV steps
