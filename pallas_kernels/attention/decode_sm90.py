@@ -125,8 +125,8 @@ register-operand WGMMA and ``pl.run_state`` replaced by shared-memory equivalent
 without ``l_split``), whose exchange also ran under the interpreter's happens-before race detector: no race on the
 exchange buffers or the outputs (removing either exchange wait is reported); the one pattern it reports, in both
 organisations, is the TMA refill of a stage's mask row after the consumers' plain loads of it, ordered by the
-"consumed" mbarrier without a proxy fence (tests/test_decode_attention_cpu.py::test_shared_qk_exchange_has_no_race). On the H200 (jax 0.11.2,
-2026-12-01): tests/test_decode_attention_gpu.py passed (21 cases), and :func:`benchmark` at the real size
+"consumed" mbarrier without a proxy fence (``test_shared_qk_exchange_has_no_race``). ``split_cta`` on the H200
+(jax 0.11.2, 2026-12-01): tests/test_decode_attention_gpu.py passed (21 cases), and a benchmark at the real size
 (N = 64, H = 64, d = 512, L = 640, CUPTI) gave 22.7 µs against 231 µs for the jitted ``jnp`` reference: 2.23 TB/s
 of :func:`traffic`'s bytes, 237 TFLOP/s useful (355 executed). One query alone takes 16.9 µs: the ten KV steps
 of a CTA run one after another (QK, softmax, PV, no overlap), so that is the latency a later version should cut
