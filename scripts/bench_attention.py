@@ -49,7 +49,8 @@ from dinfer_jax.models.cache_codec import RowCodec  # noqa: E402
 from dinfer_jax.models.cache_io import pages_gather, pages_read  # noqa: E402
 from dinfer_jax.models.csa2 import topk_select  # noqa: E402
 from dinfer_jax.models.ops import rope_cos_sin, rope_inv_freq  # noqa: E402
-from pallas_kernels.attention.decode_sm90 import sparse_decode_attention  # noqa: E402
+from pallas_kernels.attention.decode_sm90 import sparse_decode_attention, traffic  # noqa: E402
+from pallas_kernels.attention.reference import sparse_decode_attention_ref  # noqa: E402
 
 BLOCK = 128  # tokens per page (DeepInfer's default)
 
@@ -205,6 +206,101 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# The decode kernel by itself (``bench_kernels.py attention-kernel``): both organisations of
+# pallas_kernels/attention/decode_sm90.py at the real size, labels → keyword arguments.
+KERNEL_VARIANTS = {
+    "split_cta": dict(organisation="split_cta"),
+    "shared_qk": dict(organisation="shared_qk"),
+    "shared_qk l_split=2": dict(organisation="shared_qk", l_split=2),
+    "shared_qk l_split=5": dict(organisation="shared_qk", l_split=5),
+    "shared_qk l_split=10": dict(organisation="shared_qk", l_split=10),
+}
+SMALL_BATCH_ONLY = ("shared_qk l_split=5", "shared_qk l_split=10")   # many parts only pay off with few tokens
+
+
+def _kernel_case(n: int, h: int, d: int, rows: int, key):
+    """Random bf16 queries and rows, ~95% of the rows valid (a decode query's window + top-k), a random sink."""
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    q = jax.random.normal(k1, (n, h, d), jnp.bfloat16)
+    kv = jax.random.normal(k2, (n, rows, d), jnp.bfloat16)
+    valid = jax.random.uniform(k3, (n, rows)) < 0.95
+    sink = jax.random.normal(k4, (h,), jnp.float32)
+    return q, kv, valid, sink
+
+
+@functools.partial(jax.jit, static_argnames="scale")
+def _error_scale(q, kv, valid, sink, *, scale: float):
+    """``A[n,h,c] = Σ_l p[n,h,l] · |kv[n,l,c]|`` in fp32 (exact-enough probabilities), the per-element error scale
+    of tests/test_decode_attention_gpu.py."""
+    s = jnp.einsum("nhd,nld->nhl", q.astype(jnp.float32), kv.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST) * scale
+    s = jnp.where(valid[:, None, :], s, -jnp.inf)
+    m = jnp.maximum(s.max(-1), sink[None, :])
+    e = jnp.exp(s - m[..., None])
+    p = e / (e.sum(-1) + jnp.exp(sink[None, :] - m))[..., None]
+    return jnp.einsum("nhl,nld->nhd", p, jnp.abs(kv.astype(jnp.float32)), precision=jax.lax.Precision.HIGHEST)
+
+
+def bench_decode_kernel(batches, device_times, copy_bw: float, *, h: int = 64, d: int = 512, rows: int = 640,
+                        variants=None, on_row=lambda rows: None) -> list[dict]:
+    """Rows of :func:`kernel_table`: per batch N and variant of the decode kernel, the device time of the whole call
+    (mask preparation, the kernel, the combine of ``l_split``) and of the Mosaic GPU kernel alone, GB/s of
+    :func:`traffic`'s bytes over the call time against ``copy_bw`` (bytes/s, measured in the same run), TFLOP/s
+    useful and executed, and the error against the ``jnp`` reference: max of ``|kernel − ref| / (2^-6 · A + 2^-14 ·
+    max A)`` (≤ 1 passes, the GPU test's bound) and max ``|kernel − ref|`` over max ``|ref|``."""
+    out = []
+    scale = d ** -0.5
+    for n in batches:
+        args = _kernel_case(n, h, d, rows, jax.random.key(n))
+        want = jax.jit(functools.partial(sparse_decode_attention_ref, scale=scale))(*args).astype(jnp.float32)
+        a = _error_scale(*args, scale=scale)
+        bound = 2.0 ** -6 * a + 2.0 ** -14 * a.max()
+        for label in variants or KERNEL_VARIANTS:
+            kw = KERNEL_VARIANTS[label]
+            if label in SMALL_BATCH_ONLY and variants is None and n > 8:
+                continue
+            row = dict(batch=n, heads=h, d=d, rows=rows, variant=label, copy_GBps=copy_bw / 1e9)
+            try:
+                f = jax.jit(functools.partial(sparse_decode_attention, scale=scale, **kw))
+                got = f(*args).astype(jnp.float32)
+                err = jnp.abs(got - want)
+                row["err_over_bound"] = float((err / bound).max())
+                row["rel_err"] = float(err.max() / jnp.abs(want).max())
+                ms, per_kernel = device_times(f, *args)
+                kernel_ms = sum(t for k, t in per_kernel.items() if "sparse_decode_attention" in k) or float("nan")
+                t = traffic(n, h, d, rows, **kw)
+                row.update(call_us=ms * 1e3, kernel_us=kernel_ms * 1e3, kernels=per_kernel,
+                           GBps=t["bytes"] / (ms * 1e-3) / 1e9,
+                           TFLOPs_useful=t["flops_useful"] / (ms * 1e-3) / 1e12,
+                           TFLOPs_executed=t["flops_executed"] / (ms * 1e-3) / 1e12)
+                row["pct_copy"] = 100 * row["GBps"] * 1e9 / copy_bw
+            except Exception as e:  # noqa: BLE001 - one variant failing (compile, ptxas) must not end the run
+                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            out.append(row)
+            print(json.dumps(row, default=str)[:600], flush=True)
+            on_row(out)
+    return out
+
+
+def kernel_table(rows: list[dict]) -> str:
+    lines = [f"copy bandwidth measured in this run: {rows[0]['copy_GBps']:.0f} GB/s" if rows else "", "",
+             "| N | H × d | L | variant | call µs | kernel µs | GB/s (% copy) | TFLOP/s useful (executed) "
+             "| max err / bound vs ref | max rel. err |",
+             "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        head = f"| {r['batch']} | {r['heads']} × {r['d']} | {r['rows']} | {r['variant']} |"
+        if "error" in r:
+            lines.append(f"{head} FAILED: {r['error'][:160]} | | | | | |")
+            continue
+        lines.append(f"{head} {r['call_us']:.1f} | {r['kernel_us']:.1f} | {r['GBps']:.0f} ({r['pct_copy']:.0f}%) | "
+                     f"{r['TFLOPs_useful']:.0f} ({r['TFLOPs_executed']:.0f}) | {r['err_over_bound']:.2f} | "
+                     f"{r['rel_err']:.1e} |")
+    return "\n".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--variants", nargs="+", default=None, choices=list(KERNEL_VARIANTS),
+                   help="attention-kernel: the decode kernel's variants to time (default: all, the l_split=5/10 "
+                        "ones at batches ≤ 8 only)")

@@ -1,8 +1,15 @@
 """Kernel benchmarks on the accelerator: ``python scripts/bench_kernels.py moe [--tokens N ...] [--sweep N ...]
-[--out DIR]``, ``python scripts/bench_kernels.py attention [--contexts N ...] [--batches N ...] [--out DIR]``.
+[--out DIR]``, ``python scripts/bench_kernels.py attention [--contexts N ...] [--batches N ...] [--out DIR]``,
+``python scripts/bench_kernels.py attention-kernel [--batches N ...] [--variants ...] [--out DIR]``.
 
 ``attention``: decode attention over paged compressed rows, masked vs gathered top-k, and the indexer
 (``scripts/bench_attention.py`` says what is measured).
+
+``attention-kernel``: the Mosaic GPU decode-attention kernel alone (``pallas_kernels/attention/decode_sm90.py``) at
+the real size (64 heads × 512, L = 640 rows per token; default batches 1 and 64), both organisations
+(``split_cta``, ``shared_qk``, and ``shared_qk`` with L split over CTAs) in one run: device time of the call and of
+the kernel, GB/s and % of the copy bandwidth measured in the same run, TFLOP/s, error against the reference
+(``bench_attention.bench_decode_kernel``).
 
 ``moe``: the routed-expert kernel (``pallas_kernels.moe``) at V4-Flash expert shapes (256 experts, hidden 4096,
 expert width 2048, top-6, MXFP4 weights):
@@ -255,7 +262,7 @@ def table(rows: list[dict], ceil: dict[str, float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["moe", "attention"])
+    p.add_argument("what", choices=["moe", "attention", "attention-kernel"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192], help="token counts to run")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="token counts at which to sweep block sizes")
     p.add_argument("--no-baseline", action="store_true", help="skip the XLA ragged_dot baseline")
@@ -280,6 +287,19 @@ def main() -> None:
             (out / "bench_moe.md").write_text(table(rows, ceil) + "\n")
             (out / "bench_moe.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, default=str, indent=1))
 
+    if args.what == "attention-kernel":
+        def save_kernel(rows: list[dict]) -> None:
+            if args.out:
+                out = Path(args.out)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "bench_attention_kernel.md").write_text(bench_attention.kernel_table(rows) + "\n")
+                (out / "bench_attention_kernel.json").write_text(
+                    json.dumps({"ceilings": ceil, "rows": rows}, default=str, indent=1))
+
+        rows = bench_attention.bench_decode_kernel(args.batches, device_times, ceil["copy_GBps"] * 1e9,
+                                                   variants=args.variants, on_row=save_kernel)
+        print(bench_attention.kernel_table(rows))
+        return
     if args.what == "attention":
         rows = bench_attention.bench_attention(args, device_times, ceil["copy_GBps"] * 1e9)
         text = bench_attention.table(rows)

@@ -7,7 +7,9 @@ slices, barriers and stage reuse, mask, sink, online softmax, column splits, out
 interpreter. The interpreter runs neither a WGMMA with its A operand in registers nor ``pl.run_state`` over an
 initialised accumulator (jax 0.11.2), so that test stages P through shared memory and initialises the accumulator
 with a WGMMA against an identity matrix (trace-time shims, see ``_interpreter_shims``); the register-operand WGMMA
-itself is checked on the GPU only.
+itself is checked on the GPU only. The interpreter runs each warpgroup as a host thread blocked in callbacks at its
+barriers; with a single host CPU device it can starve and hang (seen with ``shared_qk``'s three warpgroups on a
+2-core machine), so these tests rely on conftest.py's 8 host devices.
 
 Tolerance of the reference against exact arithmetic. Per output element ``o[n,h,c]`` let
 ``A[n,h,c] = Σ_l p[n,h,l] · |kv[n,l,c]|`` (exact probabilities); bf16's unit roundoff is ``u = 2^-8``. The contract
@@ -29,6 +31,8 @@ from jax import lax
 
 from pallas_kernels.attention.decode_sm90 import check_config, smem_bytes, sparse_decode_attention, traffic
 from pallas_kernels.attention.reference import sparse_decode_attention_ref
+
+SHARED = dict(organisation="shared_qk")
 
 
 def exact_contract(q, kv, valid, sink, scale: float, *, round_probs: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -128,6 +132,36 @@ def test_wrapper_rejects_bad_shapes():
     assert check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2) == 2
     assert check_config(64, 512, 64, block_kv=64, num_stages=2, v_split=2) == 1   # capped at the KV steps
     assert smem_bytes(512, 64, 2) == 197376
+    # shared_qk: Q 64 KiB + 2 KV stages 128 KiB + mask rows, sinks (1 KiB each after Pallas's alignment) + exchange
+    # 2 × 16 KiB + 8 mbarriers = 231488 B, what Mosaic GPU itself counts (checked by lowering with a tiny bound below)
+    assert smem_bytes(512, 64, 2, "shared_qk") == 231488
+    assert check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, organisation="shared_qk") == 2
+    assert check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, organisation="shared_qk",
+                        l_split=10) == 1
+    with pytest.raises(ValueError, match="shared memory"):
+        check_config(64, 512, 640, block_kv=64, num_stages=3, v_split=2, organisation="shared_qk")
+    with pytest.raises(ValueError, match="v_split must be 2"):
+        check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=4, organisation="shared_qk")
+    with pytest.raises(ValueError, match="only organisation='shared_qk'"):
+        check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, l_split=2)
+    with pytest.raises(ValueError, match="must divide"):
+        check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, organisation="shared_qk", l_split=3)
+    with pytest.raises(ValueError, match="organisation="):
+        check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, organisation="both")
+
+
+def test_shared_qk_smem_matches_mosaic(monkeypatch):
+    """:func:`smem_bytes` for ``shared_qk`` is exactly what Mosaic GPU allocates (its error message under a 1-byte
+    bound reports the figure), so the 960 B margin under the 227 KiB limit is real."""
+    from jax.experimental.mosaic.gpu import core
+
+    monkeypatch.setattr(core, "_SMEM_SIZE_BOUND", 1)
+    s = jax.ShapeDtypeStruct
+    for d, block_kv in [(512, 64), (256, 128)]:
+        f = functools.partial(sparse_decode_attention, scale=0.1, organisation="shared_qk", block_kv=block_kv)
+        with pytest.raises(ValueError, match=f"smem_bytes={smem_bytes(d, block_kv, 2, 'shared_qk')} "):
+            jax.jit(f).trace(s((2, 64, d), jnp.bfloat16), s((2, 640, d), jnp.bfloat16), s((2, 640), jnp.bool_),
+                             s((64,), jnp.float32)).lower(lowering_platforms=("cuda",))
 
 
 def test_traffic_counts():
@@ -136,6 +170,10 @@ def test_traffic_counts():
     assert t["bytes"] == t["bytes_read"] + 64 * 64 * 512 * 2
     assert t["flops_useful"] == 4 * 64 * 64 * 640 * 512
     assert t["flops_executed"] == 6 * 64 * 64 * 640 * 512
+    shared = traffic(64, 64, 512, 640, organisation="shared_qk")
+    assert shared["flops_executed"] == shared["flops_useful"] and shared["bytes"] == t["bytes"]
+    assert shared["partial_bytes"] == 0
+    assert traffic(64, 64, 512, 640, organisation="shared_qk", l_split=2)["partial_bytes"] == 2 * 2 * 64 * 64 * 514 * 4
 
 
 @pytest.mark.parametrize("n,h,d,rows,kw", [
@@ -143,6 +181,12 @@ def test_traffic_counts():
     (1, 128, 512, 64, {}),                                         # two head blocks, one KV step
     (4, 64, 256, 256, dict(v_split=1, num_stages=3)),
     (4, 64, 512, 256, dict(v_split=4)),
+    (64, 64, 512, 640, SHARED),                                    # shared_qk at the real size
+    (1, 128, 512, 64, SHARED),
+    (4, 64, 256, 640, dict(SHARED, block_kv=128)),
+    (4, 64, 128, 256, dict(SHARED, num_stages=1)),
+    (64, 64, 512, 640, dict(SHARED, l_split=2)),                   # L split: fp32 partials out, XLA combine
+    (1, 64, 512, 640, dict(SHARED, l_split=10)),
 ])
 def test_kernel_lowers_for_cuda(n, h, d, rows, kw):
     """The Mosaic GPU kernel lowers for CUDA on this CPU-only machine (jax 0.10.2 and 0.11.2): the Pallas →
@@ -159,9 +203,11 @@ def test_kernel_lowers_for_cuda(n, h, d, rows, kw):
 
 def _interpreter_shims(monkeypatch) -> None:
     """Trace-time stand-ins for what jax 0.11.2's Mosaic GPU interpreter lacks (see the module docstring): every
-    ``plgpu.kernel`` gets three extra shared-memory buffers; a WGMMA A operand in registers is stored into the first
-    and read from there; ``pl.run_state(f)(ACC.init(x))`` becomes a fresh accumulator, ``acc += x · I`` (x staged in
-    the second, the identity in the third), then ``f``. Exact in the interpreter (its WGMMA is a NumPy matmul)."""
+    ``plgpu.kernel`` gets three extra shared-memory buffers, each with one slice per warpgroup (``shared_qk`` runs
+    two compute warpgroups at once); a WGMMA A operand in registers is stored into the calling warpgroup's slice of
+    the first and read from there; ``pl.run_state(f)(ACC.init(x))`` becomes a fresh accumulator, ``acc += x · I``
+    (x staged in the second, the identity in the third), then ``f``. Exact in the interpreter (its WGMMA is a NumPy
+    matmul)."""
     from jax._src.state.types import AbstractRef, TransformedRef
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -170,18 +216,23 @@ def _interpreter_shims(monkeypatch) -> None:
     stash: dict = {}
 
     def kernel(body, *, scratch_types, **kw):
-        extra = [plgpu.SMEM((64, width), jnp.bfloat16), plgpu.SMEM((64, width), jnp.float32),
-                 plgpu.SMEM((width, width), jnp.float32)]
+        wgs = kw.get("num_threads") or 1
+        extra = [plgpu.SMEM((wgs, 64, width), jnp.bfloat16), plgpu.SMEM((wgs, 64, width), jnp.float32),
+                 plgpu.SMEM((wgs, width, width), jnp.float32)]
 
         def wrapped(*refs):
             stash["p"], stash["x"], stash["eye"] = refs[-3:]
+            stash["wg"] = kw.get("thread_name")
             body(*refs[:-3])
 
         return real_kernel(wrapped, scratch_types=[*scratch_types, *extra], **kw)
 
+    def mine(name):
+        return stash[name].at[lax.axis_index(stash["wg"]) if stash["wg"] else 0]
+
     def wgmma(acc, a, b, **kw):
         if not (isinstance(a, TransformedRef) or isinstance(getattr(a, "aval", None), AbstractRef)):
-            staged = stash["p"].at[:, pl.ds(0, a.shape[1])]
+            staged = mine("p").at[:, pl.ds(0, a.shape[1])]
             staged[...] = a
             a = staged
         real_wgmma(acc, a, b, **kw)
@@ -190,7 +241,7 @@ def _interpreter_shims(monkeypatch) -> None:
         def run(init):
             x = init._init
             m, k = x.shape
-            x_ref, eye = stash["x"].at[:, pl.ds(0, k)], stash["eye"].at[pl.ds(0, k), pl.ds(0, k)]
+            x_ref, eye = mine("x").at[:, pl.ds(0, k)], mine("eye").at[pl.ds(0, k), pl.ds(0, k)]
             x_ref[...] = x
             eye[...] = (lax.broadcasted_iota(jnp.int32, (k, k), 0) == lax.broadcasted_iota(jnp.int32, (k, k), 1)
                         ).astype(jnp.float32)
@@ -213,6 +264,10 @@ def _interpreter_shims(monkeypatch) -> None:
     (2, 64, 128, 256, {}),                                         # 4 KV steps through 2 stages
     (3, 128, 256, 192, dict(v_split=4, num_stages=3)),             # two head blocks, 4 column chunks, no refill
     (2, 64, 512, 640, {}),                                         # the real head width and row count
+    (2, 64, 512, 640, SHARED),                                     # shared_qk: the real size, 10 KV steps
+    (3, 128, 128, 192, dict(SHARED, num_stages=3)),                # two head blocks, d/2 = 64, no refill
+    (3, 64, 512, 640, dict(SHARED, l_split=2)),                    # L in two parts, 5 steps each, XLA combine
+    (2, 64, 256, 256, dict(SHARED, l_split=4)),                    # one KV step per part
 ])
 def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
     """The kernel (with the shims above) in the Mosaic GPU interpreter against the exact contract, with the GPU
@@ -235,5 +290,38 @@ def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
     want, a = exact_contract(q, kv, valid, sink, scale)
     err = np.abs(got - want)
     bound = 2.0 ** -7 * a + 2.0 ** -14 * a.max()
+    print(f"N={n} H={h} d={d} L={rows} {kw}: max err/bound {(err / bound).max():.3f}, "
+          f"mean err/bound {err.mean() / (2.0 ** -9 * a.mean()):.3f}")
     assert (err <= bound).all(), float((err / bound).max())
     assert err.mean() <= 2.0 ** -9 * a.mean()
+
+
+@pytest.mark.parametrize("kw", [SHARED, dict(SHARED, l_split=2)])
+def test_shared_qk_exchange_has_no_race(monkeypatch, capsys, kw):
+    """``shared_qk`` (4 KV steps through 2 stages, so the exchange buffers are rewritten and the stages refilled)
+    under the interpreter's happens-before race detector: no race may involve the two consumers' exchange of partial
+    logits or the outputs. The one pattern the detector does report, in both organisations, is the producer's TMA
+    refill of a stage's mask row after the consumers' plain loads of it, ordered only through the "consumed"
+    mbarrier (no proxy fence between the generic-proxy loads and the async-proxy write; the TMA pipelines of jax's
+    and CUTLASS's kernels release stages the same way, and ``split_cta`` passed on the H200 with it), so races whose
+    write is that refill are allowed here. Removing either exchange wait makes this test fail (checked by hand)."""
+    import re
+
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if not hasattr(plgpu, "force_gpu_interpret_mode"):
+        pytest.skip(f"jax {jax.__version__}: no Mosaic GPU interpreter")
+    _interpreter_shims(monkeypatch)
+    n, h, d, rows = 3, 64, 128, 256
+    q, kv, valid, sink = _inputs(n, h, d, rows, seed=11)
+    args = tuple(jnp.asarray(x) for x in (q, kv, valid, sink))
+    kernel = jax.jit(functools.partial(sparse_decode_attention.__wrapped__, scale=d ** -0.5, **kw))
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+        got = np.asarray(kernel(*args), np.float64)
+    printed = capsys.readouterr().out
+    reports = printed.split("RACE DETECTED")[1:]
+    frames = [re.findall(r"(read|write) of .*?\((_[\w.<>]*)\)\n", r) for r in reports]
+    others = [f for f in frames if not any(kind == "write" and fn.endswith("_memory.<locals>.issue") for kind, fn in f)]
+    assert not others, f"races outside the mask refill: {others}"
+    want, a = exact_contract(q, kv, valid, sink, d ** -0.5)
+    assert (np.abs(got - want) <= 2.0 ** -7 * a + 2.0 ** -14 * a.max()).all()

@@ -17,7 +17,9 @@ Queries with no valid row and a head whose sink dominates (1e4) must be exactly 
 
 All 21 cases passed on the H200 (jax 0.11.2, 2026-12-01): the largest error was 0.80 of the per-element bound
 (N = 64, H = 128, L = 64, prefix mask: queries with one to three valid rows, where both roundings are at full
-size), the largest mean 0.30 of the mean bound. Each case prints its ratios (``-s``).
+size), the largest mean 0.30 of the mean bound. Each case prints its ratios (``-s``). The ``shared_qk`` cases
+(``organisation="shared_qk"``, with and without ``l_split``) were added afterwards and have run only in the
+Mosaic GPU interpreter on CPU so far (tests/test_decode_attention_cpu.py).
 """
 
 from __future__ import annotations
@@ -107,17 +109,23 @@ def _check(n, h, d, rows, mask, seed=0, **kw):
     assert mean_ratio <= 1, f"mean err / (2^-9 · mean A) = {mean_ratio:.3g}"
 
 
+@pytest.mark.parametrize("organisation", ["split_cta", "shared_qk"])
 @pytest.mark.parametrize("mask", ["random", "prefix"])
 @pytest.mark.parametrize("rows", [64, 640])
 @pytest.mark.parametrize("h", [64, 128])
 @pytest.mark.parametrize("n", [1, 64])
-def test_kernel_matches_reference(n, h, rows, mask):
-    """The real head width (d = 512, two column halves, 2 stages), one or ten KV steps, one or two head blocks."""
-    _check(n, h, 512, rows, mask, seed=n + h + rows)
+def test_kernel_matches_reference(n, h, rows, mask, organisation):
+    """The real head width (d = 512, two column halves, 2 stages), one or ten KV steps, one or two head blocks, in
+    both organisations (``split_cta``: two CTAs per token; ``shared_qk``: two consumer warpgroups of one CTA)."""
+    _check(n, h, 512, rows, mask, seed=n + h + rows, organisation=organisation)
 
 
-def test_all_queries_masked_give_zeros():
-    _check(64, 64, 512, 640, "all_false")
+@pytest.mark.parametrize("organisation", ["split_cta", "shared_qk"])
+def test_all_queries_masked_give_zeros(organisation):
+    _check(64, 64, 512, 640, "all_false", organisation=organisation)
+
+
+SHARED = dict(organisation="shared_qk")
 
 
 @pytest.mark.parametrize("d,kw", [
@@ -125,9 +133,22 @@ def test_all_queries_masked_give_zeros():
     (256, dict(v_split=1, num_stages=3)),            # no split, three stages
     (256, dict(block_kv=128)),                       # 128-row KV blocks
     (128, dict(num_stages=1)),                       # no pipelining
-], ids=["d512-split4", "d256-split1-3stages", "d256-bkv128", "d128-1stage"])
+    (512, dict(SHARED, l_split=2)),                  # shared_qk, L in two parts (fp32 partials, XLA combine)
+    (512, dict(SHARED, l_split=10)),                 # shared_qk, one KV step per part
+    (256, dict(SHARED, block_kv=128)),               # shared_qk, 128-row KV blocks (exchange 2 × 32 KiB)
+    (128, dict(SHARED, num_stages=1)),               # shared_qk, no pipelining, d / 2 = 64
+], ids=["d512-split4", "d256-split1-3stages", "d256-bkv128", "d128-1stage", "shared-d512-l2", "shared-d512-l10",
+        "shared-d256-bkv128", "shared-d128-1stage"])
 def test_kernel_configs(d, kw):
     _check(8, 128, d, 640, "random", seed=d, **kw)
+
+
+@pytest.mark.parametrize("l_split", [2, 5])
+@pytest.mark.parametrize("mask", ["random", "prefix", "all_false"])
+def test_shared_qk_l_split(l_split, mask):
+    """``shared_qk`` with L split across CTAs at the real size: parts that see no valid row (prefix masks) must
+    merge to the same result (their running max stays the sink's, their sum 0)."""
+    _check(64, 64, 512, 640, mask, seed=l_split, organisation="shared_qk", l_split=l_split)
 
 
 @pytest.mark.parametrize("b,s", [(4, 1), (2, 3)])

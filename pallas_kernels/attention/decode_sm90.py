@@ -14,7 +14,10 @@ Contract (the same as :func:`pallas_kernels.attention.reference.sparse_decode_at
     P is rounded to bf16 before the P·V product (fp32 accumulation); o is rounded to bf16. A query with no valid row
     gets o = 0 (all its mass is on the sink).
 
-Organisation (one kernel launch, no combine step):
+Two organisations, chosen by ``sparse_decode_attention(..., organisation=...)``: ``"split_cta"`` (the default, the
+one measured on the H200) and ``"shared_qk"`` (below it; not yet run on a GPU).
+
+Organisation ``split_cta`` (one kernel launch, no combine step):
 
 * Grid ``(v_split, H / 64, N)``, one CTA per (column split of d, block of 64 heads, query token). The split is the
   fastest grid axis, so the CTAs that read the same token's rows run side by side and the second read of a KV
@@ -48,6 +51,61 @@ Organisation (one kernel launch, no combine step):
   is no QK/softmax/PV overlap inside a CTA (one compute warpgroup); at decode sizes the launch is short (10 KV steps
   at L = 640) and the copies of the next stage overlap the current step's compute.
 
+Organisation ``shared_qk`` (no duplicated QK product):
+
+* Grid ``(l_split, H / 64, N)``, one CTA per (part of L, block of 64 heads, query token); ``l_split = 1`` by default
+  (one launch, no combine). Three warpgroups (``num_threads=3``), as jax's ``attention_mgpu.py`` forward kernel:
+  warpgroups 0 and 1 compute, warpgroup 2 only issues TMA copies; ``set_max_registers`` 232 / 40 (that kernel's
+  figures: 2 · 128 · 232 + 128 · 40 = 64512 of the 65536 registers of an SM).
+* Consumer ``c`` owns the column chunk ``c`` of d (``dh = d / 2`` ≤ 256 columns): its Q chunk ``Q_c`` (loaded once),
+  its accumulator ``[64, dh]`` (128 registers per thread at dh = 256) and the output columns
+  ``[c·dh, (c+1)·dh)``. Per KV block it computes the partial logits ``S_c = Q_c · K_cᵀ`` over its chunk only (one
+  WGMMA, K_c read transposed as in ``split_cta``), stores them (fp32 ``[64, block_kv]``, in the WGMMA register
+  layout through a (8, 32)-tiled, 128-byte-swizzled buffer: Mosaic finds no bank-conflict-free plan for that layout
+  on an unswizzled one) into its exchange buffer, arrives on and waits for the "written" barrier (two warpgroup
+  arrivals: in Pallas's Lane semantics each of the 256 threads arrives with release semantics and the wait
+  acquires, so the other consumer's stores are visible), loads the other consumer's partial, arrives on the "read"
+  barrier and forms ``S = S_own + S_other``: one fp32 addition of the same two values in both consumers (IEEE
+  addition is commutative), so both hold bitwise the same S and hence the same running max, P and sum. Then the same
+  mask, sink, base-2 online softmax as ``split_cta``, and ``P·V_c`` on its own columns of the same KV tile; the
+  stage's "consumed" barrier expects both consumers.
+* A consumer overwrites its exchange buffer only after waiting on the "read" barrier of the previous step (the other
+  consumer has loaded it); that wait comes after the next QK product, so it costs nothing unless the other consumer
+  lags. One buffer per consumer: double buffering by step parity would need 64 KiB, which does not fit.
+* Shared memory at d = 512, block_kv = 64, 2 stages, as Pallas allocates it (every buffer rounded up to 1 KiB): Q
+  64 KiB (reused for O) + KV 128 KiB + mask rows 1 KiB + the sink (one copy per consumer) 1 KiB + exchange
+  2 × 16 KiB + 8 mbarriers = 231488 B of the 232448 B per CTA (checked against Mosaic's own count in the CPU tests).
+  It fits only because the kernel asks for no reduction scratch (``reduction_scratch_bytes=0``; Pallas reserves
+  2 KiB by default): its row reductions over the WGMMA layout stay inside a warp (shuffles). Three stages do not fit.
+* Work per SM: one token's QK + PV (``4·H·L·d`` FLOPs) now runs on one SM, where ``split_cta`` spreads ``6·H·L·d``
+  over two. At N = 64 only 64 CTAs run (of 132 SMs) and each does 4/3 of a ``split_cta`` CTA's tensor work, so
+  ``shared_qk`` wins at N = 64 only if ``split_cta`` is bound by the serial QK → softmax → PV chain of its single
+  compute warpgroup (22.7 µs against ~10 µs of tensor work per SM at peak) rather than by tensor throughput; the two
+  consumers' WGMMAs are half as large and run concurrently. Both consumers are in lockstep through the exchange, so
+  the tensor cores idle during their softmax (no ping-pong as in FlashAttention 3; a later version could issue the
+  next block's QK before the softmax).
+* ``l_split > 1`` splits each token's L rows into ``l_split`` parts of ``L / l_split`` rows (CTAs side by side in the
+  grid): 128 CTAs at N = 64 with ``l_split = 2``, and 5 or 10 SMs instead of one for a single query. Each part starts
+  from the sink's max, with running sum 1 in part 0 and 0 in the others (the sink counted once), and writes its
+  unnormalised fp32 accumulator (through its exchange buffer, ``block_kv`` columns at a time, after the other
+  consumer's last read) with its running max and sum; XLA merges the parts (:func:`_combine_parts`:
+  ``o = Σ w_i acc_i / Σ w_i l_i``, ``w_i = 2^(m_i − max m)``). The P rounding is the same (relative to each part's
+  running max, as within one CTA), so the contract and its error bound are unchanged. The price: the fp32 partials
+  (``2 · l_split · N · H · d · 4`` B written and read back, 40% of the KV bytes at N = 64, ``l_split = 2``) and a
+  second (XLA) kernel.
+
+GPU-only assumptions of ``shared_qk`` (on top of those below; checked by tests/test_decode_attention_gpu.py, not on
+CPU):
+
+* ``setmaxnreg`` 232 / 40 with 384 threads per CTA and a compute warpgroup holding accumulator 128 + own and other
+  partial S 2 × 32 + P 32 + bf16 P 16 + mask 16 registers per thread (peak near 232 at dh = 256: a spill would be
+  slow, not wrong);
+* the fp32 WGMMA-layout store / load through the (8, 32)-tiled, 128-byte-swizzled exchange buffer, and the ordering
+  of those generic-proxy stores and loads by the two mbarriers (release arrive / acquire wait per thread);
+* WGMMA operands addressed with the consumer index (``q_smem.at[c]``, ``kv_smem.at[slot, c]``; jax's attention
+  kernel indexes its Q buffer by warpgroup the same way);
+* with ``l_split > 1``: TMA stores of fp32 ``[64, block_kv]`` tiles into a 5-D output and of 64-entry fp32 rows.
+
 GPU-only assumptions (not checked by lowering on CPU; see tests/test_decode_attention_gpu.py):
 
 * the 128-byte swizzled ``[block_kv, dh]`` tile read transposed as the WGMMA B operand with ``dh`` up to 256 and
@@ -63,8 +121,12 @@ GPU-only assumptions (not checked by lowering on CPU; see tests/test_decode_atte
 
 Checked on CPU (tests/test_decode_attention_cpu.py): lowering for CUDA under jax 0.10.2 and 0.11.2 (Mosaic's own
 shared-memory check included), and, under jax 0.11.2, the whole kernel in the Mosaic GPU interpreter with the
-register-operand WGMMA and ``pl.run_state`` replaced by shared-memory equivalents. On the H200 (jax 0.11.2,
-2026-12-01): tests/test_decode_attention_gpu.py passed (21 cases), and :func:`benchmark` at the real size
+register-operand WGMMA and ``pl.run_state`` replaced by shared-memory equivalents; for ``shared_qk`` too (with and
+without ``l_split``), whose exchange also ran under the interpreter's happens-before race detector: no race on the
+exchange buffers or the outputs (removing either exchange wait is reported); the one pattern it reports, in both
+organisations, is the TMA refill of a stage's mask row after the consumers' plain loads of it, ordered by the
+"consumed" mbarrier without a proxy fence (``test_shared_qk_exchange_has_no_race``). ``split_cta`` on the H200
+(jax 0.11.2, 2026-12-01): tests/test_decode_attention_gpu.py passed (21 cases), and a benchmark at the real size
 (N = 64, H = 64, d = 512, L = 640, CUPTI) gave 22.7 µs against 231 µs for the jitted ``jnp`` reference: 2.23 TB/s
 of :func:`traffic`'s bytes, 237 TFLOP/s useful (355 executed). One query alone takes 16.9 µs: the ten KV steps
 of a CTA run one after another (QK, softmax, PV, no overlap), so that is the latency a later version should cut
@@ -96,18 +158,51 @@ SMEM_RESERVE = 4096           # barriers and 1 KiB alignment of the swizzled buf
 # register count at entry may already exceed 232, and setmaxnreg.inc must not lower it.
 COMPUTE_REGISTERS = 256
 MEMORY_REGISTERS = 40
+# organisation="shared_qk": two compute warpgroups and one memory warpgroup (384 threads), the split of jax's
+# attention_mgpu.py forward kernel and of its warp-specialised pipeline with two compute warpgroups:
+# 2 · 128 · 232 + 128 · 40 = 64512 ≤ 65536 registers per SM.
+SHARED_QK_COMPUTE_REGISTERS = 232
+SHARED_QK_CONSUMERS = 2       # compute warpgroups; consumer c owns output columns [c·d/2, (c+1)·d/2)
+SMEM_ALIGNMENT = 1024         # Pallas rounds every shared-memory scratch buffer up to 1 KiB
+ORGANISATIONS = ("split_cta", "shared_qk")
 LOG2E = math.log2(math.e)
 
 
-def smem_bytes(d: int, block_kv: int, stages: int) -> int:
-    """Shared memory one CTA allocates: Q (reused for O), ``stages`` KV tiles with their mask rows, the sink."""
-    return HEADS_PER_CTA * d * 2 + stages * (block_kv * d * 2 + block_kv * 4) + HEADS_PER_CTA * 4
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
-def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v_split: int) -> int:
-    """Validates the static configuration; returns the pipeline depth actually used (≤ the number of KV steps)."""
+def smem_bytes(d: int, block_kv: int, stages: int, organisation: str = "split_cta") -> int:
+    """Shared memory one CTA allocates.
+
+    ``split_cta``: Q (reused for O), ``stages`` KV tiles with their mask rows, the sink (unaligned sum; the check
+    adds :data:`SMEM_RESERVE`). ``shared_qk``: the buffers as Pallas allocates them, each rounded up to 1 KiB — Q
+    (reused for O), the KV tiles, the mask rows, the sink (one copy per consumer), the two consumers' fp32 partial
+    logits ``[64, block_kv]`` — plus the mbarriers; the kernel reserves no reduction scratch (its reductions stay
+    inside a warp)."""
+    if organisation == "split_cta":
+        return HEADS_PER_CTA * d * 2 + stages * (block_kv * d * 2 + block_kv * 4) + HEADS_PER_CTA * 4
+    if organisation == "shared_qk":
+        barriers = 2 + 2 * stages + 2                               # setup ×2, loaded/consumed ×stages, exchange ×2
+        return (_aligned(HEADS_PER_CTA * d * 2) + _aligned(stages * block_kv * d * 2) + _aligned(stages * block_kv * 4)
+                + _aligned(SHARED_QK_CONSUMERS * HEADS_PER_CTA * 4)
+                + _aligned(SHARED_QK_CONSUMERS * HEADS_PER_CTA * block_kv * 4) + 8 * barriers)
+    raise ValueError(f"organisation={organisation!r} is not one of {ORGANISATIONS}")
+
+
+def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v_split: int,
+                 organisation: str = "split_cta", l_split: int = 1) -> int:
+    """Validates the static configuration; returns the pipeline depth actually used (≤ the number of KV steps of a
+    CTA)."""
+    if organisation not in ORGANISATIONS:
+        raise ValueError(f"organisation={organisation!r} is not one of {ORGANISATIONS}")
     if h % HEADS_PER_CTA:
         raise ValueError(f"number of heads H={h} must be a multiple of {HEADS_PER_CTA}")
+    if organisation == "shared_qk" and v_split != SHARED_QK_CONSUMERS:
+        raise ValueError(f"organisation='shared_qk' splits d between its {SHARED_QK_CONSUMERS} consumer warpgroups: "
+                         f"v_split must be {SHARED_QK_CONSUMERS}, got {v_split}")
+    if organisation == "split_cta" and l_split != 1:
+        raise ValueError(f"l_split={l_split}: only organisation='shared_qk' splits L across CTAs")
     if v_split < 1 or d % (64 * v_split):
         raise ValueError(f"head width d={d} must be a multiple of 64 · v_split = {64 * v_split}")
     if d // v_split > MAX_DH:
@@ -117,25 +212,31 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
         raise ValueError(f"block_kv={block_kv} must be a positive multiple of 64")
     if rows == 0 or rows % block_kv:
         raise ValueError(f"number of rows L={rows} must be a positive multiple of block_kv={block_kv}")
+    if l_split < 1 or (rows // block_kv) % l_split:
+        raise ValueError(f"l_split={l_split} must divide the number of KV blocks L / block_kv = {rows // block_kv}")
+    if organisation == "shared_qk" and l_split > 1 and (d // v_split) % block_kv:
+        raise ValueError(f"l_split > 1 writes the fp32 partial output through the [64, block_kv] exchange buffer: "
+                         f"d / 2 = {d // v_split} must be a multiple of block_kv={block_kv}")
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages} must be at least 1")
-    stages = min(num_stages, rows // block_kv)
-    need = smem_bytes(d, block_kv, stages)
-    if need + SMEM_RESERVE > SMEM_BYTES:
-        raise ValueError(f"shared memory {need} B (d={d}, block_kv={block_kv}, stages={stages}) exceeds "
-                         f"{SMEM_BYTES - SMEM_RESERVE} B per CTA; lower num_stages or block_kv")
+    stages = min(num_stages, rows // block_kv // l_split)
+    need = smem_bytes(d, block_kv, stages, organisation)
+    limit = SMEM_BYTES - (SMEM_RESERVE if organisation == "split_cta" else 0)
+    if need > limit:
+        raise ValueError(f"shared memory {need} B (d={d}, block_kv={block_kv}, stages={stages}, {organisation}) "
+                         f"exceeds {limit} B per CTA; lower num_stages or block_kv")
     return stages
 
 
 def _load_vector(plgpu, ref, layout):
-    """``plgpu.load`` of a whole 1-D shared-memory ref in ``layout``: jax 0.10.2 requires the index argument
+    """``plgpu.load`` of a whole shared-memory ref in ``layout``: jax 0.10.2 requires the index argument
     (``()``), jax ≥ 0.11 deprecates it (the ref is indexed with ``.at`` instead)."""
     if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)
 
 
-def _decode_attention_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
+def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
                            block_kv: int, stages: int) -> jax.Array:
     """The Mosaic GPU kernel on the split layouts.
 
@@ -257,10 +358,204 @@ def _decode_attention_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink:
     return kernel(q4, kv4, bias, sink)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "v_split"))
+def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
+                    block_kv: int, stages: int, l_split: int):
+    """The ``shared_qk`` kernel (module docstring): one CTA per (L part, head block, token), two consumer warpgroups
+    exchanging their partial logits through shared memory, one TMA warpgroup.
+
+    Args:
+      q4: ``bf16 [N, H, 2, dh]``; kv4: ``bf16 [N, L, 2, dh]``; bias: ``fp32 [N, L]``; sink: ``fp32 [H]``.
+    Returns:
+      ``l_split == 1``: ``bf16 [N, H, 2, dh]``, the output. ``l_split > 1``: ``(acc, ml)`` with ``acc fp32
+      [l_split, N, H, 2, dh]`` the unnormalised partial outputs of each part of L and ``ml fp32 [l_split, N, 2, H]``
+      its running max (base 2) and running sum (the sink counted in part 0 only), for :func:`_combine_parts`.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n, h, consumers, dh = q4.shape
+    assert consumers == SHARED_QK_CONSUMERS
+    rows = kv4.shape[1]
+    kv_steps = rows // block_kv // l_split      # KV blocks per CTA
+    hb = HEADS_PER_CTA
+    qk_scale = float(scale) * LOG2E
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    tiled32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))   # fp32: 128-byte rows too
+    split_l = l_split > 1
+
+    def body(q_ref, kv_ref, bias_ref, sink_ref, *refs):
+        if split_l:
+            acc_ref, ml_ref, *refs = refs
+        else:
+            o_ref, *refs = refs
+        (q_smem, kv_smem, bias_smem, sink_smem, exch_smem, setup_barriers, loaded_barriers, consumed_barriers,
+         written_barrier, read_barrier) = refs
+        part = lax.axis_index("part")
+        h0 = lax.axis_index("head_block") * hb
+        tok = lax.axis_index("token")
+        wg = lax.axis_index("wg")
+        row0 = part * (kv_steps * block_kv)      # first KV row of this CTA
+
+        @pl.when(wg < consumers)
+        def _compute():
+            plgpu.set_max_registers(SHARED_QK_COMPUTE_REGISTERS, action="increase")
+            c = wg                               # this consumer's column chunk
+            other = 1 - c
+            plgpu.copy_gmem_to_smem(q_ref.at[tok, pl.ds(h0, hb), c], q_smem.at[c], setup_barriers.at[c])
+            plgpu.copy_gmem_to_smem(sink_ref.at[pl.ds(h0, hb)], sink_smem.at[c], setup_barriers.at[c])
+            plgpu.barrier_wait(setup_barriers.at[c])
+
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
+            m_i = _load_vector(plgpu, sink_smem.at[c], row_layout) * LOG2E
+            l_i = plgpu.layout_cast(jnp.full((hb,), 1.0, jnp.float32), row_layout)
+            if split_l:                          # the sink's exp(0) = 1 is counted once, in part 0
+                l_i = l_i * (part == 0).astype(jnp.float32)
+            acc = plgpu.layout_cast(jnp.full((hb, dh), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def kv_step(step, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(step, jnp.array(stages, step.dtype))
+                plgpu.barrier_wait(loaded_barriers.at[slot])
+
+                def compute_qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem.at[c], kv_smem.at[slot, c].transpose((1, 0)))
+                    return acc_ref[...]
+
+                s_own = pl.run_scoped(compute_qk, plgpu.ACC((hb, block_kv), jnp.float32))   # Q_c · K_cᵀ
+
+                @pl.when(step > 0)               # the other consumer has read our previous partial
+                def _reuse():
+                    plgpu.barrier_wait(read_barrier)
+
+                exch_smem.at[c][...] = s_own
+                plgpu.barrier_arrive(written_barrier)
+                plgpu.barrier_wait(written_barrier)
+                s_other = _load_vector(plgpu, exch_smem.at[other], plgpu.Layout.WGMMA)
+
+                @pl.when(step + (0 if split_l else 1) < kv_steps)   # split_l: the epilogue reuses the buffer too
+                def _read():
+                    plgpu.barrier_arrive(read_barrier)
+
+                # S = S_0 + S_1: one fp32 addition of the same two values in both consumers (IEEE addition is
+                # commutative), so both hold bitwise the same S, hence the same m, P and l.
+                qk = s_own + s_other
+                bias = _load_vector(plgpu, bias_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                s = qk * qk_scale + lax.broadcast_in_dim(bias, qk.shape, [1])
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(jnp.bfloat16)
+
+                def compute_pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, c])
+
+                acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+
+                @pl.when(step + stages < kv_steps)
+                def _release():
+                    plgpu.barrier_arrive(consumed_barriers.at[slot])
+
+                return acc, m_new, l_i
+
+            acc, m_i, l_i = lax.fori_loop(0, kv_steps, kv_step, (acc, m_i, l_i))
+            if not split_l:
+                acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+                o_smem = q_smem.at[c]            # this consumer's last QK product has been read: Q_c is free
+                o_smem[...] = acc.astype(jnp.bfloat16)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[tok, pl.ds(h0, hb), c])
+                plgpu.wait_smem_to_gmem(0)
+                return
+
+            # L split: the unnormalised fp32 accumulator goes out through this consumer's exchange buffer, block_kv
+            # columns at a time, once the other consumer has read the last partial logits from it.
+            plgpu.barrier_wait(read_barrier)
+            out = exch_smem.at[c]
+            for j in range(dh // block_kv):
+                if j:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                out[...] = acc[:, j * block_kv:(j + 1) * block_kv]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out, acc_ref.at[part, tok, pl.ds(h0, hb), c, pl.ds(j * block_kv, block_kv)])
+
+            @pl.when(c == 0)                     # m and l are the same in both consumers
+            def _stats():
+                sink_smem.at[0][...] = m_i       # both sink copies were read before the first exchange
+                sink_smem.at[1][...] = l_i
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(sink_smem.at[0], ml_ref.at[part, tok, 0, pl.ds(h0, hb)])
+                plgpu.copy_smem_to_gmem(sink_smem.at[1], ml_ref.at[part, tok, 1, pl.ds(h0, hb)])
+
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == consumers)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+            def issue(step, slot):
+                kv_rows = pl.ds(row0 + step * block_kv, block_kv)
+                for c in range(consumers):
+                    plgpu.copy_gmem_to_smem(kv_ref.at[tok, kv_rows, c], kv_smem.at[slot, c], loaded_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(bias_ref.at[tok, kv_rows], bias_smem.at[slot], loaded_barriers.at[slot])
+
+            for i in range(stages):
+                issue(i, i)
+
+            @pl.loop(0, kv_steps - stages)
+            def _refill(step):
+                slot = lax.rem(step, jnp.array(stages, step.dtype))
+                plgpu.barrier_wait(consumed_barriers.at[slot])
+                issue(step + stages, slot)
+
+    body.__name__ = f"sparse_decode_attention_shared_qk_d{consumers * dh}_bkv{block_kv}" + (
+        f"_l{l_split}" if split_l else "")
+    scratch = [
+        plgpu.SMEM((consumers, hb, dh), jnp.bfloat16, transforms=tiled),
+        plgpu.SMEM((stages, consumers, block_kv, dh), jnp.bfloat16, transforms=tiled),
+        plgpu.SMEM((stages, block_kv), jnp.float32),
+        plgpu.SMEM((consumers, hb), jnp.float32),
+        plgpu.SMEM((consumers, hb, block_kv), jnp.float32, transforms=tiled32),
+        plgpu.Barrier(num_arrivals=2, num_barriers=consumers),                 # Q chunk + sink, per consumer
+        plgpu.Barrier(num_arrivals=consumers + 1, num_barriers=stages),        # KV chunks + mask row
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),            # both consumers done with a stage
+        plgpu.Barrier(num_arrivals=consumers),                                 # both partial logits written
+        plgpu.Barrier(num_arrivals=consumers),                                 # both partial logits read
+    ]
+    if split_l:
+        out_type = (jax.ShapeDtypeStruct((l_split, *q4.shape), jnp.float32),
+                    jax.ShapeDtypeStruct((l_split, n, 2, h), jnp.float32))
+    else:
+        out_type = jax.ShapeDtypeStruct(q4.shape, jnp.bfloat16)
+    kernel = plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(l_split, h // hb, n),
+        grid_names=("part", "head_block", "token"),
+        num_threads=consumers + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+    )
+    return kernel(q4, kv4, bias, sink)
+
+
+def _combine_parts(acc: jax.Array, ml: jax.Array) -> jax.Array:
+    """Merges the L parts of ``shared_qk`` with ``l_split > 1``: ``acc fp32 [S, N, H, d]``, ``ml fp32 [S, N, 2, H]``
+    (running max in base 2, running sum) → ``bf16 [N, H, d]``. Every running max is ≥ the sink's, so finite."""
+    m, l_sum = ml[:, :, 0], ml[:, :, 1]                          # [S, N, H]
+    w = jnp.exp2(m - m.max(axis=0, keepdims=True))
+    total = (w * l_sum).sum(axis=0)                              # ≥ the sink's term of part 0 · its weight > 0
+    o = (w[..., None] * acc).sum(axis=0) / total[..., None]
+    return o.astype(jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "v_split", "organisation",
+                                             "l_split"))
 def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink: jax.Array, *, scale: float,
-                            block_kv: int = 64, num_stages: int = 2, v_split: int = 2) -> jax.Array:
-    """Decode attention over each query's gathered rows on Hopper (organisation: module docstring).
+                            block_kv: int = 64, num_stages: int = 2, v_split: int = 2,
+                            organisation: str = "split_cta", l_split: int = 1) -> jax.Array:
+    """Decode attention over each query's gathered rows on Hopper (organisations: module docstring).
 
     ``s = scale · q[n,h]·kv[n,l]`` (fp32); ``p = softmax({s : valid} ∪ {sink[h]})`` without the sink's entry;
     ``o[n,h] = bf16(Σ_l bf16(p) · kv[n,l])`` (fp32 accumulation); 0 for a query with no valid row.
@@ -274,31 +569,48 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
       scale: logit scale (static).
       block_kv: KV rows per pipeline step (multiple of 64).
       num_stages: TMA pipeline depth (capped at the number of KV steps; shared memory permitting).
-      v_split: CTAs per (token, head block), each producing ``d / v_split`` output columns.
+      v_split: column chunks of d: ``split_cta``, CTAs per (token, head block), each producing ``d / v_split``
+        output columns; ``shared_qk``, its consumer warpgroups (must be 2).
+      organisation: ``"split_cta"`` (default: ``v_split`` CTAs per token, each computing the whole QK product) or
+        ``"shared_qk"`` (one CTA per token and head block, two consumer warpgroups sharing the QK product).
+      l_split: ``shared_qk`` only: CTAs per (token, head block), each over ``L / l_split`` rows, their fp32 partial
+        outputs merged by XLA after the kernel (must divide ``L / block_kv``).
     Returns:
       ``o bf16 [N, H, d]``.
     """
     n, h, d, rows = check_shapes(q, kv, valid, sink)
     if q.dtype != jnp.bfloat16 or kv.dtype != jnp.bfloat16:
         raise ValueError(f"q and kv must be bf16, got {q.dtype} and {kv.dtype}")
-    stages = check_config(h, d, rows, block_kv=block_kv, num_stages=num_stages, v_split=v_split)
+    stages = check_config(h, d, rows, block_kv=block_kv, num_stages=num_stages, v_split=v_split,
+                          organisation=organisation, l_split=l_split)
     dh = d // v_split
     bias = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
-    out = _decode_attention_call(q.reshape(n, h, v_split, dh), kv.reshape(n, rows, v_split, dh), bias,
-                                 sink.astype(jnp.float32), scale=scale, block_kv=block_kv, stages=stages)
+    args = (q.reshape(n, h, v_split, dh), kv.reshape(n, rows, v_split, dh), bias, sink.astype(jnp.float32))
+    if organisation == "split_cta":
+        out = _split_cta_call(*args, scale=scale, block_kv=block_kv, stages=stages)
+    elif l_split == 1:
+        out = _shared_qk_call(*args, scale=scale, block_kv=block_kv, stages=stages, l_split=1)
+    else:
+        acc, ml = _shared_qk_call(*args, scale=scale, block_kv=block_kv, stages=stages, l_split=l_split)
+        return _combine_parts(acc.reshape(l_split, n, h, d), ml)
     return out.reshape(n, h, d)
 
 
-def traffic(n: int, h: int, d: int, rows: int, *, v_split: int = 2) -> dict[str, float]:
+def traffic(n: int, h: int, d: int, rows: int, *, v_split: int = 2, organisation: str = "split_cta",
+            l_split: int = 1) -> dict[str, float]:
     """Work of one call, for achieved-rate figures.
 
-    ``bytes_read``: the minimum HBM reads — kv ``N·L·d·2`` + q ``N·H·d·2`` + mask ``N·L·4`` + sink ``H·4`` (each KV
-    tile is read by ``v_split`` CTAs; the repeats are meant to hit L2). ``bytes``: reads + the output ``N·H·d·2``.
+    ``bytes_read``: the minimum HBM reads — kv ``N·L·d·2`` + q ``N·H·d·2`` + mask ``N·L·4`` + sink ``H·4`` (with
+    ``split_cta`` each KV tile is read by ``v_split`` CTAs; the repeats are meant to hit L2). ``bytes``: reads + the
+    output ``N·H·d·2``. Neither counts ``shared_qk``'s fp32 partial outputs with ``l_split > 1`` (written and read
+    back once each: ``partial_bytes`` = ``2 · l_split·N·H·d·4``, plus the running max and sum).
     ``flops_useful``: the contract's products, ``2·N·H·L·d`` (QK) + ``2·N·H·L·d`` (PV) = ``4·N·H·L·d``.
-    ``flops_executed``: what the tensor cores run, the QK product once per split:
-    ``2·N·H·L·d·v_split + 2·N·H·L·d`` (``6·N·H·L·d`` = 1.5 × useful at v_split = 2).
+    ``flops_executed``: what the tensor cores run: ``split_cta`` computes the QK product once per split,
+    ``2·N·H·L·d·v_split + 2·N·H·L·d`` (``6·N·H·L·d`` = 1.5 × useful at v_split = 2); ``shared_qk`` once.
     """
     qk = 2 * n * h * rows * d
     read = n * rows * d * 2 + n * h * d * 2 + n * rows * 4 + h * 4
+    partial = 2 * l_split * n * h * (d + 2) * 4 if organisation == "shared_qk" and l_split > 1 else 0
+    qk_times = v_split if organisation == "split_cta" else 1
     return dict(bytes_read=float(read), bytes=float(read + n * h * d * 2), flops_useful=float(2 * qk),
-                flops_executed=float(qk * v_split + qk))
+                flops_executed=float(qk * qk_times + qk), partial_bytes=float(partial))
