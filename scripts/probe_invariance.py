@@ -26,13 +26,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dinfer_jax.models import load_config, mhc, ops, random_model  # noqa: E402
 from dinfer_jax.models.attention_invariant import _attend_tile, index_dots_invariant  # noqa: E402
-from dinfer_jax.models.invariant import CPU_INVARIANT_OPTIONS, DEFAULT_TILE, batch_invariant, token_tiled  # noqa: E402
+from dinfer_jax.models.invariant import (  # noqa: E402
+    CPU_INVARIANT_OPTIONS,
+    DEFAULT_TILE,
+    active_tile,
+    batch_invariant,
+    token_tiled,
+)
 from dinfer_jax.models.moe import moe  # noqa: E402
 
 TS = (1, 2, 5, 16, 17, 40, 100)
 
 
-def _row_stable(fn, make, tile: int) -> tuple[bool, float]:
+def _row_stable(fn, make, tile: int, ts: tuple[int, ...] = TS) -> tuple[bool, float]:
     """(bitwise equal at every T, largest difference) of the last row's output, a fixed input row."""
     def traced(x):
         with batch_invariant(tile):
@@ -42,7 +48,7 @@ def _row_stable(fn, make, tile: int) -> tuple[bool, float]:
     f = jax.jit(traced, compiler_options=opts)
     fixed = make(1)
     base, worst = None, 0.0
-    for t in TS:
+    for t in ts:
         x = make(t).at[t - 1].set(fixed[0])
         y = np.asarray(f(x))[t - 1]
         if base is None:
@@ -52,7 +58,8 @@ def _row_stable(fn, make, tile: int) -> tuple[bool, float]:
     return worst == 0.0, worst
 
 
-def op_probes(tile: int) -> dict[str, tuple[bool, float]]:
+def op_probes(tiles: tuple[int, int], ts: tuple[int, ...], report) -> None:
+    """Each probe with the default tracing and the batch-invariant one (``tiles``); ``report(name, a, b)``."""
     rng = np.random.default_rng(0)
 
     def normal(*shape):
@@ -70,7 +77,7 @@ def op_probes(tile: int) -> dict[str, tuple[bool, float]]:
     def attend(x):
         t = x.shape[0]
         q, wr, wv = x[:, :H * d].reshape(t, H, d), x[:, H * d:(H + W) * d].reshape(t, W, d), x[:, -W:] > 0
-        if tile:
+        if active_tile():
             return token_tiled(lambda a, b, c: _attend_tile(a, b, c, None, None, sink), q, wr, wv, lead=1)
         return _attend_tile(q, wr, wv, None, None, sink)
 
@@ -78,7 +85,7 @@ def op_probes(tile: int) -> dict[str, tuple[bool, float]]:
 
     def index(x):
         q, wt = x[:, :4 * 32].reshape(-1, 4, 32), x[:, 4 * 32:]
-        if tile:
+        if active_tile():
             return index_dots_invariant(q[None], wt[None], keys)[0]
         dots = jnp.einsum("shd,td->sht", q, keys[0], precision=jax.lax.Precision.HIGHEST)
         return jnp.einsum("sht,sh->st", jax.nn.relu(dots), wt, precision=jax.lax.Precision.HIGHEST)
@@ -95,16 +102,30 @@ def op_probes(tile: int) -> dict[str, tuple[bool, float]]:
         "MoE (tiny V4 layer)": (lambda x: moe(ffn, x[None], None, cfg=cfg, hash_routed=False)[0][0],
                                 normal(cfg.hidden_size)),
     }
-    return {name: _row_stable(fn, make, tile) for name, (fn, make) in probes.items()}
+    for name, (fn, make) in probes.items():
+        report(name, *(_row_stable(fn, make, tile, ts) for tile in tiles))
 
 
-def step_probe(name: str, tile: int) -> tuple[bool, float]:
+STEP_VARIANTS = {   # (preset, config overrides): single layer kinds of the tiny V4 model, and the whole models
+    "tiny-v4, 1 sliding layer": ("tiny-v4", dict(num_layers=1, compress_ratios=(0,), attn_kinds=("sliding",),
+                                                 hash_layers=(False,))),
+    "tiny-v4, sliding + CSA": ("tiny-v4", dict(num_layers=2, compress_ratios=(0, 4), attn_kinds=("sliding", "csa"),
+                                               hash_layers=(False, False))),
+    "tiny-v4, sliding + HCA": ("tiny-v4", dict(num_layers=2, compress_ratios=(0, 16),
+                                               attn_kinds=("sliding", "hca"), hash_layers=(False, False))),
+    "tiny-v4": ("tiny-v4", None),
+    "tiny-v41": ("tiny-v41", None),
+}
+
+
+def step_probe(variant: str, tile: int) -> tuple[bool, float]:
     """One prompt's logits through the serving step alone and at other rows of other batches (tests'
     ``_step_rows``)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_batch_invariance import _step_rows
 
-    rows = _step_rows(name, tile, [(1, 16, 0, 2, 0), (4, 32, 2, 4, 30), (8, 16, 7, 4, 16)])
+    name, overrides = STEP_VARIANTS[variant]
+    rows = _step_rows(name, tile, [(1, 16, 0, 2, 0), (4, 32, 2, 4, 30), (8, 16, 7, 4, 16)], overrides)
     worst = max(float(np.abs(lg - rows[0][0]).max()) for lg, _ in rows[1:])
     return worst == 0.0, worst
 
@@ -113,24 +134,32 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ap.add_argument("--no-step", action="store_true", help="skip the model-step probes")
+    ap.add_argument("--no-ops", action="store_true", help="skip the operation probes")
+    ap.add_argument("--steps", default=";".join(STEP_VARIANTS), help="semicolon-separated model-step variants")
+    ap.add_argument("--invariant-only", action="store_true", help="model steps with the batch-invariant tracing only")
+    ap.add_argument("--ts", default=",".join(map(str, TS)), help="comma-separated row counts T")
     args = ap.parse_args(argv)
+    ts = tuple(int(t) for t in args.ts.split(","))
     results = {}
-    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; T in {TS}")
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}; T in {ts}")
     print(f"{'probe':<38} {'default':>22} {'batch-invariant':>22}")
-    default, invariant = op_probes(0), op_probes(DEFAULT_TILE)
-    rows = [(k, default[k], invariant[k]) for k in default]
-    if not args.no_step:
-        for name in ("tiny-v4", "tiny-v41"):
-            rows.append((f"serving step, {name}", step_probe(name, 0), step_probe(name, DEFAULT_TILE)))
-    for key, a, b in rows:
+
+    def report(key: str, a: tuple[bool, float], b: tuple[bool, float]) -> None:
         fmt = functools.partial("{}: {:.1e}".format)
         da, db = fmt("same" if a[0] else "DIFFERS", a[1]), fmt("same" if b[0] else "DIFFERS", b[1])
-        print(f"{key:<38} {da:>22} {db:>22}")
+        print(f"{key:<38} {da:>22} {db:>22}", flush=True)
         results[key] = {"default": {"invariant": a[0], "max_diff": a[1]},
                         "batch_invariant": {"invariant": b[0], "max_diff": b[1]}}
-    if args.out:
-        args.out.write_text(json.dumps({"backend": jax.default_backend(), "jax": jax.__version__,
-                                        "results": results}, indent=1))
+        if args.out:
+            args.out.write_text(json.dumps({"backend": jax.default_backend(), "jax": jax.__version__, "T": ts,
+                                            "results": results}, indent=1))
+
+    if not args.no_ops:
+        op_probes((0, DEFAULT_TILE), ts, report)
+    if not args.no_step:
+        for name in args.steps.split(";"):
+            default = (False, float("nan")) if args.invariant_only else step_probe(name, 0)
+            report(f"step: {name}", default, step_probe(name, DEFAULT_TILE))
     return 0
 
 

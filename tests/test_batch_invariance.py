@@ -10,6 +10,7 @@ full-sequence forward (the invariant path computes the same model, to fp32 round
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -92,9 +93,10 @@ def test_engine_logits_are_batch_invariant(v41):
         assert np.max(np.abs(got - want)) < 1e-4 * max(1.0, np.abs(want).max())
 
 
-def _step_rows(name: str, tile: int, shapes) -> list[tuple[np.ndarray, np.ndarray]]:
-    """One prompt's logits and streams through ``model_step`` (fresh cache) alone and inside other batches."""
-    cfg = load_config(name)
+def _step_rows(name: str, tile: int, shapes, overrides: dict | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One prompt's logits and streams through ``model_step`` (fresh cache) alone and inside other batches
+    (``overrides``: config fields replaced, e.g. fewer layers)."""
+    cfg = dataclasses.replace(load_config(name), **(overrides or {}))
     model = random_model(cfg, seed=3, include_mtp=False)
     cfg = model.config
     params = stack_params(cfg, model.params)
