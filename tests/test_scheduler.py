@@ -311,6 +311,30 @@ def test_token_budget_and_chunked_prefill():
     assert_no_leaks(sched)
 
 
+def test_yoco_split_keep_cuts_chunks_at_the_kept_suffix():
+    """``yoco_split_keep=k`` (``yoco="compact"``): a prefill chunk never straddles ``prefill_len − k``: prompts longer
+    than k are prefilled below it and then their kept suffix; shorter prompts are untouched."""
+    sched = make(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, yoco_split_keep=6)
+    sched.add_request(0, prompt_of(0, 10), SP(max_tokens=1))   # floor 4
+    sched.add_request(1, prompt_of(1, 5), SP(max_tokens=1))    # shorter than k: one chunk
+    sched.add_request(2, prompt_of(2, 30), SP(max_tokens=1))   # floor 24: chunks 16, 8, then the suffix 6
+    spans = []
+    while sched.has_unfinished():
+        step = sched.schedule()
+        spans.append([(r.request_id, r.start_pos, r.num_tokens) for r in step.rows])
+        sched.process_step(step, [tok(r.request_id, r.start_pos + r.num_tokens) if r.sample else None
+                                  for r in step.rows])
+    assert spans[0] == [(0, 0, 4)]                          # cut at request 0's floor: ends the batch
+    assert spans[1] == [(0, 4, 6), (1, 0, 5), (2, 0, 5)]      # its suffix, request 1 whole, request 2's first 5
+    assert [s for s in spans[2:] if s and s[0][0] == 2 and len(s) == 1][:3] == [[(2, 5, 16)], [(2, 21, 3)],
+                                                                                 [(2, 24, 6)]]
+    for rows in spans:
+        for rid, start, n in rows:
+            floor = {0: 4, 1: -1, 2: 24}[rid]
+            assert not start < floor < start + n, f"request {rid}: chunk [{start}, {start + n}) straddles {floor}"
+    assert_no_leaks(sched)
+
+
 def test_chunked_prefill_disabled():
     sched = make(max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=False)
     bad = sched.add_request(0, prompt_of(0, 9), SP())
