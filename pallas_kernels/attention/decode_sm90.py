@@ -172,6 +172,31 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
+def _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_barriers, *, tok, row0, chunks: int,
+                block_kv: int, stages: int, kv_steps: int) -> None:
+    """The TMA warpgroup of both organisations: lowers its registers, issues the first ``stages`` KV tiles (each
+    ``chunks`` column chunks plus the tile's mask row, all arriving on the stage's "loaded" barrier), then refills
+    a stage once its "consumed" barrier says the compute side is done with it. Rows from ``row0`` (the L split)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+    def issue(step, slot):
+        kv_rows = pl.ds(step * block_kv if isinstance(row0, int) and row0 == 0 else row0 + step * block_kv, block_kv)
+        for c in range(chunks):
+            plgpu.copy_gmem_to_smem(kv_ref.at[tok, kv_rows, c], kv_smem.at[slot, c], loaded_barriers.at[slot])
+        plgpu.copy_gmem_to_smem(bias_ref.at[tok, kv_rows], bias_smem.at[slot], loaded_barriers.at[slot])
+
+    for i in range(stages):
+        issue(i, i)
+
+    @pl.loop(0, kv_steps - stages)
+    def _refill(step):
+        slot = lax.rem(step, jnp.array(stages, step.dtype))
+        plgpu.barrier_wait(consumed_barriers.at[slot])
+        issue(step + stages, slot)
+
+
 def smem_bytes(d: int, block_kv: int, stages: int, organisation: str = "split_cta") -> int:
     """Shared memory one CTA allocates.
 
@@ -318,22 +343,8 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
 
         @pl.when(wg == 1)
         def _memory():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-
-            def issue(step, slot):
-                kv_rows = pl.ds(step * block_kv, block_kv)
-                for c in range(v_split):
-                    plgpu.copy_gmem_to_smem(kv_ref.at[tok, kv_rows, c], kv_smem.at[slot, c], loaded_barriers.at[slot])
-                plgpu.copy_gmem_to_smem(bias_ref.at[tok, kv_rows], bias_smem.at[slot], loaded_barriers.at[slot])
-
-            for i in range(stages):
-                issue(i, i)
-
-            @pl.loop(0, kv_steps - stages)
-            def _refill(step):
-                slot = lax.rem(step, jnp.array(stages, step.dtype))
-                plgpu.barrier_wait(consumed_barriers.at[slot])
-                issue(step + stages, slot)
+            _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_barriers, tok=tok, row0=0,
+                        chunks=v_split, block_kv=block_kv, stages=stages, kv_steps=kv_steps)
 
     body.__name__ = f"sparse_decode_attention_d{v_split * dh}_bkv{block_kv}"
     scratch = [
@@ -491,22 +502,8 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
 
         @pl.when(wg == consumers)
         def _memory():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-
-            def issue(step, slot):
-                kv_rows = pl.ds(row0 + step * block_kv, block_kv)
-                for c in range(consumers):
-                    plgpu.copy_gmem_to_smem(kv_ref.at[tok, kv_rows, c], kv_smem.at[slot, c], loaded_barriers.at[slot])
-                plgpu.copy_gmem_to_smem(bias_ref.at[tok, kv_rows], bias_smem.at[slot], loaded_barriers.at[slot])
-
-            for i in range(stages):
-                issue(i, i)
-
-            @pl.loop(0, kv_steps - stages)
-            def _refill(step):
-                slot = lax.rem(step, jnp.array(stages, step.dtype))
-                plgpu.barrier_wait(consumed_barriers.at[slot])
-                issue(step + stages, slot)
+            _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_barriers, tok=tok, row0=row0,
+                        chunks=consumers, block_kv=block_kv, stages=stages, kv_steps=kv_steps)
 
     body.__name__ = f"sparse_decode_attention_shared_qk_d{consumers * dh}_bkv{block_kv}" + (
         f"_l{l_split}" if split_l else "")
