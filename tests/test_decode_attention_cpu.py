@@ -321,7 +321,8 @@ def test_shared_qk_exchange_has_no_race(monkeypatch, capsys, kw):
     printed = capsys.readouterr().out
     reports = printed.split("RACE DETECTED")[1:]
     frames = [re.findall(r"(read|write) of .*?\((_[\w.<>]*)\)\n", r) for r in reports]
-    others = [f for f in frames if not any(kind == "write" and fn.endswith("_produce_kv.<locals>.issue") for kind, fn in f)]
+    refill = "_produce_kv.<locals>.issue"
+    others = [f for f in frames if not any(kind == "write" and fn.endswith(refill) for kind, fn in f)]
     assert not others, f"races outside the mask refill: {others}"
     want, a = exact_contract(q, kv, valid, sink, d ** -0.5)
     assert (np.abs(got - want) <= 2.0 ** -7 * a + 2.0 ** -14 * a.max()).all()
