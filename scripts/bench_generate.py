@@ -28,6 +28,7 @@ identical with and without speculation.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -49,6 +50,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="comma-separated LLM(attention=...) modes: compare decode rates across them instead")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="compare LLM(batch_invariant=True) with the default engine (decode rate, prefill time)")
+    ap.add_argument("--max-position-embeddings", type=int, default=None,
+                    help="override the presets' position limit (random weights; e.g. 8192-token prompts on tiny-v41)")
     ap.add_argument("--yoco", action="store_true",
                     help="prefill tokens/s of long prompts with LLM(yoco=off / mask / compact) (V4.1 models)")
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
@@ -127,6 +130,8 @@ def _models_and_prompts(args: argparse.Namespace):
     rng = np.random.default_rng(0)
     for name in args.models.split(","):
         cfg = load_config(name)
+        if args.max_position_embeddings:
+            cfg = dataclasses.replace(cfg, max_position_embeddings=args.max_position_embeddings)
         model = random_model(cfg, seed=0, std=0.1, include_mtp=False)
         prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, args.prompt_len)] for _ in range(args.batch)]
         yield name, cfg, model, prompts
