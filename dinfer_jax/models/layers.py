@@ -292,6 +292,21 @@ def attention_v4(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, ctx: StepCo
     return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), aux
 
 
+def _write_source_rows(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, inp: StepInput, *, cfg: ModelConfig,
+                       info: LayerInfo, inv_freq: Any) -> dict[str, jax.Array]:
+    """A V4.1 KV source's writes for this step's rows ``h [B,Q,D]`` (normalised attention input): its compressor
+    state rings, its compressed rows (``"ckv"``) and index keys (``"ik"``, when it has them) in its pages, as the
+    cache codecs store them. Returns the updated :class:`LayerCache` fields."""
+    codecs = cache_codecs(cfg, h.dtype)
+    latent, w, valid, upd = compress_v41(p["compressor"], h, lc, k, inp, ratio=info.ratio)
+    kvc, kidx, kvc_pre, kidx_pre = source_rows(p, latent, w * info.ratio, cfg=cfg, dtype=h.dtype, inv_freq=inv_freq,
+                                               has_index_k=info.has_index_k)
+    upd["ckv"] = pages_write(lc.ckv, k, inp.pages, w, valid, codecs.ckv.pack(kvc_pre if codecs.packed else kvc))
+    if info.has_index_k:
+        upd["ik"] = pages_write(lc.ik, k, inp.pages, w, valid, codecs.ik.pack(kidx_pre if codecs.packed else kidx))
+    return upd
+
+
 def attention_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, carry: Carry, ctx: StepContext, *,
                   cfg: ModelConfig, info: LayerInfo,
                   opts: LayerOptions) -> tuple[jax.Array, LayerCache, Carry, dict[str, jax.Array]]:
@@ -317,17 +332,10 @@ def attention_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, carry: Car
     ratio = info.ratio
     if ratio > 0:
         if info.kv_source:
-            latent, w, valid, ring_upd = compress_v41(p["compressor"], h, lc, k, inp, ratio=ratio)
-            upd.update(ring_upd)
-            kvc, kidx, kvc_pre, kidx_pre = source_rows(p, latent, w * ratio, cfg=cfg, dtype=h.dtype, inv_freq=inv,
-                                                       has_index_k=info.has_index_k)
+            upd.update(_write_source_rows(p, h, lc, k, inp, cfg=cfg, info=info, inv_freq=inv))
             # the step attends to the pages it just wrote (earlier rows and this step's), decoded as stored
-            stored = codecs.ckv.pack(kvc_pre if codecs.packed else kvc)
-            upd["ckv"] = pages_write(lc.ckv, k, inp.pages, w, valid, stored)
             carry["kv"] = pages_read(upd["ckv"], k, inp.pages)  # decoded by the consumers (all rows or top-k)
             if info.has_index_k:
-                stored = codecs.ik.pack(kidx_pre if codecs.packed else kidx)
-                upd["ik"] = pages_write(lc.ik, k, inp.pages, w, valid, stored)
                 carry["ik"] = codecs.ik.unpack(pages_read(upd["ik"], k, inp.pages))
         stored = carry["kv"]
         visible = (pos + 1) // ratio
@@ -432,15 +440,7 @@ def layer_v41_region_sources(p: Any, carry: Carry, lc: LayerCache, k: jax.Array,
         rows = ctx.engram[ctx.engram_index[layer]]
         streams = engram_gate(streams, rows, p["engram"], norm_eps=cfg.norm_eps, image_mask=inp.image_mask)
     h = rms_norm(hc_collapse(streams, carry["premix"]), p["attn_norm"], cfg.norm_eps)
-    ap = p["attn"]
-    inv, _ = ctx.ropes[True]
-    codecs = cache_codecs(cfg, h.dtype)
-    latent, w, valid, upd = compress_v41(ap["compressor"], h, lc, k, inp, ratio=info.ratio)
-    kvc, kidx, kvc_pre, kidx_pre = source_rows(ap, latent, w * info.ratio, cfg=cfg, dtype=h.dtype, inv_freq=inv,
-                                               has_index_k=info.has_index_k)
-    upd["ckv"] = pages_write(lc.ckv, k, inp.pages, w, valid, codecs.ckv.pack(kvc_pre if codecs.packed else kvc))
-    if info.has_index_k:
-        upd["ik"] = pages_write(lc.ik, k, inp.pages, w, valid, codecs.ik.pack(kidx_pre if codecs.packed else kidx))
+    upd = _write_source_rows(p["attn"], h, lc, k, inp, cfg=cfg, info=info, inv_freq=ctx.ropes[True][0])
     return carry, dataclasses.replace(lc, **upd), {}
 
 
