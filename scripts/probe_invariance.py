@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -118,15 +119,59 @@ STEP_VARIANTS = {   # (preset, config overrides): single layer kinds of the tiny
 }
 
 
-def step_probe(variant: str, tile: int) -> tuple[bool, float]:
-    """One prompt's logits through the serving step alone and at other rows of other batches (tests'
-    ``_step_rows``)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_batch_invariance import _step_rows
+# (rows B, tokens per row Q, the prompt's row, pages per row, other rows' tokens): the prompt alone, then among others
+STEP_SHAPES = [(1, 16, 0, 2, 0), (2, 16, 1, 2, 10), (4, 32, 2, 4, 30), (8, 16, 7, 4, 16)]
+
+
+def step_probe(variant: str, tile: int, dump: Path | None = None) -> tuple[bool, float]:
+    """One prompt's logits through the serving step alone and at other rows of other batches (as the tests'
+    ``_step_rows``); prints where the row's results first differ (the layers' output streams or only the head's
+    logits). ``dump``: write each shape's optimised program text there (``<variant>-<tile>-<B>x<Q>.hlo``), to
+    compare XLA's fusions between shapes."""
+    import dataclasses
+
+    from dinfer_jax.engine.kv_cache import init_cache
+    from dinfer_jax.engine.model_step import model_step
+    from dinfer_jax.engine.runner import step_statics
+    from dinfer_jax.models.layer_plan import stack_params
+    from dinfer_jax.models.step_state import CacheConfig, StepInput
 
     name, overrides = STEP_VARIANTS[variant]
-    rows = _step_rows(name, tile, [(1, 16, 0, 2, 0), (4, 32, 2, 4, 30), (8, 16, 7, 4, 16)], overrides)
-    worst = max(float(np.abs(lg - rows[0][0]).max()) for lg, _ in rows[1:])
+    cfg = dataclasses.replace(load_config(name), **(overrides or {}))
+    model = random_model(cfg, seed=3, include_mtp=False)
+    cfg = model.config
+    params = stack_params(cfg, model.params)
+    cc = CacheConfig(num_slots=10, num_blocks=48, block_size=16)
+    statics, engram = step_statics(model, "auto", "device", tile)
+    statics.pop("attention")
+    opts = CPU_INVARIANT_OPTIONS if tile and jax.default_backend() == "cpu" else None
+    step = jax.jit(functools.partial(model_step, **statics, return_carry=True), compiler_options=opts)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(4, cfg.vocab_size, 14)
+    rows = []
+    for B, Q, row, P, other in STEP_SHAPES:
+        toks = np.zeros((B, Q), np.int32)
+        n, slot, last = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+        pages = np.zeros((B, P), np.int32)
+        for b in range(B):
+            t = prompt if b == row else rng.integers(4, cfg.vocab_size, other)
+            toks[b, :len(t)], n[b], slot[b], last[b] = t, len(t), b + 1, len(t) - 1
+            pages[b] = np.arange(1 + b * P, 1 + (b + 1) * P)
+        inp = StepInput(*(jnp.asarray(a) for a in (toks, np.zeros(B, np.int32), n, slot, pages, last)))
+        cache = init_cache(cfg, cc, model.dtype)
+        compiled = step.lower(params, cache, inp, engram=engram).compile()
+        if dump is not None:
+            dump.mkdir(parents=True, exist_ok=True)
+            tag = re.sub(r"[^A-Za-z0-9]+", "_", variant)
+            (dump / f"{tag}-{tile}-{B}x{Q}.hlo").write_text(compiled.as_text())
+        logits, _, carry = compiled(params, cache, inp, engram=engram)
+        rows.append((np.asarray(logits[row]), np.asarray(carry["streams"][row, :len(prompt)])))
+    d_logits = [float(np.abs(lg - rows[0][0]).max()) for lg, _ in rows[1:]]
+    d_streams = [float(np.abs(st - rows[0][1]).max()) for _, st in rows[1:]]
+    per = ", ".join(f"{B}x{Q}: {a:.1e} / {b:.1e}"
+                    for (B, Q, *_), a, b in zip(STEP_SHAPES[1:], d_streams, d_logits, strict=True))
+    print(f"  {variant} (tile {tile}) vs 1x16, streams / logits: {per}", flush=True)
+    worst = max(d_logits)
     return worst == 0.0, worst
 
 
@@ -137,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-ops", action="store_true", help="skip the operation probes")
     ap.add_argument("--steps", default=";".join(STEP_VARIANTS), help="semicolon-separated model-step variants")
     ap.add_argument("--invariant-only", action="store_true", help="model steps with the batch-invariant tracing only")
+    ap.add_argument("--dump", type=Path, default=None, help="write the step programs' optimised text here")
     ap.add_argument("--ts", default=",".join(map(str, TS)), help="comma-separated row counts T")
     args = ap.parse_args(argv)
     ts = tuple(int(t) for t in args.ts.split(","))
@@ -158,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         op_probes((0, DEFAULT_TILE), ts, report)
     if not args.no_step:
         for name in args.steps.split(";"):
-            default = (False, float("nan")) if args.invariant_only else step_probe(name, 0)
-            report(f"step: {name}", default, step_probe(name, DEFAULT_TILE))
+            default = (False, float("nan")) if args.invariant_only else step_probe(name, 0, args.dump)
+            report(f"step: {name}", default, step_probe(name, DEFAULT_TILE, args.dump))
     return 0
 
 

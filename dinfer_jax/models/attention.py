@@ -41,15 +41,12 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array) -> dict[str, tuple[Any, 
     return out
 
 
-def index_scores(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, k_rows: jax.Array, pos: jax.Array, *,
-                 cfg: ModelConfig, ratio: int, rope: RopeTable) -> jax.Array:
-    """Lightning-indexer scores ``[B,S,T]`` fp32: ``Σ_h relu(q_h · k_j) · w_h`` with −inf where ``j ≥ (p+1)//m``.
-
-    h ``[B,S,D]``, cq ``[B,S,q_lora]``, k_rows ``[B,T,di]`` (index keys, RoPE'd), pos ``[S]`` or ``[B,S]`` absolute
-    positions of the query rows, rope the query positions' table. With ``kv_fake_quant`` the index query is rounded
-    to FP4 (Q4u), V4's after the reference's Hadamard rotation (its keys are rotated where they are cached); without
-    it V4 omits the rotation, which changes no score (as transformers does).
-    """
+def index_queries(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, *, cfg: ModelConfig,
+                  rope: RopeTable) -> tuple[jax.Array, jax.Array]:
+    """The lightning indexer's per-token half: queries ``[B,S,Hi,di]`` fp32 (RoPE'd; with ``kv_fake_quant``
+    rounded to FP4 (Q4u), V4's after the reference's Hadamard rotation, its keys being rotated where they are
+    cached; without it V4 omits the rotation, which changes no score, as transformers does) and head weights
+    ``[B,S,Hi]`` fp32 (``·di^−½·Hi^−½``). h ``[B,S,D]``, cq ``[B,S,q_lora]``, rope the query positions' table."""
     from dinfer_jax.models.fake_quant import hadamard, maybe_fake_quant, q4u_fake
 
     B, S, _ = h.shape
@@ -60,6 +57,13 @@ def index_scores(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, k_rows: jax.
         q = hadamard(q)
     q = maybe_fake_quant(cfg.kv_fake_quant, q4u_fake, q, 32)
     w = linear(h.astype(F32), p["weights_proj"]) * (di ** -0.5) * (Hi ** -0.5)  # [B,S,Hi]
+    return q, w
+
+
+def index_scores_of(q: jax.Array, w: jax.Array, k_rows: jax.Array, pos: jax.Array, *, ratio: int) -> jax.Array:
+    """Lightning-indexer scores ``[B,S,T]`` fp32 of :func:`index_queries`' ``(q, w)``: ``Σ_h relu(q_h · k_j) · w_h``
+    with −inf where ``j ≥ (p+1)//m``. k_rows ``[B,T,di]`` (index keys, RoPE'd), pos ``[S]`` or ``[B,S]`` absolute
+    positions of the query rows."""
     if active_tile():
         scores = index_dots_invariant(q, w, k_rows)
     else:
@@ -67,6 +71,13 @@ def index_scores(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, k_rows: jax.
         scores = jnp.einsum("bsht,bsh->bst", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)
     visible = jnp.arange(k_rows.shape[1]) < ((pos + 1) // ratio)[..., None]  # [S,T] or [B,S,T]
     return jnp.where(visible, scores, -jnp.inf)
+
+
+def index_scores(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, k_rows: jax.Array, pos: jax.Array, *,
+                 cfg: ModelConfig, ratio: int, rope: RopeTable) -> jax.Array:
+    """Lightning-indexer scores ``[B,S,T]`` fp32 (:func:`index_queries`, then :func:`index_scores_of`)."""
+    q, w = index_queries(p, h, cq, cfg=cfg, rope=rope)
+    return index_scores_of(q, w, k_rows, pos, ratio=ratio)
 
 
 def query_and_window_kv(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig,

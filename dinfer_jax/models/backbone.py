@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from dinfer_jax.models.attention import RopeTable
 from dinfer_jax.models.config import ModelConfig
+from dinfer_jax.models.invariant import rowwise
 from dinfer_jax.models.layer_plan import LayerGroup, layer_info, plan_layers, stack_params
 from dinfer_jax.models.layers import Carry, LayerOptions, StepContext, layer_v4, layer_v41
 from dinfer_jax.models.mhc import hc_collapse, hc_head
@@ -119,12 +120,14 @@ def run_backbone(params: Any, cache: ModelCache, inp: StepInput, *, cfg: ModelCo
 def head_logits(params: Any, carry: Carry, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Final hidden and logits of streams ``[B,S,n,D]``: V4 HC head, V4.1 collapse with the last ``premix``; then
     the final RMSNorm and the vocabulary head, all fp32. Returns ``(logits [B,S,V], hidden [B,S,D])``."""
-    streams = carry["streams"]
-    if cfg.is_v41:
-        h = hc_collapse(streams, carry["premix"])
-    else:
-        h = hc_head(streams, params["hc_head"], hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
-    h = rms_norm(h, params["norm"], cfg.norm_eps, out_dtype=F32)
-    # one bf16 GEMM over an exact split of h (0.3 ms of a batch-64 H200 decode step, against 2.2 ms for converting
-    # the weight and an fp32 GEMM), fp32-accurate: tests/test_head_gpu.py, docs/perf/serving_h200.md
-    return linear_fp32_input(h, params["head"]), h
+    def head(streams: jax.Array, premix: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        if cfg.is_v41:
+            h = hc_collapse(streams, premix)
+        else:
+            h = hc_head(streams, params["hc_head"], hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
+        h = rms_norm(h, params["norm"], cfg.norm_eps, out_dtype=F32)
+        # one bf16 GEMM over an exact split of h (0.3 ms of a batch-64 H200 decode step, against 2.2 ms for
+        # converting the weight and an fp32 GEMM), fp32-accurate: tests/test_head_gpu.py, docs/perf/serving_h200.md
+        return linear_fp32_input(h, params["head"]), h
+
+    return rowwise(head, carry["streams"], carry.get("premix"))

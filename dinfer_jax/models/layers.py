@@ -16,6 +16,7 @@ exactly the config's nearest-source-at-or-before rule (``cfg.kv_source`` etc.).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -25,7 +26,8 @@ from dinfer_jax.models.attention import (
     RopeTable,
     attend,
     attend_selected,
-    index_scores,
+    index_queries,
+    index_scores_of,
     output_projection,
     query_and_window_kv,
     selected_attention_impl,
@@ -50,7 +52,7 @@ from dinfer_jax.models.csa2 import candidate_blocks, topk_select
 from dinfer_jax.models.engram import engram_gate
 from dinfer_jax.models.eplb import expert_loads
 from dinfer_jax.models.fake_quant import hadamard, maybe_fake_quant, q8_fake
-from dinfer_jax.models.invariant import active_tile, ordered_sum
+from dinfer_jax.models.invariant import active_tile, invariant_tracing, ordered_sum, rowwise
 from dinfer_jax.models.layer_plan import LayerInfo
 from dinfer_jax.models.mhc import hc_collapse, hc_mixes, hc_post, hc_pre
 from dinfer_jax.models.moe import moe, route
@@ -137,7 +139,7 @@ def _pool(values: jax.Array, scores: jax.Array) -> jax.Array:
     """Softmax-gated pooling of a compression group: ``Σ_t v[..., t, :] · softmax_t(s)[..., t, :]`` over axis 2 of
     ``[B, W, t, C]`` (batch-invariantly as chains of adds: XLA reduces a middle axis in an order that can follow
     the array's shape)."""
-    if active_tile():
+    if invariant_tracing():
         s = scores - jnp.max(scores, axis=2, keepdims=True)   # the max is exact in any order
         e = jnp.exp(s)
         return ordered_sum(values * (e / ordered_sum(e, 2)[:, :, None]), 2)
@@ -154,10 +156,13 @@ def compress_v4(p: Any, h: jax.Array, st_kv: jax.Array, st_gate: jax.Array, star
     ``[w·m, (w+1)·m)`` (overlap: plus the first half-channels of window w−1) with RoPE at position ``w·m``.
     """
     B, Q, _ = h.shape
-    hf = h.astype(F32)
     pos = start[:, None] + jnp.arange(Q)[None, :]
-    kv = linear(hf, p["wkv"])
-    gate = linear(hf, p["wgate"]) + p["ape"].astype(F32)[jnp.mod(pos, ratio)]
+
+    def project(h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+        hf = h.astype(F32)
+        return linear(hf, p["wkv"]), linear(hf, p["wgate"]) + p["ape"].astype(F32)[jnp.mod(pos, ratio)]
+
+    kv, gate = rowwise(project, h, pos)
     w, valid = closing_groups(start, n, ratio, Q)
     if overlap:
         tok = w[..., None] * ratio - ratio + jnp.arange(2 * ratio)  # [B,W,2m]
@@ -171,10 +176,13 @@ def compress_v4(p: Any, h: jax.Array, st_kv: jax.Array, st_gate: jax.Array, star
     else:
         tok = w[..., None] * ratio + jnp.arange(ratio)
         kv_sel, g_sel = buffer_take(st_kv, kv, start, tok), buffer_take(st_gate, gate, start, tok)
-    pooled = _pool(kv_sel, g_sel)
-    pooled = rms_norm(pooled, p["norm"], norm_eps, out_dtype=F32)
-    cos, sin = rope_cos_sin(w * ratio, inv_freq)
-    return apply_rope_tail(pooled, cos, sin), w, valid, kv, gate
+
+    def pool_row(kv_sel: jax.Array, g_sel: jax.Array, first_pos: jax.Array) -> jax.Array:
+        pooled = rms_norm(_pool(kv_sel, g_sel), p["norm"], norm_eps, out_dtype=F32)
+        cos, sin = rope_cos_sin(first_pos, inv_freq)
+        return apply_rope_tail(pooled, cos, sin)
+
+    return rowwise(pool_row, kv_sel, g_sel, w * ratio), w, valid, kv, gate
 
 
 def compress_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, inp: StepInput, *,
@@ -184,17 +192,15 @@ def compress_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, inp: StepIn
     Returns ``(latent [B,W,d] fp32 pre-norm, w [B,W], valid [B,W], ring updates)``.
     """
     B, Q, _ = h.shape
-    hf = h.astype(F32)
     pos = inp.positions()
-    latent = linear(hf, p["wkv"])
     w, valid = closing_groups(inp.start, inp.n, ratio, Q)
     if ratio == 1:
-        return latent, w[:, :Q], valid[:, :Q], {}
-    score = linear(hf, p["wgate"])
+        return rowwise(lambda h: linear(h.astype(F32), p["wkv"]), h), w[:, :Q], valid[:, :Q], {}
+    latent, score = rowwise(lambda h: (linear(h.astype(F32), p["wkv"]), linear(h.astype(F32), p["wgate"])), h)
     tok = w[..., None] * ratio + jnp.arange(ratio)
     lat_t = buffer_take(ring_read(lc.cst_latent, k, inp.slot), latent, inp.start, tok)
     sc_t = buffer_take(ring_read(lc.cst_score, k, inp.slot), score, inp.start, tok)
-    pooled = _pool(lat_t, sc_t)
+    pooled = rowwise(_pool, lat_t, sc_t)
     updates = {"cst_latent": ring_write(lc.cst_latent, k, inp.slot, pos, inp.n, latent),
                "cst_score": ring_write(lc.cst_score, k, inp.slot, pos, inp.n, score)}
     return pooled, w, valid, updates
@@ -233,28 +239,42 @@ def _compress_into_cache(params: Any, h: jax.Array, kv_ring: jax.Array, gate_rin
     rows, w, valid, kvp, gate = compress_v4(
         params, h, ring_read(kv_ring, k, slot), ring_read(gate_ring, k, slot), start, n,
         ratio=ratio, dim=dim, overlap=overlap, inv_freq=inv_freq, norm_eps=norm_eps)
-    rows = hadamard(rows) if rotate else rows
+    packed = rowwise(lambda r: codec.pack(hadamard(r) if rotate else r), rows)
     return (ring_write(kv_ring, k, slot, pos, n, kvp), ring_write(gate_ring, k, slot, pos, n, gate),
-            pages_write(pool, k, inp.pages, w, valid, codec.pack(rows)))
+            pages_write(pool, k, inp.pages, w, valid, packed))
 
 
-def attention_v4(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, ctx: StepContext, *, cfg: ModelConfig,
-                 info: LayerInfo, opts: LayerOptions) -> tuple[jax.Array, LayerCache, dict[str, jax.Array]]:
-    """V4 attention sublayer (sliding / CSA / HCA). h ``[B,Q,D]`` normalised. Returns ``(out [B,Q,D], updated
-    layer cache, aux)``; aux (``collect``) holds ``indexer_topk [B,Q,k]`` and ``indexer_scores [B,Q,T]`` on CSA.
+def _queries(p: Any, h: jax.Array, pos: jax.Array, inv_freq: Any, *, cfg: ModelConfig,
+             indexed: bool) -> dict[str, jax.Array]:
+    """The per-token half of an attention sublayer on normalised rows ``h [B,Q,D]`` at positions ``pos [B,Q]``:
+    ``h``, ``cq [B,Q,q_lora]``, queries ``q [B,Q,H,d]`` and the window row ``kv [B,Q,d]`` (RoPE'd), and with
+    ``indexed`` the indexer's queries ``iq [B,Q,Hi,di]`` and head weights ``iw [B,Q,Hi]``."""
+    table = RopeTable(*rope_cos_sin(pos, inv_freq))
+    cq, q, kv = query_and_window_kv(p, h, cfg=cfg, rope=table)
+    out = {"h": h, "cq": cq, "q": q, "kv": kv}
+    if indexed:
+        out["iq"], out["iw"] = index_queries(p["indexer"], h, cq, cfg=cfg, rope=table)
+    return out
+
+
+def attention_v4(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, ctx: StepContext, *,
+                 cfg: ModelConfig, info: LayerInfo,
+                 opts: LayerOptions) -> tuple[jax.Array, LayerCache, dict[str, jax.Array]]:
+    """V4 attention sublayer (sliding / CSA / HCA) over the step's per-token values ``t`` (:func:`_queries`; V4
+    layers also put ``kv_stored``, the window rows as the ring stores them, there). Returns ``(o [B,Q,H,d] before
+    the output projection, updated layer cache, aux)``; aux (``collect``) holds ``indexer_topk [B,Q,k]`` and
+    ``indexer_scores [B,Q,T]`` on CSA.
 
     With ``cfg.kv_fake_quant`` (``LLM(kv_cache_dtype="fp8")``, DeepSeek's reference numerics) the window and
     compressed KV rows are FlashMLA ``model1`` values (FP8 non-RoPE dims, bf16 RoPE dims) and the CSA index keys
     and queries Hadamard-rotated FP4, in this step as in the cache that stores their bytes."""
     inp, pos = ctx.inp, ctx.pos
-    inv, table = ctx.ropes[info.ratio > 0]
-    cq, q, kv = query_and_window_kv(p, h, cfg=cfg, rope=table)
+    inv = ctx.ropes[info.ratio > 0][0]
+    h, q, kv = t["h"], t["q"], t["kv"]
     q = constrain(opts.sharder, q, ("act_batch", "act_seq", "act_heads", None))
     codecs = cache_codecs(cfg, h.dtype)
     if codecs.packed:   # this step's window rows are the stored rows' values
-        stored = codecs.swa.pack(kv)
-        keys, wmask, swa = _window(lc.swa, k, codecs.swa.unpack(stored), inp, pos, cfg.sliding_window, None,
-                                   codecs.swa, stored)
+        keys, wmask, swa = _window(lc.swa, k, kv, inp, pos, cfg.sliding_window, None, codecs.swa, t["kv_stored"])
     else:
         keys, wmask, swa = _window(lc.swa, k, kv, inp, pos, cfg.sliding_window, None)
     upd: dict[str, Any] = {"swa": swa}
@@ -273,8 +293,8 @@ def attention_v4(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, ctx: StepCo
                 ix["compressor"], h, lc.ist_kv, lc.ist_gate, lc.ikv, k, inp, pos, ratio=ratio,
                 dim=cfg.index_head_dim, overlap=True, inv_freq=inv, norm_eps=cfg.norm_eps, codec=codecs.ikv,
                 rotate=codecs.packed)
-            scores = index_scores(ix, h, cq, codecs.ikv.unpack(pages_read(upd["ikv"], k, pages)), pos, cfg=cfg,
-                                  ratio=ratio, rope=table)
+            scores = index_scores_of(t["iq"], t["iw"], codecs.ikv.unpack(pages_read(upd["ikv"], k, pages)), pos,
+                                     ratio=ratio)
             top_idx, selected = topk_select(scores, cfg.index_topk)
             if opts.collect:
                 aux.update(indexer_topk=top_idx, indexer_scores=scores)
@@ -282,14 +302,14 @@ def attention_v4(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, ctx: StepCo
         if overlap and (active_tile() or use_selected_rows(opts.attention, q.shape[1], cfg.index_topk, n_rows)):
             rows = codecs.ckv.unpack(pages_gather(upd["ckv"], k, pages, top_idx))
             o = _attend_rows(q, keys, wmask, rows, top_idx >= 0, p["attn_sink"], ctx, cfg, opts)
-            return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), aux
+            return o, dataclasses.replace(lc, **upd), aux
         ckv = codecs.ckv.unpack(pages_read(upd["ckv"], k, pages))
         cmask = jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]  # [B,Q,T]
         cmask = cmask & _real_queries(inp, pos.shape[1])[..., None]
         if overlap:
             cmask = cmask & selected
     o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg)
-    return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), aux
+    return o, dataclasses.replace(lc, **upd), aux
 
 
 def _write_source_rows(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, inp: StepInput, *, cfg: ModelConfig,
@@ -299,32 +319,38 @@ def _write_source_rows(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, inp: 
     cache codecs store them. Returns the updated :class:`LayerCache` fields."""
     codecs = cache_codecs(cfg, h.dtype)
     latent, w, valid, upd = compress_v41(p["compressor"], h, lc, k, inp, ratio=info.ratio)
-    kvc, kidx, kvc_pre, kidx_pre = source_rows(p, latent, w * info.ratio, cfg=cfg, dtype=h.dtype, inv_freq=inv_freq,
-                                               has_index_k=info.has_index_k)
-    upd["ckv"] = pages_write(lc.ckv, k, inp.pages, w, valid, codecs.ckv.pack(kvc_pre if codecs.packed else kvc))
+
+    def stored_rows(latent: jax.Array, first_pos: jax.Array) -> dict[str, jax.Array]:
+        kvc, kidx, kvc_pre, kidx_pre = source_rows(p, latent, first_pos, cfg=cfg, dtype=h.dtype, inv_freq=inv_freq,
+                                                   has_index_k=info.has_index_k)
+        out = {"ckv": codecs.ckv.pack(kvc_pre if codecs.packed else kvc)}
+        if info.has_index_k:
+            out["ik"] = codecs.ik.pack(kidx_pre if codecs.packed else kidx)
+        return out
+
+    rows = rowwise(stored_rows, latent, w * info.ratio)
+    upd["ckv"] = pages_write(lc.ckv, k, inp.pages, w, valid, rows["ckv"])
     if info.has_index_k:
-        upd["ik"] = pages_write(lc.ik, k, inp.pages, w, valid, codecs.ik.pack(kidx_pre if codecs.packed else kidx))
+        upd["ik"] = pages_write(lc.ik, k, inp.pages, w, valid, rows["ik"])
     return upd
 
 
-def attention_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, carry: Carry, ctx: StepContext, *,
+def attention_v41(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, carry: Carry, ctx: StepContext, *,
                   cfg: ModelConfig, info: LayerInfo,
                   opts: LayerOptions) -> tuple[jax.Array, LayerCache, Carry, dict[str, jax.Array]]:
     """V4.1 attention sublayer. A KV source compresses and pages its rows and publishes them (``carry["kv"]`` as
     stored, ``carry["ik"]`` decoded); every compressed layer attends to the latest source's rows selected by the
     latest index source's top-k (``carry["selected"]`` mask, ``carry["selected_idx"]`` indices): all rows masked,
-    or only the selected rows gathered and decoded (``LayerOptions.attention``). Returns ``(out [B,Q,D], layer
-    cache, carry, aux)``."""
+    or only the selected rows gathered and decoded (``LayerOptions.attention``). ``t``: the step's per-token values
+    (:func:`_queries`, plus ``kv_stored``: the window rows as the ring stores them). Returns ``(o [B,Q,H,d]
+    before the output projection, layer cache, carry, aux)``."""
     inp, pos = ctx.inp, ctx.pos
-    inv, table = ctx.ropes[info.ratio > 0]
-    cq, q, kv = query_and_window_kv(p, h, cfg=cfg, rope=table)
+    inv = ctx.ropes[info.ratio > 0][0]
+    h, q = t["h"], t["q"]
     q = constrain(opts.sharder, q, ("act_batch", "act_seq", "act_heads", None))
-    codecs = cache_codecs(cfg, h.dtype)   # byte codecs encode rows before rounding (``cache_codec`` says why)
-    kv_pre = kv
-    kv = maybe_fake_quant(cfg.kv_fake_quant, q8_fake, kv, 32)
-    kv_stored = codecs.swa.pack(kv_pre if codecs.packed else kv)
+    codecs = cache_codecs(cfg, h.dtype)
     floor = inp.window_floor if info.yoco_region else None
-    keys, wmask, swa = _window(lc.swa, k, kv, inp, pos, cfg.sliding_window, floor, codecs.swa, kv_stored)
+    keys, wmask, swa = _window(lc.swa, k, t["kv"], inp, pos, cfg.sliding_window, floor, codecs.swa, t["kv_stored"])
     upd: dict[str, Any] = {"swa": swa}
     carry = dict(carry)
     aux: dict[str, jax.Array] = {}
@@ -340,7 +366,7 @@ def attention_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, carry: Car
         stored = carry["kv"]
         visible = (pos + 1) // ratio
         if info.index_source:
-            scores = index_scores(p["indexer"], h, cq, carry["ik"], pos, cfg=cfg, ratio=ratio, rope=table)
+            scores = index_scores_of(t["iq"], t["iw"], carry["ik"], pos, ratio=ratio)
             if info.candidate_source:
                 carry["candidates"], cand_ids = candidate_blocks(scores, visible, cfg.candidate_block_size,
                                                                  cfg.candidate_topk_blocks)
@@ -355,12 +381,12 @@ def attention_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, carry: Car
             idx = carry["selected_idx"]
             o = _attend_rows(q, keys, wmask, codecs.ckv.unpack(take_rows(stored, idx)), idx >= 0, p["attn_sink"],
                              ctx, cfg, opts)
-            return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), carry, aux
+            return o, dataclasses.replace(lc, **upd), carry, aux
         ckv = codecs.ckv.unpack(stored)
         cmask = (jnp.arange(ckv.shape[1]) < visible[..., None]) & carry["selected"]
         cmask = cmask & _real_queries(inp, pos.shape[1])[..., None]
     o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg)
-    return output_projection(p, o, cfg=cfg, rope=table), dataclasses.replace(lc, **upd), carry, aux
+    return o, dataclasses.replace(lc, **upd), carry, aux
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -371,19 +397,40 @@ def layer_v4(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arra
              cfg: ModelConfig, info: LayerInfo,
              opts: LayerOptions) -> tuple[Carry, LayerCache, dict[str, jax.Array]]:
     """One V4 block on ``carry["streams"] [B,Q,n,D]``: mHC site → attention, mHC site → MoE.
-    ``layer`` (the absolute layer index, possibly traced) is unused by V4. Returns ``(carry, cache, aux)``."""
+    ``layer`` (the absolute layer index, possibly traced) is unused by V4. Returns ``(carry, cache, aux)``.
+
+    What each token computes on its own (mHC mixes, norms, projections, the output projection, the MoE) runs in
+    two :func:`~dinfer_jax.models.invariant.rowwise` segments around the attention core (batch-invariantly over
+    fixed tiles of tokens; otherwise directly)."""
     del layer
     hc_kw = _hc_kw(cfg)
-    streams = carry["streams"]
-    u, post, comb = hc_pre(streams, p["hc_attn"], **hc_kw)
-    a, lc, aux = attention_v4(p["attn"], rms_norm(u, p["attn_norm"], cfg.norm_eps), lc, k, ctx, cfg=cfg, info=info,
-                              opts=opts)
-    streams = hc_post(streams, a, post, comb)
-    streams = constrain(opts.sharder, streams, ("act_batch", "act_seq", None, None))
-    u, post, comb = hc_pre(streams, p["hc_ffn"], **hc_kw)
-    m, moe_aux = _moe(p["ffn"], rms_norm(u, p["ffn_norm"], cfg.norm_eps), ctx.inp.tokens, None, ctx, cfg=cfg,
-                      hash_routed=info.hash_routed, opts=opts)
-    streams = hc_post(streams, m, post, comb)
+    inv = ctx.ropes[info.ratio > 0][0]
+    packed = cache_codecs(cfg, jnp.dtype(carry["streams"].dtype)).packed
+
+    def attention_inputs(streams: jax.Array, pos: jax.Array) -> dict[str, jax.Array]:
+        u, post, comb = hc_pre(streams, p["hc_attn"], **hc_kw)
+        h = rms_norm(u, p["attn_norm"], cfg.norm_eps)
+        t = _queries(p["attn"], h, pos, inv, cfg=cfg, indexed=info.kind == ATTN_CSA)
+        if packed:   # this step's window rows are the stored rows' values
+            swa = cache_codecs(cfg, h.dtype).swa
+            t["kv_stored"] = swa.pack(t["kv"])
+            t["kv"] = swa.unpack(t["kv_stored"])
+        return {**t, "post": post, "comb": comb}
+
+    t = rowwise(attention_inputs, carry["streams"], ctx.pos)
+    o, lc, aux = attention_v4(p["attn"], t, lc, k, ctx, cfg=cfg, info=info, opts=opts)
+
+    def rest(streams: jax.Array, o: jax.Array, post: jax.Array, comb: jax.Array, pos: jax.Array,
+             tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        a = output_projection(p["attn"], o, cfg=cfg, rope=RopeTable(*rope_cos_sin(pos, inv)))
+        streams = hc_post(streams, a, post, comb)
+        streams = constrain(opts.sharder, streams, ("act_batch", "act_seq", None, None))
+        u, post, comb = hc_pre(streams, p["hc_ffn"], **hc_kw)
+        m, moe_aux = _moe(p["ffn"], rms_norm(u, p["ffn_norm"], cfg.norm_eps), tokens, None, ctx, cfg=cfg,
+                          hash_routed=info.hash_routed, opts=opts)
+        return hc_post(streams, m, post, comb), moe_aux
+
+    streams, moe_aux = rowwise(rest, carry["streams"], o, t["post"], t["comb"], ctx.pos, ctx.inp.tokens)
     streams = constrain(opts.sharder, streams, ("act_batch", "act_seq", None, None))
     if opts.collect:
         aux.update(moe_aux)
@@ -426,6 +473,34 @@ def _moe(p: Any, x: jax.Array, token_ids: jax.Array | None, image_mask: jax.Arra
     return y, {**aux, **counted}
 
 
+def _v41_attention_inputs(p: Any, streams: jax.Array, premix: jax.Array, pos: jax.Array, rows: jax.Array | None,
+                          image_mask: jax.Array | None, *, cfg: ModelConfig, info: LayerInfo, inv_freq: Any,
+                          queries: bool) -> dict[str, jax.Array]:
+    """A V4.1 layer's per-token values before attention, for ``streams [B,Q,n,D]``: the Engram gate's streams
+    (Engram layers, ``rows [B,Q,E_in]``), the normalised attention input ``h`` (collapse with ``premix``), and
+    with ``queries`` the attention site's mixes (``pre``, ``post``, ``comb``), the queries and window rows
+    (:func:`_queries`; ``kv`` as attended, ``kv_stored`` as the ring stores it) and the DSpark feature."""
+    if info.engram:
+        streams = engram_gate(streams, rows, p["engram"], norm_eps=cfg.norm_eps, image_mask=image_mask)
+    h = rms_norm(hc_collapse(streams, premix), p["attn_norm"], cfg.norm_eps)
+    if not queries:
+        return {"streams": streams, "h": h}
+    pre, post, comb = hc_mixes(streams, p["hc_attn"], **_hc_kw(cfg))
+    t = _queries(p["attn"], h, pos, inv_freq, cfg=cfg, indexed=info.index_source)
+    codecs = cache_codecs(cfg, h.dtype)   # byte codecs encode rows before rounding (``cache_codec`` says why)
+    kv_pre = t["kv"]
+    t["kv"] = maybe_fake_quant(cfg.kv_fake_quant, q8_fake, kv_pre, 32)
+    t["kv_stored"] = codecs.swa.pack(kv_pre if codecs.packed else t["kv"])
+    t.update(streams=streams, pre=pre, post=post, comb=comb)
+    if info.dspark_target:
+        t["dspark_feature"] = jnp.mean(streams.astype(F32), axis=2).astype(streams.dtype)
+    return t
+
+
+def _engram_rows(ctx: StepContext, layer: jax.Array, info: LayerInfo) -> jax.Array | None:
+    return ctx.engram[ctx.engram_index[layer]] if info.engram else None
+
+
 def layer_v41_region_sources(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Array,
                              ctx: StepContext, *, cfg: ModelConfig,
                              info: LayerInfo) -> tuple[Carry, LayerCache, dict[str, jax.Array]]:
@@ -435,12 +510,10 @@ def layer_v41_region_sources(p: Any, carry: Carry, lc: LayerCache, k: jax.Array,
     if not (info.ratio > 0 and info.kv_source):
         return carry, lc, {}
     inp = ctx.inp
-    streams = carry["streams"]
-    if info.engram:
-        rows = ctx.engram[ctx.engram_index[layer]]
-        streams = engram_gate(streams, rows, p["engram"], norm_eps=cfg.norm_eps, image_mask=inp.image_mask)
-    h = rms_norm(hc_collapse(streams, carry["premix"]), p["attn_norm"], cfg.norm_eps)
-    upd = _write_source_rows(p["attn"], h, lc, k, inp, cfg=cfg, info=info, inv_freq=ctx.ropes[True][0])
+    t = rowwise(functools.partial(_v41_attention_inputs, p, cfg=cfg, info=info, inv_freq=ctx.ropes[True][0],
+                                  queries=False),
+                carry["streams"], carry["premix"], ctx.pos, _engram_rows(ctx, layer, info), inp.image_mask)
+    upd = _write_source_rows(p["attn"], t["h"], lc, k, inp, cfg=cfg, info=info, inv_freq=ctx.ropes[True][0])
     return carry, dataclasses.replace(lc, **upd), {}
 
 
@@ -451,27 +524,31 @@ def layer_v41(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arr
     ``[B,Q,n,D]``, ``premix`` ``[B,Q,n]`` (the previous FFN site's pre) and the cross-layer source values.
     ``layer`` (absolute index, possibly traced) picks the Engram rows. Returns ``(carry, cache, aux)``; aux has
     ``dspark_feature [B,Q,D]`` (mean attention-input stream) on DSpark target layers. With ``opts.yoco_skip`` a
-    YOCO-region layer runs :func:`layer_v41_region_sources` instead."""
+    YOCO-region layer runs :func:`layer_v41_region_sources` instead. As in :func:`layer_v4`, the per-token
+    computations run in two :func:`~dinfer_jax.models.invariant.rowwise` segments around the attention core."""
     if opts.yoco_skip and info.yoco_region:
         return layer_v41_region_sources(p, carry, lc, k, layer, ctx, cfg=cfg, info=info)
     hc_kw = _hc_kw(cfg)
     inp = ctx.inp
-    streams, premix = carry["streams"], carry["premix"]
-    if info.engram:
-        rows = ctx.engram[ctx.engram_index[layer]]
-        streams = engram_gate(streams, rows, p["engram"], norm_eps=cfg.norm_eps, image_mask=inp.image_mask)
-    attn_in = streams
-    pre_a, post_a, comb_a = hc_mixes(streams, p["hc_attn"], **hc_kw)
-    h = rms_norm(hc_collapse(streams, premix), p["attn_norm"], cfg.norm_eps)
-    a, lc, carry, aux = attention_v41(p["attn"], h, lc, k, carry, ctx, cfg=cfg, info=info, opts=opts)
-    streams = hc_post(streams, a, post_a, comb_a)
-    pre_f, post_f, comb_f = hc_mixes(streams, p["hc_ffn"], **hc_kw)
-    x = rms_norm(hc_collapse(streams, pre_a), p["ffn_norm"], cfg.norm_eps)
-    m, moe_aux = _moe(p["ffn"], x, None, inp.image_mask, ctx, cfg=cfg, hash_routed=False, opts=opts)
-    streams = hc_post(streams, m, post_f, comb_f)
+    inv = ctx.ropes[info.ratio > 0][0]
+    t = rowwise(functools.partial(_v41_attention_inputs, p, cfg=cfg, info=info, inv_freq=inv, queries=True),
+                carry["streams"], carry["premix"], ctx.pos, _engram_rows(ctx, layer, info), inp.image_mask)
+    o, lc, carry, aux = attention_v41(p["attn"], t, lc, k, carry, ctx, cfg=cfg, info=info, opts=opts)
+
+    def rest(streams: jax.Array, o: jax.Array, pre_a: jax.Array, post_a: jax.Array, comb_a: jax.Array,
+             pos: jax.Array, image_mask: jax.Array | None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        a = output_projection(p["attn"], o, cfg=cfg, rope=RopeTable(*rope_cos_sin(pos, inv)))
+        streams = hc_post(streams, a, post_a, comb_a)
+        pre_f, post_f, comb_f = hc_mixes(streams, p["hc_ffn"], **hc_kw)
+        x = rms_norm(hc_collapse(streams, pre_a), p["ffn_norm"], cfg.norm_eps)
+        m, moe_aux = _moe(p["ffn"], x, None, image_mask, ctx, cfg=cfg, hash_routed=False, opts=opts)
+        return hc_post(streams, m, post_f, comb_f), pre_f, moe_aux
+
+    streams, pre_f, moe_aux = rowwise(rest, t["streams"], o, t["pre"], t["post"], t["comb"], ctx.pos,
+                                      inp.image_mask)
     streams = constrain(opts.sharder, streams, ("act_batch", "act_seq", None, None))
     if info.dspark_target:
-        aux["dspark_feature"] = jnp.mean(attn_in.astype(F32), axis=2).astype(streams.dtype)
+        aux["dspark_feature"] = t["dspark_feature"]
     if opts.collect:
         aux.update(moe_aux)
         aux["hidden_states"] = streams

@@ -33,7 +33,7 @@ from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.eplb import ExpertMap
 from dinfer_jax.models.expert_ffn import combine_choices, expert_rows_ffn, grouped_expert_ffn, swiglu
 from dinfer_jax.models.expert_parallel import ep_experts, ep_experts_manual
-from dinfer_jax.models.invariant import active_tile, token_tiled
+from dinfer_jax.models.invariant import invariant_tracing, rowwise
 from dinfer_jax.models.ops import F32, linear, matmul
 from dinfer_jax.models.qweights import QuantizedWeight, as_dense, is_quantized
 from sharding.rules import Sharder, constrain
@@ -151,7 +151,7 @@ def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg:
     tid = None if token_ids is None else token_ids.reshape(B * S)
     img = None if image_mask is None else image_mask.reshape(B * S)
     idx, w = route(p["gate"], xf, tid, cfg=cfg, hash_routed=hash_routed, top_k=top_k, image_mask=img)
-    if active_tile() and impl not in EP_IMPLS and expert_map is None:
+    if invariant_tracing() and impl not in EP_IMPLS and expert_map is None:
         # batch-invariant: every expert on a fixed tile of tokens (work ∝ tokens · E), so a token's expert rows never
         # depend on how many other tokens chose the same expert (the grouped GEMMs' shapes do)
         impl = "invariant"
@@ -174,8 +174,8 @@ def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg:
     elif impl == "dense":
         y = _experts_dense(p["experts"], xf, idx, w, cfg=cfg, sharder=sharder)
     elif impl == "invariant":
-        y = token_tiled(lambda x, i, r: _experts_dense(p["experts"], x, i, r, cfg=cfg, sharder=None), xf, idx, w,
-                        lead=1)
+        y = rowwise(lambda x, i, r: _experts_dense(p["experts"], x, i, r, cfg=cfg, sharder=None), xf, idx, w,
+                    lead=1)
     elif impl == "pallas":
         y = _experts_pallas(p["experts"], xf, idx, w, cfg=cfg)
     elif impl == "ragged":
