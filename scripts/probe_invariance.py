@@ -124,48 +124,21 @@ STEP_SHAPES = [(1, 16, 0, 2, 0), (2, 16, 1, 2, 10), (4, 32, 2, 4, 30), (8, 16, 7
 
 
 def step_probe(variant: str, tile: int, dump: Path | None = None) -> tuple[bool, float]:
-    """One prompt's logits through the serving step alone and at other rows of other batches (as the tests'
+    """One prompt's logits through the serving step alone and at other rows of other batches (the tests'
     ``_step_rows``); prints where the row's results first differ (the layers' output streams or only the head's
     logits). ``dump``: write each shape's optimised program text there (``<variant>-<tile>-<B>x<Q>.hlo``), to
     compare XLA's fusions between shapes."""
-    import dataclasses
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_batch_invariance import _step_rows
 
-    from dinfer_jax.engine.kv_cache import init_cache
-    from dinfer_jax.engine.model_step import model_step
-    from dinfer_jax.engine.runner import step_statics
-    from dinfer_jax.models.layer_plan import stack_params
-    from dinfer_jax.models.step_state import CacheConfig, StepInput
-
-    name, overrides = STEP_VARIANTS[variant]
-    cfg = dataclasses.replace(load_config(name), **(overrides or {}))
-    model = random_model(cfg, seed=3, include_mtp=False)
-    cfg = model.config
-    params = stack_params(cfg, model.params)
-    cc = CacheConfig(num_slots=10, num_blocks=48, block_size=16)
-    statics, engram = step_statics(model, "auto", "device", tile)
-    statics.pop("attention")
-    opts = CPU_INVARIANT_OPTIONS if tile and jax.default_backend() == "cpu" else None
-    step = jax.jit(functools.partial(model_step, **statics, return_carry=True), compiler_options=opts)
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(4, cfg.vocab_size, 14)
-    rows = []
-    for B, Q, row, P, other in STEP_SHAPES:
-        toks = np.zeros((B, Q), np.int32)
-        n, slot, last = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
-        pages = np.zeros((B, P), np.int32)
-        for b in range(B):
-            t = prompt if b == row else rng.integers(4, cfg.vocab_size, other)
-            toks[b, :len(t)], n[b], slot[b], last[b] = t, len(t), b + 1, len(t) - 1
-            pages[b] = np.arange(1 + b * P, 1 + (b + 1) * P)
-        inp = StepInput(*(jnp.asarray(a) for a in (toks, np.zeros(B, np.int32), n, slot, pages, last)))
-        cache = init_cache(cfg, cc, model.dtype)
-        compiled = step.lower(params, cache, inp, engram=engram).compile()
+    def write(B: int, Q: int, compiled) -> None:
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
             tag = re.sub(r"[^A-Za-z0-9]+", "_", variant)
             (dump / f"{tag}-{tile}-{B}x{Q}.hlo").write_text(compiled.as_text())
-        logits, _, carry = compiled(params, cache, inp, engram=engram)
-        rows.append((np.asarray(logits[row]), np.asarray(carry["streams"][row, :len(prompt)])))
+
+    name, overrides = STEP_VARIANTS[variant]
+    rows = _step_rows(name, tile, STEP_SHAPES, overrides, on_compiled=write)
     d_logits = [float(np.abs(lg - rows[0][0]).max()) for lg, _ in rows[1:]]
     d_streams = [float(np.abs(st - rows[0][1]).max()) for _, st in rows[1:]]
     per = ", ".join(f"{B}x{Q}: {a:.1e} / {b:.1e}"

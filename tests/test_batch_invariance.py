@@ -93,9 +93,12 @@ def test_engine_logits_are_batch_invariant(v41):
         assert np.max(np.abs(got - want)) < 1e-4 * max(1.0, np.abs(want).max())
 
 
-def _step_rows(name: str, tile: int, shapes, overrides: dict | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
-    """One prompt's logits and streams through ``model_step`` (fresh cache) alone and inside other batches
-    (``overrides``: config fields replaced, e.g. fewer layers)."""
+def _step_rows(name: str, tile: int, shapes, overrides: dict | None = None,
+               on_compiled=None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One prompt's logits and streams through ``model_step`` (fresh cache) alone and inside other batches.
+    ``shapes``: ``(rows B, tokens per row Q, the prompt's row, pages per row, other rows' tokens)`` each;
+    ``overrides``: config fields replaced (e.g. fewer layers); ``on_compiled(B, Q, compiled)`` sees each shape's
+    compiled program (``scripts/probe_invariance.py`` dumps its text)."""
     cfg = dataclasses.replace(load_config(name), **(overrides or {}))
     model = random_model(cfg, seed=3, include_mtp=False)
     cfg = model.config
@@ -117,7 +120,11 @@ def _step_rows(name: str, tile: int, shapes, overrides: dict | None = None) -> l
             toks[b, :len(t)], n[b], slot[b], last[b] = t, len(t), b + 1, len(t) - 1
             pages[b] = np.arange(1 + b * P, 1 + (b + 1) * P)
         inp = StepInput(*(jnp.asarray(a) for a in (toks, np.zeros(B, np.int32), n, slot, pages, last)))
-        logits, _, carry = step(params, init_cache(cfg, cc, model.dtype), inp, engram=engram)
+        cache = init_cache(cfg, cc, model.dtype)
+        compiled = step.lower(params, cache, inp, engram=engram).compile()
+        if on_compiled is not None:
+            on_compiled(B, Q, compiled)
+        logits, _, carry = compiled(params, cache, inp, engram=engram)
         out.append((np.asarray(logits[row]), np.asarray(carry["streams"][row, :len(prompt)])))
     return out
 
