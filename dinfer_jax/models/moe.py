@@ -33,7 +33,7 @@ from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.eplb import ExpertMap
 from dinfer_jax.models.expert_ffn import combine_choices, expert_rows_ffn, grouped_expert_ffn, swiglu
 from dinfer_jax.models.expert_parallel import ep_experts, ep_experts_manual
-from dinfer_jax.models.invariant import invariant_tracing, rowwise
+from dinfer_jax.models.invariant import active_tile, invariant_tracing, token_tiled
 from dinfer_jax.models.ops import F32, linear, matmul
 from dinfer_jax.models.qweights import QuantizedWeight, as_dense, is_quantized
 from sharding.rules import Sharder, constrain
@@ -174,8 +174,11 @@ def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg:
     elif impl == "dense":
         y = _experts_dense(p["experts"], xf, idx, w, cfg=cfg, sharder=sharder)
     elif impl == "invariant":
-        y = rowwise(lambda x, i, r: _experts_dense(p["experts"], x, i, r, cfg=cfg, sharder=None), xf, idx, w,
-                    lead=1)
+        def dense(x: jax.Array, i: jax.Array, r: jax.Array) -> jax.Array:
+            return _experts_dense(p["experts"], x, i, r, cfg=cfg, sharder=None)
+
+        # over fixed token tiles, unless already inside a tile's body (a layer's per-token segment)
+        y = token_tiled(dense, xf, idx, w, lead=1) if active_tile() else dense(xf, idx, w)
     elif impl == "pallas":
         y = _experts_pallas(p["experts"], xf, idx, w, cfg=cfg)
     elif impl == "ragged":
