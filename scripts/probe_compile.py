@@ -51,6 +51,18 @@ def looped(comb_logits: jax.Array, iters: int, eps: float) -> jax.Array:
     return jax.lax.fori_loop(0, iters - 1, round_, c)
 
 
+def chunked(comb_logits: jax.Array, iters: int, eps: float, every: int = 5) -> jax.Array:
+    """The model's Sinkhorn with an optimisation barrier every ``every`` rounds (bounds each fusion's chain)."""
+    c = jax.nn.softmax(comb_logits, axis=-1) + eps
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    for i in range(iters - 1):
+        if i and i % every == 0:
+            c = jax.lax.optimization_barrier(c)
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    return c
+
+
 DURATIONS: dict[str, float] = collections.defaultdict(float)
 
 
@@ -58,11 +70,13 @@ def _listen(name: str, secs: float, **_: object) -> None:
     DURATIONS[name.rsplit("/", 1)[-1]] += secs
 
 
-def compile_step(cfg, batch: int, q: int, pages: int, block: int) -> dict:
-    """Lower and compile one serving-step bucket ``[batch, q]``; wall seconds and optimized-HLO counts."""
+def compile_step(cfg, batch: int, q: int, pages: int, block: int, tile: int = 0, weights: str = "native",
+                 mhc_impl: str = "jnp") -> dict:
+    """Lower and compile one serving-step bucket ``[batch, q]`` (``tile`` > 0: traced batch-invariantly with that
+    token tile); wall seconds and optimized-HLO counts."""
     sds = jax.ShapeDtypeStruct
     params = jax.eval_shape(
-        functools.partial(stack_params, cfg), abstract_params(cfg, "bfloat16", include_mtp=False, weights="native")
+        functools.partial(stack_params, cfg), abstract_params(cfg, "bfloat16", include_mtp=False, weights=weights)
     )
     cc = CacheConfig(num_slots=batch + 1, num_blocks=batch * pages + 1, block_size=block)
     i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
@@ -70,7 +84,9 @@ def compile_step(cfg, batch: int, q: int, pages: int, block: int) -> dict:
         tokens=i32(batch, q), start=i32(batch), n=i32(batch), slot=i32(batch), pages=i32(batch, pages), last=i32(batch)
     )
     engram, lookup = (abstract_state(cfg), EngramLookup(cfg)) if cfg.engram_layer_ids else (None, None)
-    step = jax.jit(functools.partial(model_step, cfg=cfg, dtype="bfloat16", engram_fn=lookup), donate_argnums=(1,))
+    step = jax.jit(functools.partial(model_step, cfg=cfg, dtype="bfloat16", engram_fn=lookup, batch_invariant=tile,
+                                     mhc_impl=mhc_impl),
+                   donate_argnums=(1,))
     t0 = time.perf_counter()
     lowered = step.lower(params, cache_shapes(cfg, cc, "bfloat16"), inp, engram=engram)
     t1 = time.perf_counter()
@@ -81,22 +97,27 @@ def compile_step(cfg, batch: int, q: int, pages: int, block: int) -> dict:
         fusions=hlo.count(" fusion("),
         whiles=hlo.count(" while("),
         custom_calls=hlo.count(" custom-call("),
+        instructions=hlo.count("\n  "),
     )
 
 
-def time_sinkhorn(fn, shape, sites: int = 8, reps: int = 20) -> float:
+def time_sinkhorn(fn, shape, sites: int = 8, reps: int = 20) -> tuple[float, float]:
+    """(compile s, run ms) of ``sites`` independent Sinkhorn projections in one program."""
     xs = jax.random.normal(jax.random.key(0), (sites, *shape), jnp.float32)
 
     @jax.jit
     def run(xs):
         return [fn(xs[i], 20, 1e-6) for i in range(sites)]
 
+    t0 = time.perf_counter()
+    run = run.lower(xs).compile()
+    compile_s = time.perf_counter() - t0
     jax.block_until_ready(run(xs))
     t0 = time.perf_counter()
     for _ in range(reps):
         out = run(xs)
     jax.block_until_ready(out)
-    return 1e3 * (time.perf_counter() - t0) / reps
+    return compile_s, 1e3 * (time.perf_counter() - t0) / reps
 
 
 def main() -> None:
@@ -107,6 +128,14 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=8192, help="prefill bucket length (0: decode bucket only)")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--no-sinkhorn", action="store_true", help="skip the Sinkhorn micro-benchmark")
+    ap.add_argument("--override", action="append", default=[], metavar="FIELD=INT",
+                    help="replace an integer config field (e.g. hc_sinkhorn_iters=1) to see its share of the compile")
+    ap.add_argument("--batch-invariant", type=int, default=0, metavar="TILE",
+                    help="trace the steps batch-invariantly with this token tile (docs/batch_invariance.md)")
+    ap.add_argument("--mhc-impl", default="jnp", choices=["jnp", "pallas"],
+                    help="the mHC Sinkhorn: XLA or the Mosaic GPU kernel (pallas_kernels/mhc)")
+    ap.add_argument("--weights", default="native", choices=["native", "dense"],
+                    help="the weights' form (tiny presets have no native quantization: dense)")
     args = ap.parse_args()
     jax.monitoring.register_event_duration_secs_listener(_listen)
     print(
@@ -114,10 +143,17 @@ def main() -> None:
         flush=True,
     )
     if not args.no_sinkhorn:
+        forms = [("model (XLA)", mhc.sinkhorn), ("looped", looped), ("barrier/5", chunked)]
+        if jax.default_backend() == "gpu":
+            forms.append(("kernel", functools.partial(mhc.sinkhorn, impl="pallas")))
         for shape in [(64, 1, 4, 4), (8192, 4, 4)]:
-            a, b = time_sinkhorn(mhc.sinkhorn, shape), time_sinkhorn(looped, shape)
-            print(f"sinkhorn x8 sites on {shape}: unrolled {a:.3f} ms, looped {b:.3f} ms", flush=True)
+            for name, fn in forms:
+                c, r = time_sinkhorn(fn, shape)
+                print(f"sinkhorn x8 sites on {shape}, {name}: compile {c:.2f} s, run {r:.3f} ms", flush=True)
     base = load_config(args.preset)
+    for item in args.override:
+        field, value = item.split("=")
+        base = base.replace(**{field: int(value)})
     pages = -(-max(args.prefill, 4096) // args.block) + 1
     buckets = [(args.batch, 1)] + ([(1, args.prefill)] if args.prefill else [])
     for n in args.layers:
@@ -125,7 +161,8 @@ def main() -> None:
         DURATIONS.clear()
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(len(buckets)) as pool:
-            futs = {bq: pool.submit(compile_step, cfg, bq[0], bq[1], pages, args.block) for bq in buckets}
+            futs = {bq: pool.submit(compile_step, cfg, bq[0], bq[1], pages, args.block,
+                                      args.batch_invariant, args.weights, args.mhc_impl) for bq in buckets}
             results = {bq: f.result() for bq, f in futs.items()}
         wall = time.perf_counter() - t0
         phases = {k: round(v, 1) for k, v in DURATIONS.items()}

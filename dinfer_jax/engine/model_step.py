@@ -52,7 +52,7 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
                engram: EngramState | None = None, ep_manual: int = 0, cp_manual: int = 0,
                copies_manual: int = 1, return_carry: bool = False, attention: str = "auto",
                attention_impl: str = "auto", count_experts: bool = False, batch_invariant: int = 0,
-               yoco_skip: bool = False) -> tuple[Any, ...]:
+               yoco_skip: bool = False, mhc_impl: str = "jnp") -> tuple[Any, ...]:
     """Run the model on one step's rows.
 
     params: ``"layers"`` stacked (:func:`stack_params`) for serving, or in checkpoint layout (stacked per call).
@@ -72,18 +72,19 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
     ``yoco_skip`` (V4.1 ``yoco="compact"``, prefill rows entirely below their kept suffix): the YOCO region only
     writes its KV sources' compressed rows (:func:`~dinfer_jax.models.layers.layer_v41_region_sources`); the
     returned logits are then meaningless (no row samples).
+    ``mhc_impl``: the mHC Sinkhorn's implementation (:class:`~dinfer_jax.models.layers.LayerOptions`).
     """
     with invariant_tracing(batch_invariant):
         return _model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn,
                            engram=engram, ep_manual=ep_manual, cp_manual=cp_manual, copies_manual=copies_manual,
                            return_carry=return_carry, attention=attention, attention_impl=attention_impl,
-                           count_experts=count_experts, yoco_skip=yoco_skip)
+                           count_experts=count_experts, yoco_skip=yoco_skip, mhc_impl=mhc_impl)
 
 
 def _model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, cfg: ModelConfig, dtype: str,
                 moe_impl: str, engram_fn: EngramLookup | None, engram: EngramState | None, ep_manual: int,
                 cp_manual: int, copies_manual: int, return_carry: bool, attention: str, attention_impl: str,
-                count_experts: bool, yoco_skip: bool) -> tuple[Any, ...]:
+                count_experts: bool, yoco_skip: bool, mhc_impl: str) -> tuple[Any, ...]:
     engram_emb = None
     if cfg.engram_layer_ids:
         rows, hist = _engram_rows_device(cache.ngram_hist, inp, cfg, engram.cmap)
@@ -91,7 +92,7 @@ def _model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *,
         engram_emb = engram_fn(engram.tables, rows).astype(jnp.dtype(dtype))  # [n_engram, B, Q, E_in]
     opts = LayerOptions(moe_impl=moe_impl, ep_manual=ep_manual, cp_manual=cp_manual,
                         copies_manual=copies_manual, attention=attention, attention_impl=attention_impl,
-                        count_experts=count_experts, yoco_skip=yoco_skip)
+                        count_experts=count_experts, yoco_skip=yoco_skip, mhc_impl=mhc_impl)
     carry, cache, aux = run_backbone(params, cache, inp, cfg=cfg, dtype=dtype, opts=opts, engram=engram_emb)
     last = {k: jnp.take_along_axis(v, inp.last.reshape((-1,) + (1,) * (v.ndim - 1)), axis=1)
             for k, v in carry.items() if k in ("streams", "premix")}  # [B,1,...]

@@ -81,6 +81,9 @@ class LayerOptions:
     # how the gathered rows are attended: "auto" (the Mosaic GPU decode kernel where it runs, else XLA), "jnp",
     # "pallas" (attention.selected_attention_impl)
     attention_impl: str = "auto"
+    # the mHC Sinkhorn: "jnp" (XLA) or "pallas" (the Mosaic GPU kernel, mhc.sinkhorn); "jnp" until the kernel has
+    # been checked on the H200
+    mhc_impl: str = "jnp"
     # every MoE sublayer reports aux["expert_loads"] [E] int32: this step's real tokens per logical expert (EPLB)
     count_experts: bool = False
     # V4.1 YOCO "compact" on a prefill step whose rows all lie below their kept suffix: the YOCO region only writes
@@ -99,8 +102,9 @@ class StepContext(NamedTuple):
     engram_index: jax.Array | None = None
 
 
-def _hc_kw(cfg: ModelConfig) -> dict[str, Any]:
-    return dict(hc_mult=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
+def _hc_kw(cfg: ModelConfig, opts: LayerOptions | None = None) -> dict[str, Any]:
+    return dict(hc_mult=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps,
+                impl=opts.mhc_impl if opts is not None else "jnp")
 
 
 def _real_queries(inp: StepInput, Q: int) -> jax.Array:
@@ -403,7 +407,7 @@ def layer_v4(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arra
     two :func:`~dinfer_jax.models.invariant.rowwise` segments around the attention core (batch-invariantly over
     fixed tiles of tokens; otherwise directly)."""
     del layer
-    hc_kw = _hc_kw(cfg)
+    hc_kw = _hc_kw(cfg, opts)
     inv = ctx.ropes[info.ratio > 0][0]
     packed = cache_codecs(cfg, jnp.dtype(carry["streams"].dtype)).packed
 
@@ -475,7 +479,7 @@ def _moe(p: Any, x: jax.Array, token_ids: jax.Array | None, image_mask: jax.Arra
 
 def _v41_attention_inputs(p: Any, streams: jax.Array, premix: jax.Array, pos: jax.Array, rows: jax.Array | None,
                           image_mask: jax.Array | None, *, cfg: ModelConfig, info: LayerInfo, inv_freq: Any,
-                          queries: bool) -> dict[str, jax.Array]:
+                          queries: bool, mhc_impl: str = "jnp") -> dict[str, jax.Array]:
     """A V4.1 layer's per-token values before attention, for ``streams [B,Q,n,D]``: the Engram gate's streams
     (Engram layers, ``rows [B,Q,E_in]``), the normalised attention input ``h`` (collapse with ``premix``), and
     with ``queries`` the attention site's mixes (``pre``, ``post``, ``comb``), the queries and window rows
@@ -485,7 +489,7 @@ def _v41_attention_inputs(p: Any, streams: jax.Array, premix: jax.Array, pos: ja
     h = rms_norm(hc_collapse(streams, premix), p["attn_norm"], cfg.norm_eps)
     if not queries:
         return {"streams": streams, "h": h}
-    pre, post, comb = hc_mixes(streams, p["hc_attn"], **_hc_kw(cfg))
+    pre, post, comb = hc_mixes(streams, p["hc_attn"], **{**_hc_kw(cfg), "impl": mhc_impl})
     t = _queries(p["attn"], h, pos, inv_freq, cfg=cfg, indexed=info.index_source)
     codecs = cache_codecs(cfg, h.dtype)   # byte codecs encode rows before rounding (``cache_codec`` says why)
     kv_pre = t["kv"]
@@ -528,10 +532,11 @@ def layer_v41(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arr
     computations run in two :func:`~dinfer_jax.models.invariant.rowwise` segments around the attention core."""
     if opts.yoco_skip and info.yoco_region:
         return layer_v41_region_sources(p, carry, lc, k, layer, ctx, cfg=cfg, info=info)
-    hc_kw = _hc_kw(cfg)
+    hc_kw = _hc_kw(cfg, opts)
     inp = ctx.inp
     inv = ctx.ropes[info.ratio > 0][0]
-    t = rowwise(functools.partial(_v41_attention_inputs, p, cfg=cfg, info=info, inv_freq=inv, queries=True),
+    t = rowwise(functools.partial(_v41_attention_inputs, p, cfg=cfg, info=info, inv_freq=inv, queries=True,
+                                  mhc_impl=opts.mhc_impl),
                 carry["streams"], carry["premix"], ctx.pos, _engram_rows(ctx, layer, info), inp.image_mask)
     o, lc, carry, aux = attention_v41(p["attn"], t, lc, k, carry, ctx, cfg=cfg, info=info, opts=opts)
 

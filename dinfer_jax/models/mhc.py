@@ -9,6 +9,8 @@ import jax.numpy as jnp
 
 from dinfer_jax.models.invariant import active_tile, token_tiled
 from dinfer_jax.models.ops import F32
+from pallas_kernels.mhc.reference import sinkhorn_ref
+from pallas_kernels.mhc.sinkhorn_sm90 import sinkhorn_projection
 
 
 def _normed_mix(streams: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
@@ -21,30 +23,38 @@ def _normed_mix(streams: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array
     return jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision=jax.lax.Precision.HIGHEST)
 
 
-def sinkhorn(comb_logits: jax.Array, iters: int, eps: float) -> jax.Array:
+MHC_IMPLS = ("jnp", "pallas")
+
+
+def sinkhorn(comb_logits: jax.Array, iters: int, eps: float, impl: str = "jnp") -> jax.Array:
     """Doubly-stochastic projection of ``[..., n(j), n(k)]`` logits: softmax over k, then alternate normalisation.
 
     First a column normalisation (sum over j), then ``iters − 1`` rounds of row (sum over k) + column.
+    ``impl``: ``"jnp"`` (XLA: :func:`pallas_kernels.mhc.reference.sinkhorn_ref`) or ``"pallas"`` (the Mosaic GPU
+    kernel :mod:`pallas_kernels.mhc.sinkhorn_sm90`, GPU only: keeps the rounds out of XLA's fusion pass,
+    ``docs/perf/compile_time_gpu.md``).
     """
-    c = jax.nn.softmax(comb_logits, axis=-1) + eps
-    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-    return c
+    if impl == "jnp":
+        return sinkhorn_ref(comb_logits, iters, eps)
+    if impl != "pallas":
+        raise ValueError(f"mhc_impl must be one of {MHC_IMPLS}, got {impl!r}")
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"mhc_impl='pallas' needs a GPU (backend is {jax.default_backend()!r})")
+    return sinkhorn_projection(comb_logits.astype(F32), iters, eps)
 
 
 def hc_mixes(streams: jax.Array, site: Mapping[str, jax.Array], *, hc_mult: int, sinkhorn_iters: int,
-             hc_eps: float, norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+             hc_eps: float, norm_eps: float, impl: str = "jnp") -> tuple[jax.Array, jax.Array, jax.Array]:
     """Mixing weights of one mHC site from streams ``[B,S,n,D]``: ``(pre [B,S,n], post [B,S,n], comb [B,S,n,n])``,
-    all fp32; comb is doubly stochastic and indexed ``[j (input stream), k (output stream)]``."""
+    all fp32; comb is doubly stochastic and indexed ``[j (input stream), k (output stream)]``. ``impl``: the
+    Sinkhorn's implementation (:func:`sinkhorn`)."""
     n = hc_mult
     mix = _normed_mix(streams, site["fn"], norm_eps)  # [B,S,(2+n)n]
     base, scale = site["base"].astype(F32), site["scale"].astype(F32)
     pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb_logits = mix[..., 2 * n:] * scale[2] + base[2 * n:]
-    comb = sinkhorn(comb_logits.reshape(*comb_logits.shape[:-1], n, n), sinkhorn_iters, hc_eps)
+    comb = sinkhorn(comb_logits.reshape(*comb_logits.shape[:-1], n, n), sinkhorn_iters, hc_eps, impl)
     return pre, post, comb
 
 
@@ -55,13 +65,13 @@ def hc_collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
 
 
 def hc_pre(streams: jax.Array, site: Mapping[str, jax.Array], *, hc_mult: int, sinkhorn_iters: int, hc_eps: float,
-           norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+           norm_eps: float, impl: str = "jnp") -> tuple[jax.Array, jax.Array, jax.Array]:
     """Collapse the streams for one sublayer (V4, unshifted).
 
     streams: ``[B,S,n,D]``. Returns ``(u [B,S,D] in the streams' dtype, post [B,S,n] fp32, comb [B,S,n,n] fp32)``.
     """
     pre, post, comb = hc_mixes(streams, site, hc_mult=hc_mult, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
-                               norm_eps=norm_eps)
+                               norm_eps=norm_eps, impl=impl)
     return hc_collapse(streams, pre), post, comb
 
 
