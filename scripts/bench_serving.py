@@ -27,6 +27,7 @@ table placements with ``--engram-tables device host`` (issue 13: host tables wit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -108,6 +109,7 @@ def run_one(preset: str, layers: int, args, bw: float, engram_tables: str = "dev
         cfg = cfg.replace(engram_num_embeddings=engram_table_sizes(cfg))
     t0 = time.perf_counter()
     model = random_model(cfg, dtype="bfloat16", include_mtp=False, weights="native")
+    model = dataclasses.replace(model, mhc_impl=args.mhc_impl)
     jax.block_until_ready(model.params)
     init_s = time.perf_counter() - t0
     buckets = None
@@ -266,6 +268,8 @@ def main() -> None:
     ap.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                     help="XLA compile option for the engine's programs (LLM compiler_options), e.g. "
                          "xla_gpu_autotune_level=0; repeatable")
+    ap.add_argument("--mhc-impl", default="jnp", choices=["jnp", "pallas"],
+                    help="the mHC Sinkhorn: XLA or the Mosaic GPU kernel (pallas_kernels/mhc)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.compiler_options = dict(parse_option(o) for o in args.compiler_option)

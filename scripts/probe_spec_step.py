@@ -43,7 +43,8 @@ def main() -> None:
     B, P = args.batch, args.pages
 
     def buckets(decode_len: int) -> Buckets:
-        return Buckets(decode_batch=(B,), prefill_batch=(1,), prefill_len=(256,), pages=tuple(sorted({P, 16})), decode_len=decode_len)
+        return Buckets(decode_batch=(B,), prefill_batch=(1,), prefill_len=(256,), pages=tuple(sorted({P, 16})),
+                       decode_len=decode_len)
 
     kw = dict(max_num_seqs=B, max_model_len=256, progress=False, warmup=False)
     plain = LLM("default", buckets=buckets(1), **kw).runner

@@ -119,3 +119,16 @@ def test_model_step_routes_mhc_impl_to_the_sinkhorn():
     with pytest.raises(ValueError, match="mhc_impl must be one of"):
         trace("triton")
     trace("jnp")
+
+
+def test_llm_refuses_an_mhc_impl_that_cannot_run_here():
+    import dataclasses
+
+    from dinfer_jax import LLM
+    from dinfer_jax.models import load_config, random_model
+
+    model = random_model(load_config("tiny-v4"), seed=0, include_mtp=False)
+    with pytest.raises(ValueError, match="mhc_impl='pallas' .* needs a GPU"):
+        LLM(dataclasses.replace(model, mhc_impl="pallas"), warmup=False, progress=False)
+    with pytest.raises(ValueError, match="mhc_impl must be one of"):
+        LLM(dataclasses.replace(model, mhc_impl="cuda"), warmup=False, progress=False)

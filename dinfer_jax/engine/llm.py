@@ -147,6 +147,17 @@ def _with_kv_cache_dtype(model: Model, kv_cache_dtype: str) -> Model:
     return dataclasses.replace(model, config=dataclasses.replace(cfg, kv_fake_quant=True))
 
 
+def check_mhc_impl(impl: str) -> None:
+    """ValueError unless the model's ``mhc_impl`` can run here (the Mosaic GPU kernel needs a GPU)."""
+    from dinfer_jax.models.mhc import MHC_IMPLS
+
+    if impl not in MHC_IMPLS:
+        raise ValueError(f"the model's mhc_impl must be one of {MHC_IMPLS}, got {impl!r}")
+    if impl == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(f"mhc_impl='pallas' (the Mosaic GPU Sinkhorn kernel) needs a GPU; the backend is "
+                         f"{jax.default_backend()!r}")
+
+
 def _check_speculative(model: Model, speculative: str | None, k: int) -> str | None:
     """Validate ``LLM(speculative=..., num_speculative_tokens=...)``; returns the method (None: off)."""
     if speculative is None:
@@ -325,6 +336,7 @@ class LLM:
         cfg = self.model.config
         self.config = cfg
         self.speculative = _check_speculative(self.model, speculative, num_speculative_tokens)
+        check_mhc_impl(self.model.mhc_impl)
         if num_redundant_experts is not None and ep_size < 2:
             raise ValueError(f"num_redundant_experts (EPLB) needs expert parallelism: ep_size > 1, got {ep_size}")
         if eplb_interval is not None and (num_redundant_experts is None or int(eplb_interval) < 1):

@@ -54,7 +54,9 @@ class EngramRuntime:
 class Model:
     """A config plus its parameter pytree. ``dtype`` is the activation/weight dtype ("float32" or "bfloat16").
 
-    ``engram`` (V4.1) holds the host-side Engram tables; they never enter device memory.
+    ``engram`` (V4.1) holds the host-side Engram tables; they never enter device memory. ``mhc_impl``: the mHC
+    Sinkhorn's implementation in every forward and serving step (:func:`~dinfer_jax.models.mhc.sinkhorn`:
+    ``"jnp"`` or ``"pallas"``, the Mosaic GPU kernel; set it with ``dataclasses.replace``).
     """
 
     config: ModelConfig
@@ -63,11 +65,12 @@ class Model:
     sharder: Sharder | None = None
     moe_impl: str = "auto"
     engram: EngramRuntime | None = None
+    mhc_impl: str = "jnp"
 
     def options(self, collect: bool = False, yoco: str = "off", yoco_keep: int = 140,
                 attention: str = "auto") -> ForwardOptions:
         return ForwardOptions(collect=collect, moe_impl=self.moe_impl, sharder=self.sharder, yoco=yoco,
-                              yoco_keep=yoco_keep, attention=attention)
+                              yoco_keep=yoco_keep, attention=attention, mhc_impl=self.mhc_impl)
 
     @property
     def num_params(self) -> int:

@@ -51,6 +51,7 @@ class ForwardOptions:
     yoco: str = "off"  # V4.1 prefill truncation: "off" (exact), "mask", "compact"
     yoco_keep: int = 140  # rows kept from the first ratio-1 layer on; must cover window + backtracking
     attention: str = "auto"  # compressed rows: "auto" / "sparse" (gather each query's top-k) / "dense" (mask all)
+    mhc_impl: str = "jnp"  # the mHC Sinkhorn: "jnp" (XLA) or "pallas" (Mosaic GPU kernel; mhc.sinkhorn)
 
 
 class ForwardOutput(NamedTuple):
@@ -129,7 +130,7 @@ def forward(params: Mapping[str, Any], token_ids: jax.Array, *, cfg: ModelConfig
                     slot=pages[:, 0], pages=pages, last=full - 1, image_embeds=image_embeds, image_mask=image_mask,
                     window_floor=jnp.full((B,), S - keep, jnp.int32) if truncate else None)
     opts = LayerOptions(moe_impl=options.moe_impl, sharder=options.sharder, collect=options.collect,
-                        attention=options.attention)
+                        attention=options.attention, mhc_impl=options.mhc_impl)
     embed_carry = None
     if options.collect:
         x = embed_tokens(params, inp.tokens, dt, image_embeds, image_mask)
@@ -182,7 +183,7 @@ def mtp_forward(params: Mapping[str, Any], streams: jax.Array, next_ids: jax.Arr
                     pages=pages, last=full - 1)
     pos = inp.positions()
     ctx = StepContext(inp, pos, rope_for(cfg, pos))
-    opts = LayerOptions(moe_impl=options.moe_impl, sharder=options.sharder)
+    opts = LayerOptions(moe_impl=options.moe_impl, sharder=options.sharder, mhc_impl=options.mhc_impl)
     carry, _, _ = layer_v4(p, {"streams": x}, lc, jnp.int32(0), jnp.int32(-1), ctx, cfg=cfg, info=SLIDING_INFO,
                            opts=opts)
     logits, _ = head_logits({"hc_head": p["hc_head"], "norm": p["norm"], "head": params["head"]}, carry, cfg)
