@@ -101,3 +101,56 @@ def test_engine_compiles_its_steps_with_the_given_options():
                        r._lower_sampler(2, False, True).compile().as_text())
     for default, unfused in zip(texts["default"], texts["no fusion"], strict=True):
         assert unfused.count("wrapped_") > 2 * default.count("wrapped_") + 10
+
+
+def test_first_of_each_splits_the_warmup_into_two_waves():
+    """The first wave holds one job per key, in order; the second every repeat, in order."""
+    from dinfer_jax.engine.compile_pool import first_of_each
+
+    keys = [(64, 1), (64, 1), (1, 8192), (64, 1), (1, 8192), (8, 1)]
+    assert first_of_each(keys) == ([0, 2, 5], [1, 3, 4])
+    assert first_of_each([]) == ([], [])
+
+
+def test_staged_warmup_setting(monkeypatch):
+    from dinfer_jax.engine.compile_pool import default_staged
+
+    monkeypatch.setenv("DINFER_JAX_STAGED_WARMUP", "1")
+    assert default_staged() is True
+    monkeypatch.setenv("DINFER_JAX_STAGED_WARMUP", "0")
+    assert default_staged() is False
+    monkeypatch.setenv("DINFER_JAX_STAGED_WARMUP", "yes")
+    with pytest.raises(ValueError, match="DINFER_JAX_STAGED_WARMUP must be 0 or 1"):
+        default_staged()
+    monkeypatch.delenv("DINFER_JAX_STAGED_WARMUP")
+    assert default_staged() is (jax.default_backend() == "gpu")
+
+
+def test_staged_warmup_compiles_every_bucket_once(monkeypatch):
+    """A staged warm-up (forced on this CPU) compiles one program per (rows, tokens) shape and the samplers first,
+    the other page-table widths second, and serving then compiles nothing."""
+    from dinfer_jax import LLM, SamplingParams
+    from dinfer_jax.engine import runner as runner_mod
+    from dinfer_jax.engine.buckets import Buckets
+    from dinfer_jax.models import random_model
+    from dinfer_jax.models.config import load_config
+
+    waves = []
+    real = runner_mod.compile_all
+
+    def recording(jobs, threads, on_done=None):
+        waves.append(len(jobs))
+        real(jobs, threads, on_done)
+
+    monkeypatch.setattr(runner_mod, "compile_all", recording)
+    model = random_model(load_config("tiny-v4"), seed=0, include_mtp=False)
+    buckets = Buckets(decode_batch=(2,), prefill_batch=(1,), prefill_len=(16,), pages=(1, 2))
+    llm = LLM(model, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, buckets=buckets, warmup=False,
+              progress=False, kv_cache_memory_bytes=8 << 20)
+    llm.runner.warmup(compile_threads=2, staged=True)
+    # programs [2,1] and [1,16] at 1 and 2 pages; samplers for batches 1 and 2, two variants each
+    assert waves == [2 + 4, 2]
+    compiled = llm.runner.num_compilations
+    llm.generate([[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]],
+                 SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert llm.runner.num_compilations == compiled, "compiled outside the staged warm-up"

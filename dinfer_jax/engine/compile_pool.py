@@ -6,19 +6,24 @@ the buckets from a pool of threads (``jit(...).lower(...).compile()``) and only 
 call finds its executable in jax's in-process compilation cache, so the run costs a trace and a launch, and it
 puts the bucket on jit's dispatch fast path as before. Tracing and lowering still hold the lock (a few seconds per
 program); the backend compiles overlap.
+
+On a GPU the warm-up compiles in two waves (:func:`first_of_each`, :func:`default_staged`): one program of each
+``(rows, tokens)`` shape first, then the other page-table widths of the same shapes, which hold the same GEMM
+fusions and so find XLA's autotuning results in its process-wide cache instead of autotuning them again.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["CompilerOptions", "compile_all", "compiler_options_key", "default_compile_threads"]
+__all__ = ["CompilerOptions", "compile_all", "compiler_options_key", "default_compile_threads", "default_staged",
+           "first_of_each"]
 
 
 def default_compile_threads() -> int:
@@ -55,6 +60,33 @@ def compile_all(jobs: Sequence[Callable[[], Any]], threads: int, on_done: Callab
                 on_done()
     if errors:
         raise errors[0]
+
+
+def default_staged() -> bool:
+    """Whether the warm-up compiles in two waves (:func:`first_of_each`): ``DINFER_JAX_STAGED_WARMUP`` (``1`` /
+    ``0``) if set, else on a GPU (where XLA autotunes its GEMMs; the CPU compiler does not)."""
+    env = os.environ.get("DINFER_JAX_STAGED_WARMUP", "").strip()
+    if env:
+        if env not in ("0", "1"):
+            raise ValueError(f"DINFER_JAX_STAGED_WARMUP must be 0 or 1, got {env!r}")
+        return env == "1"
+    return jax.default_backend() == "gpu"
+
+
+def first_of_each(keys: Sequence[Hashable]) -> tuple[list[int], list[int]]:
+    """Split job indices into the first job of each distinct key and all the others, each list in job order.
+
+    The warm-up compiles the first list before the second on a GPU: XLA keeps the results of its GEMM autotuning
+    in a process-wide cache keyed by the fusion, and the programs of one ``(rows, tokens)`` shape differ only in
+    their page-table width, so they hold the same GEMM fusions. Compiled all at once, every program autotunes them
+    again (the autotuning runs on the one device); compiled after one of them, they find the results cached."""
+    first: list[int] = []
+    rest: list[int] = []
+    seen: set[Hashable] = set()
+    for i, key in enumerate(keys):
+        (rest if key in seen else first).append(i)
+        seen.add(key)
+    return first, rest
 
 
 CompilerOptions = tuple[tuple[str, str | int | float | bool], ...]

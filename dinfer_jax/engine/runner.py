@@ -25,7 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax.engine.buckets import Buckets, pages_needed
-from dinfer_jax.engine.compile_pool import CompilerOptions, compile_all, default_compile_threads
+from dinfer_jax.engine.compile_pool import (
+    CompilerOptions,
+    compile_all,
+    default_compile_threads,
+    default_staged,
+    first_of_each,
+)
 from dinfer_jax.engine.kv_cache import CacheConfig, init_cache
 from dinfer_jax.engine.model_step import _engram_rows_device, model_step
 from dinfer_jax.engine.records import NONFINITE_TOKEN
@@ -125,11 +131,14 @@ class ModelRunner:
         self._full_masks: dict[Any, jax.Array] = {}  # b or (b, "spec") -> all-allowed masks kept on the device
 
     # ------------------------------------------------------------------ compile
-    def warmup(self, progress: bool = False, compile_threads: int | None = None) -> float:
+    def warmup(self, progress: bool = False, compile_threads: int | None = None, staged: bool | None = None) -> float:
         """Compile every bucket, then run each once on an all-padding batch (writes nothing). Returns seconds
         spent. The programs are compiled ahead of time on ``compile_threads`` threads (default
         :func:`default_compile_threads`; 1 compiles each bucket by running it, one after another), so the runs
-        find them in jax's compilation cache. ``progress`` draws a bar over the programs."""
+        find them in jax's compilation cache. ``staged`` (default :func:`default_staged`: on a GPU) compiles one
+        program of each ``(rows, tokens)`` shape first and the other page-table widths after
+        (:func:`first_of_each`: XLA's autotuning results are then reused instead of recomputed). ``progress`` draws
+        a bar over the programs."""
         t0 = time.perf_counter()
         shapes = list(self.buckets.shapes())
         n_decode = len(self.buckets.decode_batch) * len(self.buckets.pages)  # shapes() lists decode first
@@ -143,7 +152,14 @@ class ModelRunner:
             if threads > 1:
                 jobs = [functools.partial(self._lower_step, *prog) for prog in programs]
                 jobs += [functools.partial(self._lower_sampler, *s) for s in samplers]
-                compile_all([lambda j=j: j().compile() for j in jobs], threads, on_done=bar.advance)
+                compiles = [lambda j=j: j().compile() for j in jobs]
+                if default_staged() if staged is None else staged:
+                    keys = [(b, q, decode, skip) for (b, q, _), decode, skip in programs] + samplers
+                    waves = first_of_each(keys)
+                else:
+                    waves = (list(range(len(compiles))), [])
+                for wave in waves:
+                    compile_all([compiles[i] for i in wave], threads, on_done=bar.advance)
             for (b, q, p), decode, skip in programs:
                 if self.spec is not None:
                     inp, feed = self._empty_inputs(b, q, p)
