@@ -102,9 +102,9 @@ class StepContext(NamedTuple):
     engram_index: jax.Array | None = None
 
 
-def _hc_kw(cfg: ModelConfig, opts: LayerOptions | None = None) -> dict[str, Any]:
+def _hc_kw(cfg: ModelConfig, mhc_impl: str = "jnp") -> dict[str, Any]:
     return dict(hc_mult=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps,
-                impl=opts.mhc_impl if opts is not None else "jnp")
+                impl=mhc_impl)
 
 
 def _real_queries(inp: StepInput, Q: int) -> jax.Array:
@@ -407,7 +407,7 @@ def layer_v4(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arra
     two :func:`~dinfer_jax.models.invariant.rowwise` segments around the attention core (batch-invariantly over
     fixed tiles of tokens; otherwise directly)."""
     del layer
-    hc_kw = _hc_kw(cfg, opts)
+    hc_kw = _hc_kw(cfg, opts.mhc_impl)
     inv = ctx.ropes[info.ratio > 0][0]
     packed = cache_codecs(cfg, jnp.dtype(carry["streams"].dtype)).packed
 
@@ -489,7 +489,7 @@ def _v41_attention_inputs(p: Any, streams: jax.Array, premix: jax.Array, pos: ja
     h = rms_norm(hc_collapse(streams, premix), p["attn_norm"], cfg.norm_eps)
     if not queries:
         return {"streams": streams, "h": h}
-    pre, post, comb = hc_mixes(streams, p["hc_attn"], **{**_hc_kw(cfg), "impl": mhc_impl})
+    pre, post, comb = hc_mixes(streams, p["hc_attn"], **_hc_kw(cfg, mhc_impl))
     t = _queries(p["attn"], h, pos, inv_freq, cfg=cfg, indexed=info.index_source)
     codecs = cache_codecs(cfg, h.dtype)   # byte codecs encode rows before rounding (``cache_codec`` says why)
     kv_pre = t["kv"]
@@ -532,7 +532,7 @@ def layer_v41(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arr
     computations run in two :func:`~dinfer_jax.models.invariant.rowwise` segments around the attention core."""
     if opts.yoco_skip and info.yoco_region:
         return layer_v41_region_sources(p, carry, lc, k, layer, ctx, cfg=cfg, info=info)
-    hc_kw = _hc_kw(cfg, opts)
+    hc_kw = _hc_kw(cfg, opts.mhc_impl)
     inp = ctx.inp
     inv = ctx.ropes[info.ratio > 0][0]
     t = rowwise(functools.partial(_v41_attention_inputs, p, cfg=cfg, info=info, inv_freq=inv, queries=True,
