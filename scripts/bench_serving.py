@@ -268,8 +268,9 @@ def main() -> None:
     ap.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                     help="XLA compile option for the engine's programs (LLM compiler_options), e.g. "
                          "xla_gpu_autotune_level=0; repeatable")
-    ap.add_argument("--mhc-impl", default="jnp", choices=["jnp", "pallas"],
-                    help="the mHC Sinkhorn: XLA or the Mosaic GPU kernel (pallas_kernels/mhc)")
+    ap.add_argument("--mhc-impl", default="auto", choices=["auto", "jnp", "pallas"],
+                    help="the mHC Sinkhorn: XLA (jnp), the Mosaic GPU kernel (pallas_kernels/mhc) or auto "
+                         "(the kernel on a GPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.compiler_options = dict(parse_option(o) for o in args.compiler_option)

@@ -9,6 +9,8 @@
 #   MODE=fusion     decode [8, 1] and the Sinkhorn forms under the GPU fusion pass's experimental flags
 #   MODE=kernel     the Mosaic GPU Sinkhorn kernel's GPU tests, then decode [8, 1] with it and with XLA's form,
 #                   default and batch-invariant, and the forms' compile / run times with the kernel among them
+#   MODE=serve      scripts/bench_serving.py on a 4-layer real-dimension V4-Flash slice (cold warm-up, prefill, batch-64
+#                   decode) once per Sinkhorn form in IMPLS (default "pallas jnp"), one after the other
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false
 cd scripts
 DEC="--preset tiny-v4 --layers 6 --batch 8 --prefill 0 --block 16 --weights dense"
@@ -48,7 +50,14 @@ case "${MODE:?set MODE}" in
       run $DEC --no-sinkhorn --mhc-impl $impl --batch-invariant $tile > "$OUT/kernel_step_${impl}_tile$tile.txt" 2>&1 &
     done; done
     run $DEC --layers 1 > "$OUT/kernel_forms.txt" 2>&1 & ;;
-  *) echo "MODE must be xla-flags, timers, sinkhorn, fusion or kernel" >&2; exit 2 ;;
+  serve)
+    for impl in ${IMPLS:-pallas jnp}; do
+      env -u XLA_PYTHON_CLIENT_PREALLOCATE XLA_PYTHON_CLIENT_MEM_FRACTION=.95 timeout "${LIMIT:-300}" python3 \
+        bench_serving.py --preset deepseek-v4-flash --layers 4 --lean-buckets --kv-gib 8 --compile-threads 16 \
+        --max-tokens 128 --mhc-impl "$impl" > "$OUT/serve_$impl.txt" 2>&1
+      tail -12 "$OUT/serve_$impl.txt"
+    done ;;
+  *) echo "MODE must be xla-flags, timers, sinkhorn, fusion, kernel or serve" >&2; exit 2 ;;
 esac
 wait
 for f in "$OUT"/*.txt; do echo "== $(basename "$f")"; grep "sinkhorn x8\|bucket\|Error\|Unknown" "$f" | tail -8; done

@@ -71,7 +71,7 @@ def _listen(name: str, secs: float, **_: object) -> None:
 
 
 def compile_step(cfg, batch: int, q: int, pages: int, block: int, tile: int = 0, weights: str = "native",
-                 mhc_impl: str = "jnp") -> dict:
+                 mhc_impl: str = "auto") -> dict:
     """Lower and compile one serving-step bucket ``[batch, q]`` (``tile`` > 0: traced batch-invariantly with that
     token tile); wall seconds and optimized-HLO counts."""
     sds = jax.ShapeDtypeStruct
@@ -132,8 +132,9 @@ def main() -> None:
                     help="replace an integer config field (e.g. hc_sinkhorn_iters=1) to see its share of the compile")
     ap.add_argument("--batch-invariant", type=int, default=0, metavar="TILE",
                     help="trace the steps batch-invariantly with this token tile (docs/batch_invariance.md)")
-    ap.add_argument("--mhc-impl", default="jnp", choices=["jnp", "pallas"],
-                    help="the mHC Sinkhorn: XLA or the Mosaic GPU kernel (pallas_kernels/mhc)")
+    ap.add_argument("--mhc-impl", default="auto", choices=["auto", "jnp", "pallas"],
+                    help="the mHC Sinkhorn: XLA (jnp), the Mosaic GPU kernel (pallas_kernels/mhc) or auto "
+                         "(the kernel on a GPU)")
     ap.add_argument("--weights", default="native", choices=["native", "dense"],
                     help="the weights' form (tiny presets have no native quantization: dense)")
     args = ap.parse_args()

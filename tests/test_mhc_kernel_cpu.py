@@ -76,6 +76,24 @@ def test_kernel_lowers_for_cuda(shape, block):
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_kernel_is_lowered_once_per_shape_not_per_site():
+    """Many mHC sites of one shape share one lowered kernel (the GPU compiles each lowered kernel, seconds each):
+    five calls on two distinct shapes lower two Mosaic GPU custom calls, and the kernel body holds the rounds as one
+    loop, not ``iters − 1`` unrolled copies (its size does not grow with ``iters``)."""
+    def program(iters: int):
+        def sites(x):
+            a = sinkhorn_projection(x, iters, EPS)
+            b = sinkhorn_projection(a * 2.0, iters, EPS)
+            c = sinkhorn_projection(b + 1.0, iters, EPS)
+            d = sinkhorn_projection(x[:8], iters, EPS)
+            return c, sinkhorn_projection(d - 1.0, iters, EPS)
+        return jax.jit(sites).trace(jax.ShapeDtypeStruct((300, 4, 4), jnp.float32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    text = program(ITERS)
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
+    assert abs(len(program(40)) - len(text)) < 0.01 * len(text)
+
 @pytest.mark.parametrize("shape,block,scale", [((3, 70, 4, 4), 128, 3.0), ((300, 4, 4), 256, 30.0),
                                                ((1, 4, 4), 128, 0.1)])
 def test_kernel_in_mosaic_gpu_interpreter(shape, block, scale):

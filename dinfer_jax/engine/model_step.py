@@ -52,7 +52,7 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
                engram: EngramState | None = None, ep_manual: int = 0, cp_manual: int = 0,
                copies_manual: int = 1, return_carry: bool = False, attention: str = "auto",
                attention_impl: str = "auto", count_experts: bool = False, batch_invariant: int = 0,
-               yoco_skip: bool = False, mhc_impl: str = "jnp") -> tuple[Any, ...]:
+               yoco_skip: bool = False, mhc_impl: str = "auto") -> tuple[Any, ...]:
     """Run the model on one step's rows.
 
     params: ``"layers"`` stacked (:func:`stack_params`) for serving, or in checkpoint layout (stacked per call).

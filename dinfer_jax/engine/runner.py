@@ -418,7 +418,7 @@ def fill_step_inputs(step: ScheduledStep, b: int, q: int, p: int, block_size: in
 def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, engram: Any, *,
                     cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, ep_manual: int = 0, cp_manual: int = 0,
                     copies_manual: int = 1, attention: str = "auto", count_experts: bool = False,
-                    batch_invariant: int = 0, yoco_skip: bool = False, mhc_impl: str = "jnp") -> tuple[Any, ...]:
+                    batch_invariant: int = 0, yoco_skip: bool = False, mhc_impl: str = "auto") -> tuple[Any, ...]:
     """Traced model part of a step: resolve in-flight inputs on device, run the model. Returns ``(logits [B, V]
     fp32 at each row's last token, cache)``, plus the expert loads ``[L, E]`` with ``count_experts``.
     ``batch_invariant``: token rows per fixed-shape product (0: off; :mod:`dinfer_jax.models.invariant`).
@@ -447,7 +447,7 @@ def _device_sample(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Arr
 def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
                  engram: Any, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int,
                  ep_manual: int = 0, cp_manual: int = 0, copies_manual: int = 1, attention: str = "auto",
-                 count_experts: bool = False, mhc_impl: str = "jnp"):
+                 count_experts: bool = False, mhc_impl: str = "auto"):
     """Forward and sampling traced as one program (the DP engines' per-device step). Returns ``(tokens
     [max_rows], logprobs, cache, expert loads [L, E] int32 or None)`` (loads with ``count_experts``)."""
     out = _device_forward(params, cache, inp, feed, prev_tokens, engram, cfg=cfg, dtype=dtype, moe_impl=moe_impl,
@@ -463,7 +463,7 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
                       prev_tokens: jax.Array, samp: Any, engram: Any, ndraft: jax.Array, next_tok: jax.Array,
                       sample_mask: jax.Array, token_masks: jax.Array, *, cfg: Any, dtype: str, moe_impl: str,
                       engram_fn: Any, attention: str,
-                      max_rows: int, k: int, decode: bool, method: str, mhc_impl: str = "jnp"):
+                      max_rows: int, k: int, decode: bool, method: str, mhc_impl: str = "auto"):
     """Traced step with speculative decoding (V4 MTP drafter, ``engine/speculative.py``).
 
     decode: rows ``[t, d1..dk]`` (drafts read from the slot's draft pool, ``ndraft [B]`` of them valid) are verified

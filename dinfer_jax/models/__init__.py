@@ -56,7 +56,8 @@ class Model:
 
     ``engram`` (V4.1) holds the host-side Engram tables; they never enter device memory. ``mhc_impl``: the mHC
     Sinkhorn's implementation in every forward and serving step (:func:`~dinfer_jax.models.mhc.sinkhorn`:
-    ``"jnp"`` or ``"pallas"``, the Mosaic GPU kernel; set it with ``dataclasses.replace``).
+    ``"auto"``: the Mosaic GPU kernel on a GPU, XLA elsewhere; ``"jnp"``; or ``"pallas"``, the kernel; set it with
+    ``dataclasses.replace``).
     """
 
     config: ModelConfig
@@ -65,7 +66,7 @@ class Model:
     sharder: Sharder | None = None
     moe_impl: str = "auto"
     engram: EngramRuntime | None = None
-    mhc_impl: str = "jnp"
+    mhc_impl: str = "auto"
 
     def options(self, collect: bool = False, yoco: str = "off", yoco_keep: int = 140,
                 attention: str = "auto") -> ForwardOptions:

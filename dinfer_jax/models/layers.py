@@ -81,9 +81,8 @@ class LayerOptions:
     # how the gathered rows are attended: "auto" (the Mosaic GPU decode kernel where it runs, else XLA), "jnp",
     # "pallas" (attention.selected_attention_impl)
     attention_impl: str = "auto"
-    # the mHC Sinkhorn: "jnp" (XLA) or "pallas" (the Mosaic GPU kernel, mhc.sinkhorn); "jnp" until the kernel has
-    # been checked on the H200
-    mhc_impl: str = "jnp"
+    # the mHC Sinkhorn: "auto" (the Mosaic GPU kernel on a GPU, XLA elsewhere), "jnp" or "pallas" (mhc.sinkhorn)
+    mhc_impl: str = "auto"
     # every MoE sublayer reports aux["expert_loads"] [E] int32: this step's real tokens per logical expert (EPLB)
     count_experts: bool = False
     # V4.1 YOCO "compact" on a prefill step whose rows all lie below their kept suffix: the YOCO region only writes
@@ -102,7 +101,7 @@ class StepContext(NamedTuple):
     engram_index: jax.Array | None = None
 
 
-def _hc_kw(cfg: ModelConfig, mhc_impl: str = "jnp") -> dict[str, Any]:
+def _hc_kw(cfg: ModelConfig, mhc_impl: str = "auto") -> dict[str, Any]:
     return dict(hc_mult=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.norm_eps,
                 impl=mhc_impl)
 
@@ -479,7 +478,7 @@ def _moe(p: Any, x: jax.Array, token_ids: jax.Array | None, image_mask: jax.Arra
 
 def _v41_attention_inputs(p: Any, streams: jax.Array, premix: jax.Array, pos: jax.Array, rows: jax.Array | None,
                           image_mask: jax.Array | None, *, cfg: ModelConfig, info: LayerInfo, inv_freq: Any,
-                          queries: bool, mhc_impl: str = "jnp") -> dict[str, jax.Array]:
+                          queries: bool, mhc_impl: str = "auto") -> dict[str, jax.Array]:
     """A V4.1 layer's per-token values before attention, for ``streams [B,Q,n,D]``: the Engram gate's streams
     (Engram layers, ``rows [B,Q,E_in]``), the normalised attention input ``h`` (collapse with ``premix``), and
     with ``queries`` the attention site's mixes (``pre``, ``post``, ``comb``), the queries and window rows

@@ -51,7 +51,7 @@ class ForwardOptions:
     yoco: str = "off"  # V4.1 prefill truncation: "off" (exact), "mask", "compact"
     yoco_keep: int = 140  # rows kept from the first ratio-1 layer on; must cover window + backtracking
     attention: str = "auto"  # compressed rows: "auto" / "sparse" (gather each query's top-k) / "dense" (mask all)
-    mhc_impl: str = "jnp"  # the mHC Sinkhorn: "jnp" (XLA) or "pallas" (Mosaic GPU kernel; mhc.sinkhorn)
+    mhc_impl: str = "auto"  # the mHC Sinkhorn: "auto", "jnp" (XLA) or "pallas" (Mosaic GPU kernel; mhc.sinkhorn)
 
 
 class ForwardOutput(NamedTuple):

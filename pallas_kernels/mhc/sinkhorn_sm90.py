@@ -5,8 +5,8 @@ doubly-stochastic ``[..., n, n]`` fp32 mixing matrix), each sum taken in index o
 
 Why a kernel: written in XLA, the projection is 2 · iters dependent reduce → broadcast → divide rounds per mHC site
 (20 rounds and ~90 sites in a V4-Flash step), and XLA's GPU fusion pass spends seconds per site deciding how to fuse
-them (80% of a tiny model's step compile; ``docs/perf/compile_time_gpu.md``). Here the rounds are straight-line
-register code that no fusion pass sees.
+them (80% of a tiny model's step compile; ``docs/perf/compile_time_gpu.md``). Here the rounds are a loop of
+register arithmetic that no fusion pass sees.
 
 Organisation:
 
@@ -14,7 +14,7 @@ Organisation:
   planes), padding ``N`` to a multiple of ``block`` with zero logits (finite: a uniform matrix, dropped after).
 * Grid ``(N / block,)``, one warpgroup per CTA: the CTA copies its ``[n², block]`` slab to shared memory (one TMA
   copy), loads each entry's ``[block]`` plane into registers (``block / 128`` values per thread), runs the softmax
-  and the rounds as elementwise arithmetic on the n² planes, stores them and copies the slab back.
+  and the rounds (one ``fori_loop`` of ``iters − 1`` trips) as elementwise arithmetic on the n² planes, stores them and copies the slab back.
 * Each thread holds n² · block / 128 fp32 values (16 at n = 4, block = 128); no reduction crosses a thread, so the
   kernel has no shared-memory reduction scratch and no barrier beyond the copy-in.
 
@@ -22,6 +22,8 @@ Imports of Mosaic GPU are lazy so that CPU-only machines can import this module.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +54,9 @@ def _total(values: list) -> jax.Array:
 
 def sinkhorn_planes(planes: list[list], iters: int, eps: float) -> list[list]:
     """The projection on ``n × n`` planes (``planes[j][k]`` any arrays of one shape): the arithmetic the kernel
-    runs, usable on ``jnp`` arrays too."""
+    runs, usable on ``jnp`` arrays too. The ``iters − 1`` row + column rounds are one ``lax.fori_loop`` over the
+    planes (a loop in the kernel, not 2 · iters unrolled copies: the unrolled form took ~12 s per call site to
+    compile on the H200, ``docs/perf/compile_time_gpu.md``)."""
     n = len(planes)
     c = []
     for row in planes:                                     # softmax over k, + eps
@@ -67,10 +71,13 @@ def sinkhorn_planes(planes: list[list], iters: int, eps: float) -> list[list]:
         sums = [_total([c[j][k] for j in range(n)]) + eps for k in range(n)]
         return [[c[j][k] / sums[k] for k in range(n)] for j in range(n)]
 
-    c = by_columns(c)
-    for _ in range(iters - 1):
+    def one_round(_, c: list[list]) -> list[list]:
         c = [[v / (_total(row) + eps) for v in row] for row in c]   # rows: each j over its k
-        c = by_columns(c)
+        return by_columns(c)
+
+    c = by_columns(c)
+    if iters > 1:
+        c = lax.fori_loop(0, iters - 1, one_round, c)
     return c
 
 
@@ -105,8 +112,13 @@ def _kernel_call(x: jax.Array, *, n: int, iters: int, eps: float, block: int) ->
     return kernel(x)
 
 
+@functools.partial(jax.jit, static_argnames=("iters", "eps", "block"))
 def sinkhorn_projection(logits: jax.Array, iters: int, eps: float, *, block: int = LANES) -> jax.Array:
-    """The Sinkhorn projection of ``[..., n, n]`` fp32 logits through the Mosaic GPU kernel (module docstring)."""
+    """The Sinkhorn projection of ``[..., n, n]`` fp32 logits through the Mosaic GPU kernel (module docstring).
+
+    A ``jax.jit`` function on purpose: inside an enclosing program, jax lowers the calls that share shapes and
+    static arguments once (one private function, one kernel compile), not once per mHC site.
+    """
     check_shapes(logits, block)
     n = logits.shape[-1]
     lead = logits.shape[:-2]
