@@ -14,7 +14,8 @@ Organisation:
   planes), padding ``N`` to a multiple of ``block`` with zero logits (finite: a uniform matrix, dropped after).
 * Grid ``(N / block,)``, one warpgroup per CTA: the CTA copies its ``[n², block]`` slab to shared memory (one TMA
   copy), loads each entry's ``[block]`` plane into registers (``block / 128`` values per thread), runs the softmax
-  and the rounds (one ``fori_loop`` of ``iters − 1`` trips) as elementwise arithmetic on the n² planes, stores them and copies the slab back.
+  and the rounds (one ``fori_loop`` of ``iters − 1`` trips) as elementwise arithmetic on the n² planes, stores
+  them and copies the slab back.
 * Each thread holds n² · block / 128 fp32 values (16 at n = 4, block = 128); no reduction crosses a thread, so the
   kernel has no shared-memory reduction scratch and no barrier beyond the copy-in.
 
