@@ -150,3 +150,13 @@ def test_llm_refuses_an_mhc_impl_that_cannot_run_here():
         LLM(dataclasses.replace(model, mhc_impl="pallas"), warmup=False, progress=False)
     with pytest.raises(ValueError, match="mhc_impl must be one of"):
         LLM(dataclasses.replace(model, mhc_impl="cuda"), warmup=False, progress=False)
+
+
+def test_auto_is_the_kernel_only_on_a_gpu():
+    from dinfer_jax.models.mhc import resolve_mhc_impl
+
+    assert jax.default_backend() == "cpu"
+    assert resolve_mhc_impl("auto") == "jnp"
+    assert resolve_mhc_impl("pallas") == "pallas" and resolve_mhc_impl("jnp") == "jnp"
+    with pytest.raises(ValueError, match="mhc_impl must be one of"):
+        resolve_mhc_impl("xla")
