@@ -28,7 +28,7 @@ MHC_IMPLS = ("auto", "jnp", "pallas")
 
 def resolve_mhc_impl(impl: str) -> str:
     """``"jnp"`` or ``"pallas"`` for an ``impl`` of :data:`MHC_IMPLS`: ``"auto"`` is the Mosaic GPU kernel when jax's
-    default backend is a GPU (6× less step compile time on the H200, ``docs/perf/compile_time_gpu.md``), else XLA.
+    default backend is a GPU (5× less step compile time on the H200, ``docs/perf/compile_time_gpu.md``), else XLA.
     ValueError for a name not in :data:`MHC_IMPLS`."""
     if impl not in MHC_IMPLS:
         raise ValueError(f"mhc_impl must be one of {MHC_IMPLS}, got {impl!r}")
