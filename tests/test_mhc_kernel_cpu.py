@@ -94,6 +94,7 @@ def test_kernel_is_lowered_once_per_shape_not_per_site():
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
     assert abs(len(program(40)) - len(text)) < 0.01 * len(text)
 
+
 @pytest.mark.parametrize("shape,block,scale", [((3, 70, 4, 4), 128, 3.0), ((300, 4, 4), 256, 30.0),
                                                ((1, 4, 4), 128, 0.1)])
 def test_kernel_in_mosaic_gpu_interpreter(shape, block, scale):

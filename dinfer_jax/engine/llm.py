@@ -149,11 +149,9 @@ def _with_kv_cache_dtype(model: Model, kv_cache_dtype: str) -> Model:
 
 def check_mhc_impl(impl: str) -> None:
     """ValueError unless the model's ``mhc_impl`` can run here (the Mosaic GPU kernel needs a GPU)."""
-    from dinfer_jax.models.mhc import MHC_IMPLS
+    from dinfer_jax.models.mhc import resolve_mhc_impl
 
-    if impl not in MHC_IMPLS:
-        raise ValueError(f"the model's mhc_impl must be one of {MHC_IMPLS}, got {impl!r}")
-    if impl == "pallas" and jax.default_backend() != "gpu":
+    if resolve_mhc_impl(impl) == "pallas" and jax.default_backend() != "gpu":
         raise ValueError(f"mhc_impl='pallas' (the Mosaic GPU Sinkhorn kernel) needs a GPU; the backend is "
                          f"{jax.default_backend()!r}")
 
