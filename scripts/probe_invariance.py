@@ -25,6 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dinfer_jax import SamplingParams  # noqa: E402
+from dinfer_jax.engine.runner import _device_sample  # noqa: E402
 from dinfer_jax.models import load_config, mhc, ops, random_model  # noqa: E402
 from dinfer_jax.models.attention_invariant import _attend_tile, index_dots_invariant  # noqa: E402
 from dinfer_jax.models.invariant import (  # noqa: E402
@@ -35,6 +37,7 @@ from dinfer_jax.models.invariant import (  # noqa: E402
     token_tiled,
 )
 from dinfer_jax.models.moe import moe  # noqa: E402
+from dinfer_jax.sampling import SamplingTensors  # noqa: E402
 
 TS = (1, 2, 5, 16, 17, 40, 100)
 
@@ -91,7 +94,14 @@ def op_probes(tiles: tuple[int, int], ts: tuple[int, ...], report) -> None:
         dots = jnp.einsum("shd,td->sht", q, keys[0], precision=jax.lax.Precision.HIGHEST)
         return jnp.einsum("sht,sh->st", jax.nn.relu(dots), wt, precision=jax.lax.Precision.HIGHEST)
 
+    def sampler(x):   # the engine's sampler program: whole-vocabulary logprobs of temperature-1 draws
+        t = x.shape[0]
+        samp = SamplingTensors.from_params([SamplingParams(temperature=1.0)] * t, [7] * t, [5] * t,
+                                           num_top_logprobs=x.shape[1])
+        return _device_sample(x, samp, max_rows=t, batch_invariant=active_tile())[1].top_logprobs
+
     probes = {
+        "sampler log-softmax [T,72]": (sampler, normal(72)),
         "linear [T,256]·[256,512]": (lambda x: ops.linear(x, w), normal(256)),
         "rms_norm [T,64]": (lambda x: ops.rms_norm(x, None, 1e-6), normal(64)),
         "softmax [T,64]": (lambda x: jax.nn.softmax(x, -1), normal(64)),

@@ -191,3 +191,28 @@ def test_moe_called_outside_a_segment_tiles_itself():
     assert np.array_equal(alone[0, 0], many[0, -1])
     dense = np.asarray(moe(ffn, x, None, cfg=cfg, hash_routed=False, impl="dense")[0])
     assert np.abs(many - dense).max() <= 1e-5 * np.abs(dense).max()   # same sums, other tiling: fp32 rounding
+
+
+def test_tiled_sampler_equals_the_plain_sampler_row_for_row():
+    """The batch-invariant sampler program (rows in fixed tiles) gives every row the plain sampler's token and
+    logprobs: filtered and unfiltered rows, greedy rows, a token mask, a non-finite row and padding rows."""
+    from dinfer_jax.engine.records import NONFINITE_TOKEN
+    from dinfer_jax.engine.runner import _device_sample
+    from dinfer_jax.sampling import SamplingTensors
+
+    V, n, b = 72, 21, 40
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((b, V)).astype(np.float32) * 3
+    logits[4, 9] = np.nan
+    params = [SamplingParams(temperature=[1.0, 0.7, 0.0][i % 3], top_p=[1.0, 0.8][i % 2], top_k=[-1, 5, 20][i % 3],
+                             min_p=[0.0, 0.05][i % 2], logprobs=8) for i in range(n)]
+    samp = SamplingTensors.from_params(params, list(range(100, 100 + n)), list(range(30, 30 + n)), pad_to=b)
+    mask = np.full((b, 3), -1, np.int32)
+    mask[2, 0] = 0x0F0F0F0F                        # a structured-output row: half its first 32 tokens allowed
+    plain = _device_sample(jnp.asarray(logits), samp, jnp.asarray(mask), max_rows=48)
+    tiled = _device_sample(jnp.asarray(logits), samp, jnp.asarray(mask), max_rows=48, batch_invariant=DEFAULT_TILE)
+    for a, c in zip(jax.tree.leaves(plain), jax.tree.leaves(tiled), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    toks = np.asarray(tiled[0])
+    assert toks[4] == NONFINITE_TOKEN and not toks[n:].any()        # the NaN row flagged; padding rows give 0
+    assert toks[2] >= 32 or (0x0F0F0F0F >> int(toks[2])) & 1      # the masked row drew an allowed token

@@ -40,6 +40,7 @@ from dinfer_jax.engine.speculative import SpecState, draft, draft_dspark, init_s
 from dinfer_jax.models import Model
 from dinfer_jax.models.backbone import head_logits
 from dinfer_jax.models.engram_lookup import EngramLookup, EngramState
+from dinfer_jax.models.invariant import token_tiled
 from dinfer_jax.models.layer_plan import stack_params
 from dinfer_jax.models.step_state import StepInput
 from dinfer_jax.progress import PhaseProgress
@@ -109,6 +110,7 @@ class ModelRunner:
         self.num_compilations = 0  # compilations this runner's calls caused (shared steps: see _CompileCounter)
         self.launch_seconds = 0.0  # host time inside the jitted step calls of dispatch (argument transfer, launch)
         self._forward_static, self._engram = step_statics(model, attention, engram_tables, batch_invariant)
+        self._sample_static = {"max_rows": self.max_rows, "batch_invariant": batch_invariant}
         self._static = {**self._forward_static, "max_rows": self.max_rows}  # the speculative step also samples
         self.speculative = speculative
         self.k = num_speculative_tokens if speculative else 0
@@ -228,7 +230,7 @@ class ModelRunner:
         return self._full_masks[b]
 
     def _lower_sampler(self, b: int, use_filters: bool, all_greedy: bool) -> Any:
-        return self._programs.sample.lower(*self._sampler_args(b, use_filters, all_greedy), max_rows=self.max_rows)
+        return self._programs.sample.lower(*self._sampler_args(b, use_filters, all_greedy), **self._sample_static)
 
     def _call(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: SamplingTensors,
               shape: tuple[int, int, int], yoco_skip: bool = False):
@@ -245,7 +247,7 @@ class ModelRunner:
     def _sample(self, logits: jax.Array, samp: SamplingTensors, token_mask: Any) -> tuple[jax.Array, Any]:
         key = (logits.shape[0], samp.use_filters, samp.all_greedy)
         with _CompileCounter(self, self._programs.sample, key, self.compiled_samplers):
-            return self._programs.sample(logits, samp, token_mask, max_rows=self.max_rows)
+            return self._programs.sample(logits, samp, token_mask, **self._sample_static)
 
     def _spec_extra(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, jax.Array]:
         """Speculative per-row inputs: drafts to verify, next token of a prefill chunk, rows that sample, and the
@@ -431,16 +433,35 @@ def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, pre
                       mhc_impl=mhc_impl)
 
 
-def _device_sample(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Array | None = None, *,
-                   max_rows: int) -> tuple[jax.Array, Any]:
-    """Traced sampling part of a step: tokens padded to ``max_rows`` ``[max_rows]`` int32, and the logprobs.
-    ``token_mask`` ``int32 [B, ceil(V / 32)]`` (structured outputs): tokens whose bit is clear get ``-inf`` logits
-    before sampling; an all-set row leaves its logits bit for bit."""
+def _sample_rows(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Array | None) -> tuple[jax.Array, Any]:
+    """Tokens ``[N]`` int32 (:data:`NONFINITE_TOKEN` for rows whose logits are not all finite) and logprobs of
+    ``N`` rows of logits ``[N, V]`` fp32."""
     finite = jnp.all(jnp.isfinite(logits), axis=-1)  # before the mask: masked-out entries are -inf by design
     if token_mask is not None:
         logits = apply_token_bitmask(logits, token_mask)
     toks, logprobs = sample(logits, samp)
-    toks = jnp.where(finite, toks, NONFINITE_TOKEN)
+    return jnp.where(finite, toks, NONFINITE_TOKEN), logprobs
+
+
+def _device_sample(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Array | None = None, *,
+                   max_rows: int, batch_invariant: int = 0) -> tuple[jax.Array, Any]:
+    """Traced sampling part of a step: tokens padded to ``max_rows`` ``[max_rows]`` int32, and the logprobs.
+    ``token_mask`` ``int32 [B, ceil(V / 32)]`` (structured outputs): tokens whose bit is clear get ``-inf`` logits
+    before sampling; an all-set row leaves its logits bit for bit. ``batch_invariant`` (rows per tile, 0: off):
+    the rows are sampled ``batch_invariant`` at a time by one fixed-shape program (:func:`~dinfer_jax.models.
+    invariant.token_tiled`): XLA reduces a ``[1, V]`` and a ``[64, V]`` array in different orders on the H200
+    (the log-softmax's sums then differ by an ulp), so the row count must not reach the sampler's shapes."""
+    if batch_invariant:
+        leaves, tree = jax.tree.flatten(samp)
+        masks = () if token_mask is None else (token_mask,)
+
+        def tile(lg: jax.Array, *rest: jax.Array) -> tuple[jax.Array, Any]:
+            s = jax.tree.unflatten(tree, rest[: len(leaves)])
+            return _sample_rows(lg, s, rest[len(leaves)] if masks else None)
+
+        toks, logprobs = token_tiled(tile, logits, *leaves, *masks, lead=1, tile=batch_invariant)
+    else:
+        toks, logprobs = _sample_rows(logits, samp, token_mask)
     return jnp.zeros((max_rows,), jnp.int32).at[: toks.shape[0]].set(toks), logprobs
 
 
@@ -550,7 +571,7 @@ def step_programs(compiler_options: CompilerOptions = ()) -> StepPrograms:
     opts = dict(compiler_options) or None
     return StepPrograms(
         forward=jax.jit(_device_forward, static_argnames=_FORWARD_STATIC, donate_argnums=(1,), compiler_options=opts),
-        sample=jax.jit(_device_sample, static_argnames=("max_rows",), compiler_options=opts),
+        sample=jax.jit(_device_sample, static_argnames=("max_rows", "batch_invariant"), compiler_options=opts),
         step_spec=jax.jit(_device_step_spec, static_argnames=_STATIC + ("k", "decode", "method"),
                           donate_argnums=(1, 2), compiler_options=opts))
 
