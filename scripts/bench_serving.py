@@ -21,7 +21,7 @@ V4.1 slices keep their Engram layers with ``--engram-vocab`` (random FP8 tables 
 table placements with ``--engram-tables device host`` (issue 13: host tables within 5% of device tables):
 
     python scripts/bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
-        --engram-tables device host --lean-buckets --out /tmp/serving
+        --engram-tables device host host-no-thread --lean-buckets --out /tmp/serving
 """
 
 from __future__ import annotations
@@ -92,11 +92,17 @@ def decode_breakdown(llm, prompts, steps: int) -> list[tuple[str, float]]:
     return sorted(((k, v) for k, v in per_step.items() if v > 1e-4), key=lambda kv: -kv[1])
 
 
-def run_one(preset: str, layers: int, args, bw: float, engram_tables: str = "device") -> dict:
+# --engram-tables choices: name → (LLM engram_tables, LLM launch_thread); "host-no-thread" is the host placement
+# with steps launched on the serving thread, to measure what the launch thread buys
+ENGRAM_PLACEMENTS = {"device": ("device", None), "host": ("host", None), "host-no-thread": ("host", False)}
+
+
+def run_one(preset: str, layers: int, args, bw: float, placement: str = "device") -> dict:
     from bench_compile import first_layers  # scripts/ is on sys.path when run as a script
 
     from dinfer_jax import LLM
 
+    engram_tables, launch_thread = ENGRAM_PLACEMENTS[placement]
     cfg = first_layers(load_config(preset), layers)
     if args.no_engram and cfg.is_v41:
         # V4.1-Flash's Engram tables (~384M rows per layer) are not built at random: the slice keeps the layer,
@@ -119,7 +125,7 @@ def run_one(preset: str, layers: int, args, bw: float, engram_tables: str = "dev
               max_num_batched_tokens=args.prefill_tokens,
               kv_cache_memory_bytes=(args.kv_gib << 30) if args.kv_gib > 0 else None,
               progress=False, buckets=buckets, compile_threads=args.compile_threads, engram_tables=engram_tables,
-              compiler_options=args.compiler_options)
+              launch_thread=launch_thread, compiler_options=args.compiler_options)
     warm = llm.metrics()["warmup_seconds"]
     compiled_in_warmup = llm.metrics()["compilations"]
     plan = llm.memory_plan
@@ -165,7 +171,7 @@ def run_one(preset: str, layers: int, args, bw: float, engram_tables: str = "dev
     read_bytes, expert_frac = decode_read_bytes(model.params, cfg, args.batch)
     roofline_ms = 1e3 * read_bytes / bw
     engram_gb = model.engram.table_bytes / 1e9 if model.engram is not None else 0.0
-    row = dict(layers=layers, param_GB=model.param_bytes / 1e9, engram_tables=engram_tables if engram_gb else "-",
+    row = dict(layers=layers, param_GB=model.param_bytes / 1e9, engram_tables=placement if engram_gb else "-",
                engram_GB=engram_gb, init_s=init_s, warmup_s=warm, shapes=n_shapes,
                compilations_after_warmup=m1["compilations"] - compiled_in_warmup,
                prefill_tokens=args.prefill_tokens, prefill_s=prefill_s,
@@ -261,8 +267,9 @@ def main() -> None:
     ap.add_argument("--engram-vocab", type=int, default=None,
                     help="V4.1 presets: Engram hash vocabulary for random FP8 tables that fit (e.g. 1000000: ~24M "
                          "rows, 6.3 GB a layer); the release's 16,000,000 does not fit")
-    ap.add_argument("--engram-tables", nargs="+", default=["device"], choices=["device", "host"],
-                    help="V4.1: Engram table placements to run (LLM engram_tables), each a full run")
+    ap.add_argument("--engram-tables", nargs="+", default=["device"], choices=list(ENGRAM_PLACEMENTS),
+                    help="V4.1: Engram table placements to run (LLM engram_tables), each a full run; "
+                         "host-no-thread: host tables with the launch thread off (LLM launch_thread=False)")
     ap.add_argument("--copy-gbps", type=float, default=None,
                     help="roofline copy bandwidth, GB/s, instead of measuring it (CUPTI: GPUs only; a CPU smoke run)")
     ap.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",

@@ -115,6 +115,7 @@ def test_engine_steps_have_no_host_callback_and_host_tables_serve():
             assert "callback" not in text.lower(), f"{where}: a host callback in the compiled step"
             assert ('"pinned_host"' in text) == (where == "host")
     llm = LLM(model, engram_tables="host", **kw)
+    assert llm.launch_thread   # the host-computation step blocks its launch: launched from a second thread
     compiled = llm.metrics()["compilations"]
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(4, model.config.vocab_size, size=n)] for n in (9, 30)]
@@ -134,3 +135,5 @@ def test_bad_engram_placement_is_named():
         LLM(model, engram_tables="mmap", warmup=False, progress=False)
     with pytest.raises(ValueError, match="one-device engine only"):
         LLM(model, engram_tables="host", dp_size=2, warmup=False, progress=False)
+    with pytest.raises(ValueError, match="launch_thread=True runs on the one-device engine only"):
+        LLM(model, launch_thread=True, dp_size=2, warmup=False, progress=False)

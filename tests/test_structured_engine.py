@@ -95,6 +95,27 @@ def test_async_and_sync_give_the_same_tokens(llm):
     assert runs[0] == runs[1]
 
 
+def test_launch_thread_gives_the_same_tokens(llm):
+    """Steps launched from a second host thread (``launch_thread``, the default with host Engram tables): the same
+    tokens as launches on the loop's thread, async and sync, with structured rows (launched without their sampler,
+    masks first) among free and seeded ones."""
+    params = [SamplingParams(temperature=t, seq_seed=5, max_tokens=48, so_args=_so("json", PERSON))
+              for t in (0.0, 0.9)] + [SamplingParams(temperature=0.9, seq_seed=6, max_tokens=24),
+                                      SamplingParams(temperature=0.0, max_tokens=30)]
+    prompts = PROMPTS[:4]
+    runs = {}
+    for mode in (True, False):
+        for thread in (False, True):
+            llm.configure(async_scheduling=mode, launch_thread=thread)
+            runs[mode, thread] = [(o.token_ids, o.finish_reason)
+                                  for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.configure(async_scheduling=True, launch_thread=False)
+    assert runs[True, True] == runs[True, False] and runs[False, True] == runs[False, False]
+    assert all(len(t) > 1 for t, _ in runs[True, True])
+    with pytest.raises(ValueError, match="launch_thread must be True, False or None"):
+        llm.configure(launch_thread=1)
+
+
 def test_free_requests_get_the_tokens_they_get_alone(llm):
     free = [SamplingParams(temperature=0.0, max_tokens=20), SamplingParams(temperature=1.0, seq_seed=3, max_tokens=20)]
     alone = [o.token_ids for o in llm.generate(PROMPTS[:2], free, use_tqdm=False)]

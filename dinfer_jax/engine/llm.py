@@ -23,6 +23,7 @@ from dinfer_jax.engine.block_manager import BlockManager, StateSlots
 from dinfer_jax.engine.compile_pool import compiler_options_key
 from dinfer_jax.engine.dp_runner import DPModelRunner, DPStepOutput, parallel_layout
 from dinfer_jax.engine.kv_cache import CacheConfig, size_pools
+from dinfer_jax.engine.launcher import Launched, StepLauncher, step_launcher
 from dinfer_jax.engine.memory_plan import MemoryPlan, plan_memory
 from dinfer_jax.engine.runner import Buckets, ModelRunner, StepOutput
 from dinfer_jax.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
@@ -203,6 +204,17 @@ def _check_yoco(cfg: Any, yoco: str, keep: Any, num_speculative_tokens: int, one
     return int(keep)
 
 
+def _check_launch_thread(launch_thread: Any, engram_tables: str, one_device: bool) -> bool:
+    """``LLM(launch_thread=...)`` resolved: None → on iff the Engram tables are in host memory."""
+    if launch_thread is None:
+        return engram_tables == "host"
+    if not isinstance(launch_thread, bool):
+        raise ValueError(f"launch_thread must be True, False or None, got {launch_thread!r}")
+    if launch_thread and not one_device:
+        raise ValueError("launch_thread=True runs on the one-device engine only (dp_size = cp_size = ep_size = 1)")
+    return launch_thread
+
+
 def _check_batch_invariant(batch_invariant: Any, speculative: str | None, one_device: bool) -> int:
     """The engine's batch-invariant tile (0: off); ValueError for a non-bool, speculative decoding (any requested
     method) or a DP layout."""
@@ -279,6 +291,9 @@ class LLM:
             memory) or ``"host"`` (pinned host memory, gathered on the host inside the step; one-device engine).
             Either way the n-gram hash and the gather run inside the step, with no host callback
             (``docs/engram.md``).
+        launch_thread: launch the steps from a second host thread (:mod:`~dinfer_jax.engine.launcher`), so that
+            the loop prepares the next step while a launch blocks. Default (None): on when ``engram_tables="host"``,
+            whose step holds a host computation and returns only once it has run; one-device engine only.
         compiler_options: XLA compile options for the engine's programs (``DebugOptions`` fields by name, as
             ``XLA_FLAGS`` takes them without the dashes). GEMM autotuning is the largest share of a GPU step's
             compile time: ``{"xla_gpu_autotune_level": 0}`` halves a real-dimension warm-up but made decode 3.2×
@@ -314,7 +329,7 @@ class LLM:
                  eplb_interval: int | None = None, tokenizer: str | Path | Any | None = None,
                  structured_timeout_s: float = 20.0, engram_tables: str = "device",
                  compiler_options: Mapping[str, str | int | float | bool] | None = None, yoco: str = "off",
-                 yoco_keep: int = 140, batch_invariant: bool = False):
+                 yoco_keep: int = 140, batch_invariant: bool = False, launch_thread: bool | None = None):
         _enable_compilation_cache()
         options = compiler_options_key(compiler_options)
         if attention not in ("auto", "sparse", "dense"):
@@ -325,6 +340,8 @@ class LLM:
             raise ValueError("engram_tables='host' runs on the one-device engine only; the DP engines keep the "
                              "tables in every device's memory ('device')")
         # settings checked before anything is built or any device is asked for
+        one_device = (dp_size, cp_size, ep_size) == (1, 1, 1)
+        self.launch_thread = _check_launch_thread(launch_thread, engram_tables, one_device)
         self.batch_invariant_tile = _check_batch_invariant(batch_invariant, speculative,
                                                            (dp_size, cp_size, ep_size) == (1, 1, 1))
         self.parallel = parallel_layout(dp_size, cp_size, ep_size)
@@ -453,10 +470,14 @@ class LLM:
 
     def configure(self, *, async_scheduling: bool | None = None, max_num_batched_tokens: int | None = None,
                   enable_chunked_prefill: bool | None = None, preemption_mode: str | None = None,
-                  eplb_interval: int | None = None, structured_timeout_s: float | None = None) -> None:
+                  eplb_interval: int | None = None, structured_timeout_s: float | None = None,
+                  launch_thread: bool | None = None) -> None:
         """Change host-side scheduling switches between ``generate`` calls (no recompilation). Chunks must still
         fit the compiled prefill buckets. ``eplb_interval`` (EPLB engines): mesh steps between automatic
-        rebalances, 0 = only on request. ``structured_timeout_s``: grammar compilation limit for later requests."""
+        rebalances, 0 = only on request. ``structured_timeout_s``: grammar compilation limit for later requests.
+        ``launch_thread``: launch steps from a second host thread (as the constructor's; None leaves it)."""
+        if launch_thread is not None:
+            self.launch_thread = _check_launch_thread(launch_thread, "device", isinstance(self.runner, ModelRunner))
         if structured_timeout_s is not None:
             self._structured.timeout_s = structured_timeout_s
         if async_scheduling is not None:
@@ -585,8 +606,14 @@ class LLM:
         return [r["params"] for r in recs], [r["seed"] for r in recs]
 
     def _run(self, sched: Scheduler, records: list[dict[str, Any]], use_tqdm: bool) -> None:
+        with step_launcher(self.launch_thread) as launcher:
+            self._serve(sched, records, use_tqdm, launcher)
+
+    def _serve(self, sched: Scheduler, records: list[dict[str, Any]], use_tqdm: bool, launcher: StepLauncher) -> None:
+        """The one-device engine's host loop; ``launcher`` runs the step launches (here or on its thread)."""
         by_id = {r["id"]: r for r in records}
-        inflight: collections.deque[StepOutput] = collections.deque()
+        inflight: collections.deque[Launched] = collections.deque()
+        deferred = False   # the newest step was launched without its sampler (structured rows: masks first)
         progress = _Progress(len(records), use_tqdm)
         idle_since: float | None = None
         for r in records:
@@ -622,9 +649,9 @@ class LLM:
                     t_disp = t_now
                 # rows of structured requests sample after the host has folded the previous step's tokens into
                 # their matchers (below): the model is launched now, the sampler once the masks exist
-                out = self.runner.dispatch(step, *self._row_sampling(step, by_id),
-                                           defer_sample=structured and not self.speculative, spec_masks=spec_masks)
-                inflight.append(out)
+                deferred = structured and not self.speculative
+                inflight.append(launcher.launch(self.runner.dispatch, step, *self._row_sampling(step, by_id),
+                                                defer_sample=deferred, spec_masks=spec_masks))
                 m.host_dispatch_seconds += time.perf_counter() - t_disp
                 idle_since = None
                 if step.kind == "prefill":
@@ -634,28 +661,30 @@ class LLM:
                     m.decode_steps += 1
             keep = 1 if (self.async_scheduling and step is not None) else 0
             while len(inflight) > keep:
-                if inflight[0].pending is not None:  # synchronous mode: the newest step's masks, then its sampler
-                    first = inflight[0]
-                    self.runner.sample_step(first, so.masks(first.step, first.shape[0], by_id, sched))
+                if deferred and len(inflight) == 1:  # synchronous mode: the newest step's masks, then its sampler
+                    first = inflight[0].result()
+                    if first.pending is not None:
+                        self.runner.sample_step(first, so.masks(first.step, first.shape[0], by_id, sched))
                 t1 = self._process_done(inflight.popleft(), sched, by_id, progress)
                 if not inflight:
                     idle_since = t1  # nothing queued on the device from now until the next dispatch
-            if inflight and inflight[-1].pending is not None:  # async: step N's masks from state through step N - 1
-                last = inflight[-1]
+            if inflight and deferred and inflight[-1].result().pending is not None:
+                last = inflight[-1].result()   # async: step N's masks from state through step N - 1
                 self.runner.sample_step(last, so.masks(last.step, last.shape[0], by_id, sched))
                 for seq in sched.take_finished():  # requests whose matcher failed while filling a mask
                     progress.done(len(seq.output_token_ids))
             # Device idle detection (a lower bound: the moment we first see the queued step done, not when it ended).
-            if idle_since is None and inflight and inflight[-1].tokens.is_ready():
+            if idle_since is None and inflight and inflight[-1].finished():
                 idle_since = time.perf_counter()
         progress.close()
 
-    def _process_done(self, done: StepOutput, sched: Scheduler, by_id: dict[int, dict[str, Any]],
+    def _process_done(self, launched: Launched, sched: Scheduler, by_id: dict[int, dict[str, Any]],
                       progress: _Progress) -> float:
         """Fold a finished step's tokens into the scheduler, the structured-output matchers, the logprobs and the
         metrics. Returns the time its tokens reached the host."""
         m, so = self._metrics, self._structured
         t0 = time.perf_counter()
+        done = launched.result()
         tokens = np.asarray(done.tokens)
         wants_lp = any(by_id[r.request_id]["logprobs"] is not None for r in done.step.rows)
         logprobs = jax.device_get(done.logprobs) if wants_lp else None
