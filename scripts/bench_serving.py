@@ -77,19 +77,32 @@ def kernel_times(fn) -> dict[str, float] | None:
     return out
 
 
-def decode_breakdown(llm, prompts, steps: int) -> list[tuple[str, float]]:
-    """Per-kernel device ms of one decode step: kernel times of ``generate`` with ``1 + steps`` tokens minus those
-    with 1 token (the prefill and first token), divided by ``steps``. Sorted, largest first."""
+def decode_breakdown(llm, prompts, steps: int) -> tuple[list[tuple[str, float]], float]:
+    """Per-kernel device ms of one decode step and the wall ms of one decode step in the same CUPTI window: kernel
+    times and wall time of ``generate`` with ``1 + steps`` tokens minus those with 1 token (the prefills and first
+    token), divided by ``steps``. Kernels sorted, largest first; ``([], nan)`` where CUPTI is unavailable.
+
+    Their ratio is the device's busy share of a decode step as the device saw it — a stall *inside* a step (a host
+    computation the program waits for) shows here, where the engine's own idle estimate, taken between steps,
+    cannot see it. Kernels on concurrent streams would add up past the wall; XLA ran these steps on one stream."""
     from dinfer_jax.sampling.params import SamplingParams as SP
 
     def gen(n):
         return lambda: llm.generate(prompts, SP(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
 
-    short, full = kernel_times(gen(1)), kernel_times(gen(1 + steps))
+    (short, short_s), (full, full_s) = timed(kernel_times, gen(1)), timed(kernel_times, gen(1 + steps))
     if short is None or full is None:
-        return []
+        return [], float("nan")
     per_step = {k: (v - short.get(k, 0.0)) / steps for k, v in full.items()}
-    return sorted(((k, v) for k, v in per_step.items() if v > 1e-4), key=lambda kv: -kv[1])
+    kernels = sorted(((k, v) for k, v in per_step.items() if v > 1e-4), key=lambda kv: -kv[1])
+    return kernels, 1e3 * (full_s - short_s) / steps
+
+
+def timed(fn, *args):
+    """``(fn(*args), seconds it took)``."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
 
 
 # --engram-tables choices: name → (LLM engram_tables, LLM launch_thread); "host-no-thread" is the host placement
@@ -192,10 +205,13 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
                                        - m0["decode_steps"] - m0["prefill_steps"], 1)
                                  for k in ("schedule", "dispatch", "launch", "process", "waited_for_device")})
     if args.breakdown:
-        parts = decode_breakdown(llm, prompts, args.max_tokens)
+        parts, window_step_ms = decode_breakdown(llm, prompts, args.max_tokens)
         row["decode_kernels_ms"] = parts
         total = sum(v for _, v in parts)
-        print(f"decode step, device time by kernel (sum {total:.2f} ms of {step_ms:.2f} ms wall):")
+        row.update(kernel_ms_per_step=total, window_step_ms=window_step_ms,
+                   device_busy=total / window_step_ms if parts else float("nan"))
+        print(f"decode step, device time by kernel (sum {total:.2f} ms of {window_step_ms:.2f} ms wall in the "
+              f"profiled window, {step_ms:.2f} ms unprofiled):")
         for name, v in parts[:40]:
             print(f"  {v:8.3f} ms  {100 * v / max(total, 1e-9):5.1f}%  {name[:110]}")
     print(json.dumps(row, default=str), flush=True)
@@ -238,6 +254,13 @@ def parse_option(text: str) -> tuple[str, str | int | float | bool]:
         except ValueError:
             pass
     return name, value
+
+
+def busy_cell(r: dict) -> str:
+    """The table's CUPTI cell: decode kernel ms ÷ wall ms per step in the profiled window (``--breakdown``)."""
+    if not r.get("decode_kernels_ms"):
+        return "-"
+    return f"{r['kernel_ms_per_step']:.2f} ÷ {r['window_step_ms']:.2f} = {100 * r['device_busy']:.1f}%"
 
 
 def main() -> None:
@@ -298,8 +321,8 @@ def main() -> None:
              f"compiler options {args.compiler_options or 'XLA defaults'}", "",
              "| layers | weights GB | Engram tables (GB) | warm-up s (shapes) | prefill tokens | prefill s "
              "| prefill tok/s | batch | decode tok/s | decode step ms | GB read (experts touched) | roofline ms "
-             "| % roofline | device idle % |",
-             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| % roofline | device idle % (engine) | kernel ms ÷ step ms (CUPTI) |",
+             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         idle = 100 * r["device_waited_s"] / max(r["generate_s"], 1e-9)
         lines.append(f"| {r['layers']} | {r['param_GB']:.1f} | {r['engram_tables']} ({r['engram_GB']:.1f}) | "
@@ -307,7 +330,7 @@ def main() -> None:
                      f"{r['prefill_tokens']} | {r['prefill_s']:.2f} | {r['prefill_tok_per_s']:.0f} | {r['batch']} | "
                      f"{r['decode_tok_per_s']:.0f} | {r['decode_step_ms']:.2f} | "
                      f"{r['decode_read_GB']:.1f} ({100 * r['experts_touched']:.0f}%) | {r['roofline_step_ms']:.2f} | "
-                     f"{100 * r['roofline_fraction']:.0f}% | {idle:.1f} |")
+                     f"{100 * r['roofline_fraction']:.0f}% | {idle:.1f} | {busy_cell(r)} |")
     text = "\n".join(lines)
     print(text)
     if args.out:
