@@ -1,11 +1,14 @@
 """What a speculative step costs against a plain one on this backend (``docs/perf/speculative_cpu.md``).
 
-Times the engine's own compiled programs on all-padding rows of the bundled default model (a row's shape, not its
-content, sets the work): the plain model step at ``[B, q]`` for q = 1, 2, 3, 5 (a verify row carries 1 + k query
-tokens), the plain sampler, and the whole speculative step (model + verification + drafter) for k = 4 and 2.
+Times the engine's own compiled programs on all-padding rows (a row's shape, not its content, sets the work) of
+the bundled default model, or of a random real-dimension slice of a preset (``--preset deepseek-v4-flash
+--layers 4``: native FP8/FP4 weights, bf16; V4 drafts with its MTP block, V4.1 with DSpark reading the slice's
+last layers): the plain model step at ``[B, q]`` for q = 1, 2, 3, 5 (a verify row carries 1 + k query tokens),
+the plain sampler, and the whole speculative step (model + verification + drafter) for k = 4 and 2.
 Speculation pays when ``E[tokens per row per step] / (speculative step / plain step + sampler)`` exceeds 1::
 
     python3 scripts/probe_spec_step.py [--batch 10] [--pages 16]
+    JAX_PLATFORMS=cuda,cpu python3 scripts/probe_spec_step.py --preset deepseek-v4-flash --layers 4 --batch 64
 """
 
 from __future__ import annotations
@@ -35,20 +38,45 @@ def per_call_ms(fn: Callable[[], jax.Array], reps: int = 30) -> float:
     return 1e3 * (time.perf_counter() - t0) / reps
 
 
+def drafting_slice(base, n: int):
+    """The first ``n`` layers of ``base`` (:func:`first_layers`) with its drafter kept: V4's MTP block, or V4.1's
+    DSpark layers reading the slice's last layers (as the full model's read its last ones)."""
+    from bench_compile import first_layers  # scripts/ is on sys.path when run as a script
+
+    if base.is_v41 and base.dspark_target_layer_ids:
+        n_targets = len(base.dspark_target_layer_ids)
+        if n < n_targets:
+            raise ValueError(f"a V4.1 slice with DSpark needs at least {n_targets} layers, got {n}")
+        base = base.replace(dspark_target_layer_ids=tuple(range(n - n_targets, n)))
+    return first_layers(base, n).replace(n_mtp_layers=base.n_mtp_layers, mtp_compress_ratios=base.mtp_compress_ratios)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=10)
     ap.add_argument("--pages", type=int, default=16, help="page-table width of the bucket (16 tokens a page)")
+    ap.add_argument("--preset", default=None, help="a real-dimension preset instead of the default model")
+    ap.add_argument("--layers", type=int, default=4, help="with --preset: the slice's first layers")
     args = ap.parse_args()
     B, P = args.batch, args.pages
+    model, method, extra, what = "default", "dspark", {}, "default model"
+    if args.preset:
+        from dinfer_jax.models import random_model
+        from dinfer_jax.models.config import load_config
+
+        cfg = drafting_slice(load_config(args.preset), args.layers)
+        model = random_model(cfg, dtype="bfloat16", include_mtp=True, weights="native")
+        method = "dspark" if cfg.is_v41 else "mtp"
+        extra = dict(dtype="bfloat16")
+        what = f"{args.preset}, {args.layers} layers (random native weights, bf16), {method} drafts"
 
     def buckets(decode_len: int) -> Buckets:
         return Buckets(decode_batch=(B,), prefill_batch=(1,), prefill_len=(256,), pages=tuple(sorted({P, 16})),
                        decode_len=decode_len)
 
-    kw = dict(max_num_seqs=B, max_model_len=256, progress=False, warmup=False)
-    plain = LLM("default", buckets=buckets(1), **kw).runner
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; default model, batch {B}, {P} pages")
+    kw = dict(max_num_seqs=B, max_model_len=256, progress=False, warmup=False, **extra)
+    plain = LLM(model, buckets=buckets(1), **kw).runner
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {what}, batch {B}, {P} pages")
     print("| program | shape | ms per call | vs plain [B, 1] step + sampler |\n|---|---|---:|---:|")
     rows = []
     for q in (1, 2, 3, 5):
@@ -63,7 +91,7 @@ def main() -> None:
     samp = plain._sampling([], [], [], B)
     rows.append(("plain sampler", f"[{B}]", per_call_ms(lambda: plain._sample(logits, samp, plain.full_mask(B))[0])))
     for k in (4, 2):
-        spec = LLM("default", buckets=buckets(1 + k), speculative="dspark", num_speculative_tokens=k, **kw).runner
+        spec = LLM(model, buckets=buckets(1 + k), speculative=method, num_speculative_tokens=k, **kw).runner
         inp, feed = empty_inputs(B, 1 + k, P)
         s_samp = spec._sampling([], [], [], B)
         rows.append((f"speculative step, k={k}", f"[{B}, {1 + k}]", per_call_ms(
