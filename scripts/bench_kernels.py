@@ -1,6 +1,10 @@
 """Kernel benchmarks on the accelerator: ``python scripts/bench_kernels.py moe [--tokens N ...] [--sweep N ...]
 [--out DIR]``, ``python scripts/bench_kernels.py attention [--contexts N ...] [--batches N ...] [--out DIR]``,
-``python scripts/bench_kernels.py attention-kernel [--batches N ...] [--variants ...] [--out DIR]``.
+``python scripts/bench_kernels.py attention-kernel [--batches N ...] [--variants ...] [--out DIR]``,
+``python scripts/bench_kernels.py linear [--tokens N ...] [--out DIR]``.
+
+``linear``: the FP8 linear kernel (``pallas_kernels/linear``) against the model's XLA path at the V4 / V4.1 linear
+shapes (``scripts/bench_linear.py`` says what is measured).
 
 ``attention``: decode attention over paged compressed rows, masked vs gathered top-k, and the indexer
 (``scripts/bench_attention.py`` says what is measured).
@@ -262,7 +266,7 @@ def table(rows: list[dict], ceil: dict[str, float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["moe", "attention", "attention-kernel"])
+    p.add_argument("what", choices=["moe", "attention", "attention-kernel", "linear"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192], help="token counts to run")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="token counts at which to sweep block sizes")
     p.add_argument("--no-baseline", action="store_true", help="skip the XLA ragged_dot baseline")
@@ -299,6 +303,20 @@ def main() -> None:
         rows = bench_attention.bench_decode_kernel(args.batches, device_times, ceil["copy_GBps"] * 1e9,
                                                    variants=args.variants, on_row=save_kernel)
         print(bench_attention.kernel_table(rows))
+        return
+    if args.what == "linear":
+        import bench_linear
+
+        def save_linear(rows: list[dict]) -> None:
+            if args.out:
+                out = Path(args.out)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "bench_linear.md").write_text(bench_linear.table(rows) + "\n")
+                (out / "bench_linear.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, indent=1))
+
+        rows = bench_linear.bench_linear(args.tokens, device_times, ceil["copy_GBps"] * 1e9,
+                                         ceil["bf16_TFLOPs"] * 1e12, on_row=save_linear)
+        print(bench_linear.table(rows))
         return
     if args.what == "attention":
         rows = bench_attention.bench_attention(args, device_times, ceil["copy_GBps"] * 1e9)
