@@ -128,7 +128,7 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
         cfg = cfg.replace(engram_num_embeddings=engram_table_sizes(cfg))
     t0 = time.perf_counter()
     model = random_model(cfg, dtype="bfloat16", include_mtp=False, weights="native")
-    model = dataclasses.replace(model, mhc_impl=args.mhc_impl)
+    model = dataclasses.replace(model, mhc_impl=args.mhc_impl, linear_impl=args.linear_impl)
     jax.block_until_ready(model.params)
     init_s = time.perf_counter() - t0
     buckets = None
@@ -301,6 +301,9 @@ def main() -> None:
     ap.add_argument("--mhc-impl", default="auto", choices=["auto", "jnp", "pallas"],
                     help="the mHC Sinkhorn: XLA (jnp), the Mosaic GPU kernel (pallas_kernels/mhc) or auto "
                          "(the kernel on a GPU)")
+    ap.add_argument("--linear-impl", default="xla", choices=["xla", "pallas"],
+                    help="the FP8 linears: XLA's autotuned GEMM fusions or the Mosaic GPU kernel "
+                         "(pallas_kernels/linear)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.compiler_options = dict(parse_option(o) for o in args.compiler_option)
@@ -318,7 +321,7 @@ def main() -> None:
     bw_src = "given (--copy-gbps)" if args.copy_gbps else "measured in this run"
     lines = [f"{args.preset} slices, random native weights (FP4 experts, FP8 linears), bf16 compute; "
              f"copy bandwidth {bw / 1e9:.0f} GB/s {bw_src}; jax {jax.__version__}; "
-             f"compiler options {args.compiler_options or 'XLA defaults'}", "",
+             f"compiler options {args.compiler_options or 'XLA defaults'}; FP8 linears: {args.linear_impl}", "",
              "| layers | weights GB | Engram tables (GB) | warm-up s (shapes) | prefill tokens | prefill s "
              "| prefill tok/s | batch | decode tok/s | decode step ms | GB read (experts touched) | roofline ms "
              "| % roofline | device idle % (engine) | kernel ms ÷ step ms (CUPTI) |",

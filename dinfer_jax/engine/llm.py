@@ -157,6 +157,20 @@ def check_mhc_impl(impl: str) -> None:
                          f"{jax.default_backend()!r}")
 
 
+def check_linear_impl(impl: str, batch_invariant: bool) -> None:
+    """ValueError unless the model's ``linear_impl`` can run here: the Mosaic GPU kernel needs a GPU, and the
+    batch-invariant mode keeps XLA's tiled products."""
+    from dinfer_jax.models.linear_impl import check_linear_impl as check_name
+
+    if check_name(impl) == "pallas":
+        if jax.default_backend() != "gpu":
+            raise ValueError(f"linear_impl='pallas' (the Mosaic GPU FP8 linear kernel) needs a GPU; the backend is "
+                             f"{jax.default_backend()!r}")
+        if batch_invariant:
+            raise ValueError("linear_impl='pallas' does not run in batch-invariant mode (its products are tiled by "
+                             "XLA in fixed row tiles); use linear_impl='xla'")
+
+
 def _check_speculative(model: Model, speculative: str | None, k: int) -> str | None:
     """Validate ``LLM(speculative=..., num_speculative_tokens=...)``; returns the method (None: off)."""
     if speculative is None:
@@ -352,6 +366,7 @@ class LLM:
         self.config = cfg
         self.speculative = _check_speculative(self.model, speculative, num_speculative_tokens)
         check_mhc_impl(self.model.mhc_impl)
+        check_linear_impl(self.model.linear_impl, bool(batch_invariant))
         if num_redundant_experts is not None and ep_size < 2:
             raise ValueError(f"num_redundant_experts (EPLB) needs expert parallelism: ep_size > 1, got {ep_size}")
         if eplb_interval is not None and (num_redundant_experts is None or int(eplb_interval) < 1):

@@ -21,6 +21,7 @@ from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.engram_lookup import EngramLookup, EngramState
 from dinfer_jax.models.invariant import batch_invariant as invariant_tracing
 from dinfer_jax.models.layers import LayerOptions
+from dinfer_jax.models.linear_impl import linear_impl as linear_impl_scope
 from dinfer_jax.models.step_state import ModelCache, StepInput
 
 
@@ -52,7 +53,7 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
                engram: EngramState | None = None, ep_manual: int = 0, cp_manual: int = 0,
                copies_manual: int = 1, return_carry: bool = False, attention: str = "auto",
                attention_impl: str = "auto", count_experts: bool = False, batch_invariant: int = 0,
-               yoco_skip: bool = False, mhc_impl: str = "auto") -> tuple[Any, ...]:
+               yoco_skip: bool = False, mhc_impl: str = "auto", linear_impl: str = "xla") -> tuple[Any, ...]:
     """Run the model on one step's rows.
 
     params: ``"layers"`` stacked (:func:`stack_params`) for serving, or in checkpoint layout (stacked per call).
@@ -73,8 +74,10 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
     writes its KV sources' compressed rows (:func:`~dinfer_jax.models.layers.layer_v41_region_sources`); the
     returned logits are then meaningless (no row samples).
     ``mhc_impl``: the mHC Sinkhorn's implementation (:class:`~dinfer_jax.models.layers.LayerOptions`).
+    ``linear_impl``: the FP8 linears' implementation (:mod:`dinfer_jax.models.linear_impl`: ``"xla"`` or the
+    Mosaic GPU kernel, ``"pallas"``).
     """
-    with invariant_tracing(batch_invariant):
+    with invariant_tracing(batch_invariant), linear_impl_scope(linear_impl):
         return _model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn,
                            engram=engram, ep_manual=ep_manual, cp_manual=cp_manual, copies_manual=copies_manual,
                            return_carry=return_carry, attention=attention, attention_impl=attention_impl,

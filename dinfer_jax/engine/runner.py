@@ -42,6 +42,7 @@ from dinfer_jax.models.backbone import head_logits
 from dinfer_jax.models.engram_lookup import EngramLookup, EngramState
 from dinfer_jax.models.invariant import token_tiled
 from dinfer_jax.models.layer_plan import stack_params
+from dinfer_jax.models.linear_impl import linear_impl as linear_impl_scope
 from dinfer_jax.models.step_state import StepInput
 from dinfer_jax.progress import PhaseProgress
 from dinfer_jax.sampling import SamplingTensors, sample
@@ -363,7 +364,7 @@ def step_statics(model: Model, attention: str = "auto", engram_tables: str = "de
         state = model.engram.state(engram_tables)
         lookup = EngramLookup(cfg, on_host=engram_tables == "host")
     statics = dict(cfg=cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=lookup, attention=attention,
-                   mhc_impl=model.mhc_impl)
+                   mhc_impl=model.mhc_impl, linear_impl=model.linear_impl)
     if batch_invariant:   # only the one-device forward takes it (LLM refuses it with speculative decoding or DP)
         statics["batch_invariant"] = batch_invariant
     return statics, state
@@ -420,7 +421,8 @@ def fill_step_inputs(step: ScheduledStep, b: int, q: int, p: int, block_size: in
 def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, engram: Any, *,
                     cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, ep_manual: int = 0, cp_manual: int = 0,
                     copies_manual: int = 1, attention: str = "auto", count_experts: bool = False,
-                    batch_invariant: int = 0, yoco_skip: bool = False, mhc_impl: str = "auto") -> tuple[Any, ...]:
+                    batch_invariant: int = 0, yoco_skip: bool = False, mhc_impl: str = "auto",
+                    linear_impl: str = "xla") -> tuple[Any, ...]:
     """Traced model part of a step: resolve in-flight inputs on device, run the model. Returns ``(logits [B, V]
     fp32 at each row's last token, cache)``, plus the expert loads ``[L, E]`` with ``count_experts``.
     ``batch_invariant``: token rows per fixed-shape product (0: off; :mod:`dinfer_jax.models.invariant`).
@@ -430,7 +432,7 @@ def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, pre
     return model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn, engram=engram,
                       ep_manual=ep_manual, cp_manual=cp_manual, copies_manual=copies_manual, attention=attention,
                       count_experts=count_experts, batch_invariant=batch_invariant, yoco_skip=yoco_skip,
-                      mhc_impl=mhc_impl)
+                      mhc_impl=mhc_impl, linear_impl=linear_impl)
 
 
 def _sample_rows(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Array | None) -> tuple[jax.Array, Any]:
@@ -468,13 +470,13 @@ def _device_sample(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Arr
 def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
                  engram: Any, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int,
                  ep_manual: int = 0, cp_manual: int = 0, copies_manual: int = 1, attention: str = "auto",
-                 count_experts: bool = False, mhc_impl: str = "auto"):
+                 count_experts: bool = False, mhc_impl: str = "auto", linear_impl: str = "xla"):
     """Forward and sampling traced as one program (the DP engines' per-device step). Returns ``(tokens
     [max_rows], logprobs, cache, expert loads [L, E] int32 or None)`` (loads with ``count_experts``)."""
     out = _device_forward(params, cache, inp, feed, prev_tokens, engram, cfg=cfg, dtype=dtype, moe_impl=moe_impl,
                           engram_fn=engram_fn, ep_manual=ep_manual, cp_manual=cp_manual,
                           copies_manual=copies_manual, attention=attention, count_experts=count_experts,
-                          mhc_impl=mhc_impl)
+                          mhc_impl=mhc_impl, linear_impl=linear_impl)
     logits, cache = out[:2]
     toks, logprobs = _device_sample(logits, samp, max_rows=max_rows)
     return toks, logprobs, cache, out[2] if count_experts else None
@@ -484,7 +486,22 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
                       prev_tokens: jax.Array, samp: Any, engram: Any, ndraft: jax.Array, next_tok: jax.Array,
                       sample_mask: jax.Array, token_masks: jax.Array, *, cfg: Any, dtype: str, moe_impl: str,
                       engram_fn: Any, attention: str,
-                      max_rows: int, k: int, decode: bool, method: str, mhc_impl: str = "auto"):
+                      max_rows: int, k: int, decode: bool, method: str, mhc_impl: str = "auto",
+                      linear_impl: str = "xla"):
+    """:func:`_step_spec` with the FP8 linears of the model and the drafter on ``linear_impl``
+    (:mod:`dinfer_jax.models.linear_impl`)."""
+    with linear_impl_scope(linear_impl):
+        return _step_spec(params, cache, spec, inp, feed, prev_tokens, samp, engram, ndraft, next_tok, sample_mask,
+                          token_masks, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn,
+                          attention=attention, max_rows=max_rows, k=k, decode=decode, method=method,
+                          mhc_impl=mhc_impl)
+
+
+def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: InFlight,
+               prev_tokens: jax.Array, samp: Any, engram: Any, ndraft: jax.Array, next_tok: jax.Array,
+               sample_mask: jax.Array, token_masks: jax.Array, *, cfg: Any, dtype: str, moe_impl: str,
+               engram_fn: Any, attention: str, max_rows: int, k: int, decode: bool, method: str,
+               mhc_impl: str = "auto"):
     """Traced step with speculative decoding (V4 MTP drafter, ``engine/speculative.py``).
 
     decode: rows ``[t, d1..dk]`` (drafts read from the slot's draft pool, ``ndraft [B]`` of them valid) are verified
@@ -541,14 +558,14 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
     return out, jnp.zeros((max_rows,), jnp.int32), logprobs, cache, spec
 
 
-_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "max_rows", "attention", "mhc_impl")
+_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "max_rows", "attention", "mhc_impl", "linear_impl")
 # Module-level jits with the engine's configuration as static arguments: engines over the same model and shapes
 # share compiled steps within a process (what the on-disk compilation cache would otherwise provide).
 # The plain engine runs a step as two programs: the model (one per bucket) and the sampler (one per batch size and
 # host-decided variant: SamplingTensors.use_filters / all_greedy), so the sampler's variants cost small compiles
 # and the model step holds no data-dependent conditional (docs/perf/serving_h200.md).
 _FORWARD_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "ep_manual", "cp_manual", "copies_manual", "attention",
-                   "batch_invariant", "yoco_skip", "mhc_impl")
+                   "batch_invariant", "yoco_skip", "mhc_impl", "linear_impl")
 # the sampler variants every warm-up compiles, (use_filters, all_greedy): all rows greedy (argmax only), or some row
 # draws (filters on, skipped on the device when no row filters: that variant syncs with the host for its draw anyway)
 SAMPLER_VARIANTS = ((False, True), (True, False))

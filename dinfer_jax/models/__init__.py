@@ -57,7 +57,9 @@ class Model:
     ``engram`` (V4.1) holds the host-side Engram tables; they never enter device memory. ``mhc_impl``: the mHC
     Sinkhorn's implementation in every forward and serving step (:func:`~dinfer_jax.models.mhc.sinkhorn`:
     ``"auto"``: the Mosaic GPU kernel on a GPU, XLA elsewhere; ``"jnp"``; or ``"pallas"``, the kernel; set it with
-    ``dataclasses.replace``).
+    ``dataclasses.replace``). ``linear_impl``: the FP8 linears in the serving steps
+    (:mod:`~dinfer_jax.models.linear_impl`: ``"xla"``, the default, or ``"pallas"``, the Mosaic GPU kernel, not yet
+    verified on a GPU).
     """
 
     config: ModelConfig
@@ -67,6 +69,7 @@ class Model:
     moe_impl: str = "auto"
     engram: EngramRuntime | None = None
     mhc_impl: str = "auto"
+    linear_impl: str = "xla"
 
     def options(self, collect: bool = False, yoco: str = "off", yoco_keep: int = 140,
                 attention: str = "auto") -> ForwardOptions:

@@ -10,6 +10,7 @@ import numpy as np
 
 from dinfer_jax.models.config import YarnConfig
 from dinfer_jax.models.invariant import active_tile, token_tiled
+from dinfer_jax.models.linear_impl import kernel_config, kernel_linear
 from dinfer_jax.models.qweights import QuantizedWeight, as_dense
 
 F32 = jnp.float32
@@ -44,7 +45,8 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight, out_dtype: jnp.dtype | 
     over fixed tiles of rows."""
     if active_tile() and x.ndim > 1:
         return token_tiled(lambda t: linear(t, w, out_dtype), x, lead=x.ndim - 1)
-    y = matmul("...i,oi->...o", x, as_dense(w, x.dtype))
+    config = kernel_config(x, w)   # the FP8 kernel when a step is traced with it (dinfer_jax.models.linear_impl)
+    y = kernel_linear(x, w, config) if config is not None else matmul("...i,oi->...o", x, as_dense(w, x.dtype))
     return y.astype(out_dtype or x.dtype)
 
 

@@ -1,0 +1,73 @@
+"""Which implementation the model's FP8 linears use while a step is traced: XLA's GEMM fusion (``"xla"``, the
+default) or the Mosaic GPU kernel (``"pallas"``, :mod:`pallas_kernels.linear`).
+
+The setting is held in a context variable for the duration of tracing (as the batch-invariant tile is,
+:mod:`dinfer_jax.models.invariant`), so :func:`dinfer_jax.models.ops.linear` reads it without every projection's
+signature carrying it; :func:`~dinfer_jax.engine.model_step.model_step` takes it as a static argument, so programs
+traced with and without the kernel are different programs.
+
+The kernel takes a call when it can: bf16 activations, a 2-D FP8 weight with UE8M0 scales in blocks whose input
+width is a multiple of 32, and a block table entry for the shape (:func:`pallas_kernels.linear.tuning.config_for`);
+other calls (fp32 scales, FP4 or dense weights, shapes no tile divides) keep XLA's path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax.models.qweights import QuantizedWeight
+
+LINEAR_IMPLS = ("xla", "pallas")
+_IMPL: contextvars.ContextVar[str] = contextvars.ContextVar("dinfer_jax_linear_impl", default="xla")
+
+
+def check_linear_impl(impl: str) -> str:
+    """``impl`` if it names an implementation, else ValueError."""
+    if impl not in LINEAR_IMPLS:
+        raise ValueError(f"linear_impl must be one of {LINEAR_IMPLS}, got {impl!r}")
+    return impl
+
+
+@contextlib.contextmanager
+def linear_impl(impl: str) -> Iterator[None]:
+    """Trace the enclosed model code with the FP8 linears on ``impl``."""
+    token = _IMPL.set(check_linear_impl(impl))
+    try:
+        yield
+    finally:
+        _IMPL.reset(token)
+
+
+def kernel_config(x: jax.Array, w: QuantizedWeight):
+    """The kernel's tile configuration for ``x [..., K] · wᵀ`` when the kernel is on and takes this call, else
+    None."""
+    if _IMPL.get() != "pallas" or not isinstance(w, QuantizedWeight) or w.fmt != "fp8" or w.ndim != 2:
+        return None
+    if x.dtype != jnp.bfloat16 or w.scale.dtype != jnp.float8_e8m0fnu or w.block[1] % 32:
+        return None
+    from pallas_kernels.linear.tuning import config_for
+
+    n, k = w.shape
+    tokens = 1
+    for d in x.shape[:-1]:
+        tokens *= d
+    try:
+        return config_for(tokens, n, k)
+    except ValueError:
+        return None
+
+
+def kernel_linear(x: jax.Array, w: QuantizedWeight, config) -> jax.Array:
+    """``x [..., K] · wᵀ`` → fp32 ``[..., N]`` through the kernel with ``config`` (from :func:`kernel_config`)."""
+    from pallas_kernels.linear.kernel_sm90 import fp8_linear_sm90
+
+    y = fp8_linear_sm90(x.reshape(-1, x.shape[-1]), w.data, w.scale, config=config, block=w.block)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+__all__ = ["LINEAR_IMPLS", "check_linear_impl", "kernel_config", "kernel_linear", "linear_impl"]
