@@ -10,7 +10,7 @@ Organisation (that of :mod:`pallas_kernels.moe.kernel_sm90`, with one weight mat
   loaded from shared memory into registers as int8, decoded to bf16 by bit placement
   (:func:`~pallas_kernels.linear.reference.e4m3_bits_to_scaled_bf16_bits`) and scaled there by the UE8M0 block
   scale (the expert kernel's :func:`~pallas_kernels.moe.kernel_sm90._scale_rows`, bias 120);
-* tokens are the **B** operand (the N side, ``block_m`` of 8–256 columns) straight from shared memory, so a
+* tokens are the **B** operand (the N side, ``block_m`` of 16–256 columns) straight from shared memory, so a
   decode call of a few tokens still issues full 64-row MMAs and reads every weight byte once per token tile;
 * work items are (token tile, weight-row block, K split) triples over a persistent grid of one CTA per SM. The
   split over K (``split_k``) gives small-``N`` weights enough items to occupy the SMs at decode (a ``[1024, 4096]``
@@ -42,7 +42,7 @@ from pallas_kernels.linear.reference import BLOCK, SCALE_BIAS, e4m3_bits_to_scal
 class LinearConfig:
     """Block sizes of one FP8 linear call.
 
-    block_m: tokens per tile (WGMMA N; a multiple of 8, ≤ 256). block_n: weight rows per item (WGMMA M; 64 or
+    block_m: tokens per tile (WGMMA N; 16–256, a power of two). block_n: weight rows per item (WGMMA M; 64 or
     128, so a tile never straddles two 128-row scale blocks). block_k: reduction per pipeline step (64 or 128).
     split_k: K ranges per (token tile, row block), each a whole number of ``block_k`` steps. stages: TMA pipeline
     depth.
@@ -55,8 +55,9 @@ class LinearConfig:
     stages: int = 4
 
     def check(self, n: int, k: int) -> None:
-        if self.block_m % 8 or not 8 <= self.block_m <= 256:
-            raise ValueError(f"block_m={self.block_m} must be a multiple of 8 in [8, 256]")
+        if self.block_m not in (16, 32, 64, 128, 256):
+            raise ValueError(f"block_m={self.block_m} must be 16, 32, 64, 128 or 256 (a token tile's bf16 row is "
+                             "swizzled in 32-, 64- or 128-byte units)")
         if self.block_n not in (64, 128):
             raise ValueError(f"block_n={self.block_n} must be 64 or 128")
         if self.block_k not in (64, 128):

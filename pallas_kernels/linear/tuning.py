@@ -31,7 +31,7 @@ def config_for(tokens: int, n: int, k: int) -> LinearConfig:
     """The tile configuration for ``tokens`` rows times a ``[n, k]`` weight; ValueError when no block size
     divides the shape (the caller then keeps XLA's GEMM)."""
     if tokens <= DECODE_MAX_TOKENS:
-        bm = min(64, -(-tokens // 8) * 8)
+        bm = 16 if tokens <= 16 else 32 if tokens <= 32 else 64
         cfg = LinearConfig(bm, 64, 128, _split_k(n, k, 64, 128, bm), 4)
     else:
         cfg = LinearConfig(128, 64, 128, 1, 4)
