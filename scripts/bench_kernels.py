@@ -284,38 +284,28 @@ def main() -> None:
     ceil = ceilings()
     print(ceil, flush=True)
 
-    def save(rows: list[dict]) -> None:   # after every row, so a run cut short by a time limit keeps its results
-        if args.out:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "bench_moe.md").write_text(table(rows, ceil) + "\n")
-            (out / "bench_moe.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, default=str, indent=1))
-
-    if args.what == "attention-kernel":
-        def save_kernel(rows: list[dict]) -> None:
+    def saver(name: str, to_table):
+        """A callback writing ``name``.md (the table) and ``name``.json under ``--out`` after every row, so a run
+        cut short by a time limit keeps its results."""
+        def save(rows: list[dict]) -> None:
             if args.out:
                 out = Path(args.out)
                 out.mkdir(parents=True, exist_ok=True)
-                (out / "bench_attention_kernel.md").write_text(bench_attention.kernel_table(rows) + "\n")
-                (out / "bench_attention_kernel.json").write_text(
-                    json.dumps({"ceilings": ceil, "rows": rows}, default=str, indent=1))
+                (out / f"{name}.md").write_text(to_table(rows) + "\n")
+                (out / f"{name}.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, default=str, indent=1))
+        return save
 
+    if args.what == "attention-kernel":
         rows = bench_attention.bench_decode_kernel(args.batches, device_times, ceil["copy_GBps"] * 1e9,
-                                                   variants=args.variants, on_row=save_kernel)
+                                                   variants=args.variants,
+                                                   on_row=saver("bench_attention_kernel", bench_attention.kernel_table))
         print(bench_attention.kernel_table(rows))
         return
     if args.what == "linear":
         import bench_linear
 
-        def save_linear(rows: list[dict]) -> None:
-            if args.out:
-                out = Path(args.out)
-                out.mkdir(parents=True, exist_ok=True)
-                (out / "bench_linear.md").write_text(bench_linear.table(rows) + "\n")
-                (out / "bench_linear.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, indent=1))
-
         rows = bench_linear.bench_linear(args.tokens, device_times, ceil["copy_GBps"] * 1e9,
-                                         ceil["bf16_TFLOPs"] * 1e12, on_row=save_linear)
+                                         ceil["bf16_TFLOPs"] * 1e12, on_row=saver("bench_linear", bench_linear.table))
         print(bench_linear.table(rows))
         return
     if args.what == "attention":
@@ -328,7 +318,7 @@ def main() -> None:
             (out / "bench_attention.md").write_text(text + "\n")
             (out / "bench_attention.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, indent=1))
         return
-    rows = bench_moe(args, on_row=save)
+    rows = bench_moe(args, on_row=saver("bench_moe", lambda rows: table(rows, ceil)))
     print(table(rows, ceil))
 
 
