@@ -123,3 +123,13 @@ def test_kernel_lowers_for_cuda(tokens, n, k, block):
                                    config=cfg, block=block)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_config_refuses_scale_rows_longer_than_one_copy():
+    from pallas_kernels.linear.kernel_sm90 import LinearConfig
+
+    LinearConfig(64, 64, 128, 1).check(1024, 8192)            # 256 scale bytes per row: one TMA copy
+    with pytest.raises(ValueError, match="256 scale bytes"):
+        LinearConfig(64, 64, 128, 1).check(1024, 16384)
+    LinearConfig(64, 64, 128, 2).check(1024, 16384)
+

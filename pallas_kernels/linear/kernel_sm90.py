@@ -67,6 +67,9 @@ class LinearConfig:
         if self.split_k < 1 or k % (self.block_k * self.split_k):
             raise ValueError(f"reduction width {k} is not a multiple of block_k · split_k = "
                              f"{self.block_k} · {self.split_k}")
+        if _scale_cols(k, self.split_k) > 256:
+            raise ValueError(f"a K split of {k // self.split_k} inputs has more than 256 scale bytes per row (one "
+                             "TMA copy's limit); split K further")
 
     def smem_bytes(self, k: int) -> int:
         """Shared memory of one CTA: the pipeline's token and weight tiles, the output tile, the scale rows."""
