@@ -20,7 +20,7 @@ a token takes part in runs at a shape fixed by the model alone:
   changes nothing (``max(m, −inf) = m``, a rescale by ``exp(0) = 1``, a sum of zeros), so how many pages a
   step's batch makes the program read does not matter;
 * the compressors' pooling (a reduction over a middle axis) is a chain of adds (:func:`ordered_sum`); the engine's
-  sampler runs in row tiles the same way (``ModelRunner._device_sample``);
+  sampler runs in row tiles the same way (``engine.runner._device_sample``);
 * on CPU the programs are compiled without XLA's YNNPACK fusions (:data:`CPU_INVARIANT_OPTIONS`).
 
 Every call runs at least two tiles (a padding tile when the rows fit in one): XLA inlines a loop of one trip, and
