@@ -356,8 +356,7 @@ class LLM:
         # settings checked before anything is built or any device is asked for
         one_device = (dp_size, cp_size, ep_size) == (1, 1, 1)
         self.launch_thread = _check_launch_thread(launch_thread, engram_tables, one_device)
-        self.batch_invariant_tile = _check_batch_invariant(batch_invariant, speculative,
-                                                           (dp_size, cp_size, ep_size) == (1, 1, 1))
+        self.batch_invariant_tile = _check_batch_invariant(batch_invariant, speculative, one_device)
         self.parallel = parallel_layout(dp_size, cp_size, ep_size)
         self.dp_size = dp_size
         self.model, self.path = _resolve_model(model, dtype, seed, progress)
@@ -378,7 +377,7 @@ class LLM:
                              f"ep_size = 1), got dp_size={dp_size}, cp_size={cp_size}, ep_size={ep_size}")
         k = int(num_speculative_tokens) if speculative else 0
         self.num_speculative_tokens = k
-        self.yoco_keep = _check_yoco(cfg, yoco, yoco_keep, k, (dp_size, cp_size, ep_size) == (1, 1, 1),
+        self.yoco_keep = _check_yoco(cfg, yoco, yoco_keep, k, one_device,
                                      enable_chunked_prefill)
         self.yoco = yoco
         if self.batch_invariant_tile and jax.default_backend() == "cpu":

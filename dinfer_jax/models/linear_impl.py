@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 
 import jax
@@ -53,11 +54,8 @@ def kernel_config(x: jax.Array, w: QuantizedWeight):
     from pallas_kernels.linear.tuning import config_for
 
     n, k = w.shape
-    tokens = 1
-    for d in x.shape[:-1]:
-        tokens *= d
     try:
-        return config_for(tokens, n, k)
+        return config_for(math.prod(x.shape[:-1]), n, k)
     except ValueError:
         return None
 
