@@ -18,10 +18,11 @@ Prints a Markdown table (and writes it under ``--out``).
     python scripts/bench_serving.py --preset deepseek-v4-flash --layers 2 4 --out /tmp/serving
 
 V4.1 slices keep their Engram layers with ``--engram-vocab`` (random FP8 tables of that hash vocabulary) and compare
-table placements with ``--engram-tables device host`` (issue 13: host tables within 5% of device tables):
+table placements with ``--engram-tables device host host-direct`` (issue 13: host tables within 5% of device
+tables; ``--breakdown`` adds the device's busy share of a decode step):
 
     python scripts/bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
-        --engram-tables device host host-no-thread --lean-buckets --out /tmp/serving
+        --engram-tables device host host-no-thread host-direct --lean-buckets --out /tmp/serving
 """
 
 from __future__ import annotations
@@ -106,8 +107,10 @@ def timed(fn, *args):
 
 
 # --engram-tables choices: name → (LLM engram_tables, LLM launch_thread); "host-no-thread" is the host placement
-# with steps launched on the serving thread, to measure what the launch thread buys
-ENGRAM_PLACEMENTS = {"device": ("device", None), "host": ("host", None), "host-no-thread": ("host", False)}
+# with steps launched on the serving thread, to measure what the launch thread buys; "host-direct": host tables read
+# by the device's gather kernel
+ENGRAM_PLACEMENTS = {"device": ("device", None), "host": ("host", None), "host-no-thread": ("host", False),
+                     "host-direct": ("host-direct", None)}
 
 
 def run_one(preset: str, layers: int, args, bw: float, placement: str = "device") -> dict:

@@ -81,19 +81,27 @@ def _tables(kind: str):
     return cfg, [EngramTable.from_checkpoint(tdir, lid, cfg) for lid in cfg.engram_layer_ids]
 
 
-@pytest.mark.parametrize("where", ["device", "host"])
+@pytest.mark.parametrize("where", ["device", "host", "host-direct"])
 @pytest.mark.parametrize("kind", ["fp8", "fp32"])
 def test_lookup_equals_the_host_gather(kind, where):
     """Hash + gather + decode inside one jitted program = the host pipeline (numpy hash, ``EngramTable.gather``),
-    bit for bit: the FP8 decode is exact in fp32. ``host``: the tables sit in pinned host memory and stay there."""
+    bit for bit: the FP8 decode is exact in fp32. ``host``: the tables sit in pinned host memory and stay there.
+    ``host-direct``: placed as line tables in pinned host memory; on this CPU the kernel's ``jnp`` contract gathers
+    them (from a device-memory copy: XLA:CPU computes on device memory), so this checks the line layout, the row
+    cut and the bit cast around the kernel (the kernel itself: tests/test_engram_gather_gpu.py)."""
     cfg, tables = _tables(kind)
     assert all(t.quantized == (kind == "fp8") for t in tables)
     placed = place_tables(tables, where)
     kinds = {a.sharding.memory_kind for a in jax.tree.leaves(placed)}
-    assert kinds == {"pinned_host" if where == "host" else "device"}
+    assert kinds == {"device" if where == "device" else "pinned_host"}
+    lookup = EngramLookup(cfg, placement=where)
+    if where == "host-direct":
+        assert {a.dtype for a in jax.tree.leaves(placed)} == {np.dtype(np.int32)}
+        placed = jax.device_put(placed, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device"))
+        lookup = EngramLookup(cfg, placement=where, line_gather="reference")
     rows = np.random.default_rng(2).integers(0, cfg.engram_compressed_vocab_size,
                                              size=(3, 5, cfg.engram_max_ngram_size))
-    got = np.asarray(jax.jit(EngramLookup(cfg, on_host=where == "host"))(placed, jnp.asarray(rows, jnp.int32)))
+    got = np.asarray(jax.jit(lookup)(placed, jnp.asarray(rows, jnp.int32)))
     ids = engram_hash(cfg, rows)
     want = np.stack([t.gather(ids[i]).reshape(*rows.shape[:-1], -1) for i, t in enumerate(tables)])
     assert got.dtype == np.float32 and got.shape == want.shape
@@ -137,3 +145,9 @@ def test_bad_engram_placement_is_named():
         LLM(model, engram_tables="host", dp_size=2, warmup=False, progress=False)
     with pytest.raises(ValueError, match="launch_thread=True runs on the one-device engine only"):
         LLM(model, launch_thread=True, dp_size=2, warmup=False, progress=False)
+    with pytest.raises(ValueError, match="'host-direct'.*needs a GPU"):   # this CPU: the kernel cannot run
+        LLM(model, engram_tables="host-direct", warmup=False, progress=False)
+    with pytest.raises(ValueError, match="one-device engine only"):
+        LLM(model, engram_tables="host-direct", dp_size=2, warmup=False, progress=False)
+    with pytest.raises(ValueError, match="line_gather must be one of"):
+        EngramLookup(model.config, placement="host-direct", line_gather="triton")

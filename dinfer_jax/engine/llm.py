@@ -218,6 +218,19 @@ def _check_yoco(cfg: Any, yoco: str, keep: Any, num_speculative_tokens: int, one
     return int(keep)
 
 
+def _check_engram_tables(engram_tables: Any, one_device: bool) -> None:
+    """ValueError unless ``LLM(engram_tables=...)`` names a placement that runs here: host placements on the
+    one-device engine, ``"host-direct"`` (a Mosaic GPU kernel reads the host rows) on a GPU."""
+    if engram_tables not in ENGRAM_PLACEMENTS:
+        raise ValueError(f"engram_tables must be one of {ENGRAM_PLACEMENTS}, got {engram_tables!r}")
+    if engram_tables != "device" and not one_device:
+        raise ValueError(f"engram_tables={engram_tables!r} runs on the one-device engine only; the DP engines keep "
+                         "the tables in every device's memory ('device')")
+    if engram_tables == "host-direct" and jax.default_backend() != "gpu":
+        raise ValueError(f"engram_tables='host-direct' (a Mosaic GPU kernel reads the rows from pinned host memory) "
+                         f"needs a GPU; the backend is {jax.default_backend()!r}; use 'host' or 'device'")
+
+
 def _check_launch_thread(launch_thread: Any, engram_tables: str, one_device: bool) -> bool:
     """``LLM(launch_thread=...)`` resolved: None → on iff the Engram tables are in host memory."""
     if launch_thread is None:
@@ -302,9 +315,10 @@ class LLM:
         structured_timeout_s: limit on compiling one request's structured-output grammar (``so_args``); a request
             whose grammar is not ready by then ends with ``finish_reason="error"`` (``docs/structured_outputs.md``).
         engram_tables: V4.1 Engram tables for the compiled steps: ``"device"`` (default; copied once into device
-            memory) or ``"host"`` (pinned host memory, gathered on the host inside the step; one-device engine).
-            Either way the n-gram hash and the gather run inside the step, with no host callback
-            (``docs/engram.md``).
+            memory), ``"host"`` (pinned host memory, gathered on the host inside the step; one-device engine) or
+            ``"host-direct"`` (pinned host memory, read over PCIe by a Mosaic GPU kernel inside the step; GPU,
+            one-device engine). Every way the n-gram hash and the gather run inside the step, with no host
+            callback (``docs/engram.md``).
         launch_thread: launch the steps from a second host thread (:mod:`~dinfer_jax.engine.launcher`), so that
             the loop prepares the next step while a launch blocks. Default (None): on when ``engram_tables="host"``,
             whose step holds a host computation and returns only once it has run; one-device engine only.
@@ -348,13 +362,9 @@ class LLM:
         options = compiler_options_key(compiler_options)
         if attention not in ("auto", "sparse", "dense"):
             raise ValueError(f"attention must be 'auto', 'sparse' or 'dense', got {attention!r}")
-        if engram_tables not in ENGRAM_PLACEMENTS:
-            raise ValueError(f"engram_tables must be one of {ENGRAM_PLACEMENTS}, got {engram_tables!r}")
-        if engram_tables == "host" and (dp_size, cp_size, ep_size) != (1, 1, 1):
-            raise ValueError("engram_tables='host' runs on the one-device engine only; the DP engines keep the "
-                             "tables in every device's memory ('device')")
         # settings checked before anything is built or any device is asked for
         one_device = (dp_size, cp_size, ep_size) == (1, 1, 1)
+        _check_engram_tables(engram_tables, one_device)
         self.launch_thread = _check_launch_thread(launch_thread, engram_tables, one_device)
         self.batch_invariant_tile = _check_batch_invariant(batch_invariant, speculative, one_device)
         self.parallel = parallel_layout(dp_size, cp_size, ep_size)

@@ -125,7 +125,7 @@ class ModelRunner:
         # output of the steps that read them; the state fed back (cache, previous tokens, drafter state) and the
         # sampler's warm-up logits are committed from the start, so warm-up compiles what serving runs.
         self._commit = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-                        if self.cfg.engram_layer_ids and engram_tables == "host" else None)
+                        if self.cfg.engram_layer_ids and engram_tables != "device" else None)
         if self._commit is not None:
             self.cache, self._prev_tokens, self.spec = jax.device_put((self.cache, self._prev_tokens, self.spec),
                                                                       self._commit)
@@ -356,13 +356,14 @@ def step_statics(model: Model, attention: str = "auto", engram_tables: str = "de
     """The model program's static keyword arguments for ``model`` (configuration, dtype, MoE implementation,
     Engram lookup, compressed-row attention mode, the batch-invariant tile when on; steps that also sample add
     ``max_rows``) and the Engram state it
-    reads (V4.1: the compressed-id map and the tables placed by ``engram_tables``, ``"device"`` or ``"host"``;
+    reads (V4.1: the compressed-id map and the tables placed by ``engram_tables``, one of
+    :data:`~dinfer_jax.models.engram_lookup.ENGRAM_PLACEMENTS`;
     None otherwise)."""
     cfg = model.config
     state = lookup = None
     if cfg.engram_layer_ids:
         state = model.engram.state(engram_tables)
-        lookup = EngramLookup(cfg, on_host=engram_tables == "host")
+        lookup = EngramLookup(cfg, placement=engram_tables)
     statics = dict(cfg=cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=lookup, attention=attention,
                    mhc_impl=model.mhc_impl, linear_impl=model.linear_impl)
     if batch_invariant:   # only the one-device forward takes it (LLM refuses it with speculative decoding or DP)

@@ -38,7 +38,8 @@ class EngramRuntime:
 
     def state(self, where: str = "device", sharding: Any = None) -> Any:
         """The :class:`~dinfer_jax.models.engram_lookup.EngramState` a compiled step reads: the id map and the
-        tables placed in device memory (``where="device"``) or pinned host memory (``"host"``), each array with
+        tables placed in device memory (``where="device"``) or pinned host memory (``"host"``; ``"host-direct"``:
+        as line tables for the device's gather kernel), each array with
         ``sharding`` (default: the first local device). Placed once per (where, sharding) and kept."""
         from dinfer_jax.models.engram_lookup import EngramState, place_tables
 
@@ -58,8 +59,8 @@ class Model:
     Sinkhorn's implementation in every forward and serving step (:func:`~dinfer_jax.models.mhc.sinkhorn`:
     ``"auto"``: the Mosaic GPU kernel on a GPU, XLA elsewhere; ``"jnp"``; or ``"pallas"``, the kernel; set it with
     ``dataclasses.replace``). ``linear_impl``: the FP8 linears in the serving steps
-    (:mod:`~dinfer_jax.models.linear_impl`: ``"xla"``, the default, or ``"pallas"``, the Mosaic GPU kernel, not yet
-    verified on a GPU).
+    (:mod:`~dinfer_jax.models.linear_impl`: ``"xla"``, the default, or ``"pallas"``, the Mosaic GPU kernel for calls
+    of up to 64 tokens, XLA's GEMM above; ``docs/perf/linear_kernel_h200.md``).
     """
 
     config: ModelConfig

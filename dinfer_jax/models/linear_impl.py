@@ -46,16 +46,20 @@ def linear_impl(impl: str) -> Iterator[None]:
 
 def kernel_config(x: jax.Array, w: QuantizedWeight):
     """The kernel's tile configuration for ``x [..., K] · wᵀ`` when the kernel is on and takes this call, else
-    None."""
+    None. The kernel takes FP8 weights with UE8M0 scales and bf16 activations of at most ``KERNEL_MAX_TOKENS``
+    rows (decode steps); larger calls (prefill) keep XLA's GEMM, faster there on the H200."""
     if _IMPL.get() != "pallas" or not isinstance(w, QuantizedWeight) or w.fmt != "fp8" or w.ndim != 2:
         return None
     if x.dtype != jnp.bfloat16 or w.scale.dtype != jnp.float8_e8m0fnu or w.block[1] % 32:
         return None
-    from pallas_kernels.linear.tuning import config_for
+    from pallas_kernels.linear.tuning import KERNEL_MAX_TOKENS, config_for
 
     n, k = w.shape
+    tokens = math.prod(x.shape[:-1])
+    if tokens > KERNEL_MAX_TOKENS:
+        return None
     try:
-        return config_for(math.prod(x.shape[:-1]), n, k)
+        return config_for(tokens, n, k)
     except ValueError:
         return None
 
