@@ -151,3 +151,18 @@ def test_bad_engram_placement_is_named():
         LLM(model, engram_tables="host-direct", dp_size=2, warmup=False, progress=False)
     with pytest.raises(ValueError, match="line_gather must be one of"):
         EngramLookup(model.config, placement="host-direct", line_gather="triton")
+
+
+@pytest.mark.parametrize("where", ["device", "host-direct"])
+@pytest.mark.parametrize("kind", ["fp8", "fp32"])
+def test_abstract_state_has_the_placed_tables_shapes(kind, where):
+    """``abstract_state`` (lowering without tables) describes what ``place_tables`` builds: shapes, dtypes and, for
+    line tables, the stored dtypes they stand for."""
+    from dinfer_jax.models.engram_lookup import abstract_state
+
+    cfg, tables = _tables(kind)
+    placed = place_tables(tables, where)
+    abstract = abstract_state(cfg, release_format=kind == "fp8", where=where).tables
+    assert jax.tree.structure(abstract) == jax.tree.structure(placed)
+    assert [(a.shape, a.dtype) for a in jax.tree.leaves(abstract)] == [(a.shape, a.dtype)
+                                                                       for a in jax.tree.leaves(placed)]
