@@ -1,0 +1,29 @@
+#!/bin/bash
+# The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
+# with $OUT set and the llguidance wheel carried (.wheels):
+#   STAGE=engram  issue 13: V4.1 4-layer slice, Engram tables on the device and read from pinned host memory by the
+#                 gather kernel, in one call (same machine, same process order), with the CUPTI busy share;
+#   STAGE=linear  issue 8: V4-Flash 4-layer slice with the FP8 linear kernel limited to decode calls (<= 64 tokens;
+#                 pallas_kernels/linear/tuning.py) — cold warm-up and decode against docs/perf/linear_kernel_h200.md;
+#   STAGE=spec    issue 11: one speculative step against one plain step on a real-dimension slice with its drafter;
+#   STAGE=tests   the GPU-marked kernel tests as a regression check.
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=.95
+python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
+quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
+C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
+case "${STAGE:?set STAGE to engram, linear, spec or tests}" in
+  engram)
+    cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
+      --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
+  linear)
+    cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 $C --linear-impl pallas \
+      --out "$OUT/linear" 2>&1 | quiet | grep "^|" ;;
+  spec)
+    timeout 570 python3 scripts/probe_spec_step.py --preset deepseek-v4-flash --layers 4 --batch 64 2>&1 | quiet \
+      | tail -30 ;;
+  tests)
+    timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampling_gpu.py tests/test_head_gpu.py \
+      tests/test_decode_attention_gpu.py tests/test_mhc_kernel_gpu.py tests/test_linear_kernel_gpu.py \
+      tests/test_engram_gather_gpu.py 2>&1 | grep "^E \|passed\|failed" | head -30 ;;
+  *) echo "unknown STAGE=$STAGE"; exit 2 ;;
+esac
