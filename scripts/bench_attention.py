@@ -51,6 +51,7 @@ from dinfer_jax.models.csa2 import topk_select  # noqa: E402
 from dinfer_jax.models.ops import rope_cos_sin, rope_inv_freq  # noqa: E402
 from pallas_kernels.attention.decode_sm90 import sparse_decode_attention, traffic  # noqa: E402
 from pallas_kernels.attention.reference import sparse_decode_attention_ref  # noqa: E402
+from pallas_kernels.attention.tuning import decode_options  # noqa: E402
 
 BLOCK = 128  # tokens per page (DeepInfer's default)
 
@@ -216,6 +217,7 @@ KERNEL_VARIANTS = {
     "shared_qk l_split=10": dict(organisation="shared_qk", l_split=10),
 }
 SMALL_BATCH_ONLY = ("shared_qk l_split=5", "shared_qk l_split=10")   # many parts only pay off with few tokens
+MODEL_RULE = "model rule"   # what the model calls at this N (pallas_kernels.attention.tuning.decode_options)
 
 
 def _kernel_case(n: int, h: int, d: int, rows: int, key):
@@ -255,11 +257,12 @@ def bench_decode_kernel(batches, device_times, copy_bw: float, *, h: int = 64, d
         want = jax.jit(functools.partial(sparse_decode_attention_ref, scale=scale))(*args).astype(jnp.float32)
         a = _error_scale(*args, scale=scale)
         bound = 2.0 ** -6 * a + 2.0 ** -14 * a.max()
-        for label in variants or KERNEL_VARIANTS:
-            kw = KERNEL_VARIANTS[label]
+        for label in variants or [*KERNEL_VARIANTS, MODEL_RULE]:
+            kw = decode_options(n, rows) if label == MODEL_RULE else KERNEL_VARIANTS[label]
             if label in SMALL_BATCH_ONLY and variants is None and n > 8:
                 continue
-            row = dict(batch=n, heads=h, d=d, rows=rows, variant=label, copy_GBps=copy_bw / 1e9)
+            row = dict(batch=n, heads=h, d=d, rows=rows, copy_GBps=copy_bw / 1e9,
+                       variant=f"{label}: {kw}" if label == MODEL_RULE else label)
             try:
                 f = jax.jit(functools.partial(sparse_decode_attention, scale=scale, **kw))
                 got = f(*args).astype(jnp.float32)
@@ -301,6 +304,6 @@ def kernel_table(rows: list[dict]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    p.add_argument("--variants", nargs="+", default=None, choices=list(KERNEL_VARIANTS),
+    p.add_argument("--variants", nargs="+", default=None, choices=[*KERNEL_VARIANTS, MODEL_RULE],
                    help="attention-kernel: the decode kernel's variants to time (default: all, the l_split=5/10 "
                         "ones at batches ≤ 8 only)")

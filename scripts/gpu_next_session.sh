@@ -6,12 +6,15 @@
 #   STAGE=linear  issue 8: V4-Flash 4-layer slice with the FP8 linear kernel limited to decode calls (<= 64 tokens;
 #                 pallas_kernels/linear/tuning.py) — cold warm-up and decode against docs/perf/linear_kernel_h200.md;
 #   STAGE=spec    issue 11: one speculative step against one plain step on a real-dimension slice with its drafter;
-#   STAGE=tests   the GPU-marked kernel tests as a regression check.
+#   STAGE=tests   the GPU-marked kernel tests as a regression check;
+#   STAGE=attn    issue 9: the decode-attention GPU tests with the model's organisation rule
+#                 (pallas_kernels/attention/tuning.py), the kernel's variants at 1-64 queries, and the indexer's
+#                 fp32 vs bf16 products and top-k (scripts/bench_indexer.py).
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=.95
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec or tests}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests or attn}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -25,5 +28,11 @@ case "${STAGE:?set STAGE to engram, linear, spec or tests}" in
     timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampling_gpu.py tests/test_head_gpu.py \
       tests/test_decode_attention_gpu.py tests/test_mhc_kernel_gpu.py tests/test_linear_kernel_gpu.py \
       tests/test_engram_gather_gpu.py 2>&1 | grep "^E \|passed\|failed" | head -30 ;;
+  attn)
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py 2>&1 \
+      | grep "^E \|passed\|failed" | head -20
+    timeout 150 python3 scripts/bench_kernels.py attention-kernel --batches 1 4 8 16 64 --out "$OUT/attn_kernel" \
+      2>&1 | quiet | grep "^|\|copy bandwidth"
+    timeout 220 python3 scripts/bench_kernels.py indexer --out "$OUT/indexer" 2>&1 | quiet | grep "^|" ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac

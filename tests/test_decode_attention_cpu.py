@@ -31,6 +31,7 @@ from jax import lax
 
 from pallas_kernels.attention.decode_sm90 import check_config, smem_bytes, sparse_decode_attention, traffic
 from pallas_kernels.attention.reference import sparse_decode_attention_ref
+from pallas_kernels.attention.tuning import decode_options
 
 SHARED = dict(organisation="shared_qk")
 
@@ -174,6 +175,29 @@ def test_traffic_counts():
     assert shared["flops_executed"] == shared["flops_useful"] and shared["bytes"] == t["bytes"]
     assert shared["partial_bytes"] == 0
     assert traffic(64, 64, 512, 640, organisation="shared_qk", l_split=2)["partial_bytes"] == 2 * 2 * 64 * 64 * 514 * 4
+
+
+@pytest.mark.parametrize("n, rows, want", [
+    (1, 640, dict(organisation="shared_qk", l_split=10)),      # one query: one KV block per CTA
+    (8, 640, dict(organisation="shared_qk", l_split=10)),      # 80 CTAs
+    (8, 1280, dict(organisation="shared_qk", l_split=10)),     # 20 blocks: 20 would need 160 CTAs
+    (3, 448, dict(organisation="shared_qk", l_split=7)),
+    (2, 64, dict(organisation="shared_qk", l_split=1)),        # one block: nothing to split, no merge
+    (9, 640, dict(organisation="split_cta")),
+    (64, 640, dict(organisation="split_cta")),
+])
+def test_decode_options_by_query_count(n, rows, want):
+    """The model's choice of organisation (pallas_kernels/attention/tuning.py): a valid configuration every time
+    (check_config accepts it) and the one its docstring states."""
+    got = decode_options(n, rows)
+    assert got == want
+    check_config(64, 512, rows, block_kv=64, num_stages=2, v_split=2, **got)
+
+
+def test_decode_options_rejects_bad_sizes():
+    for n, rows in [(0, 640), (4, 0), (4, 100)]:
+        with pytest.raises(ValueError, match="rows a positive multiple of 64"):
+            decode_options(n, rows)
 
 
 @pytest.mark.parametrize("n,h,d,rows,kw", [

@@ -1,0 +1,35 @@
+"""Which organisation of the decode-attention kernel a call uses, by its number of query rows.
+
+Measured on the H200 at the real size (64 heads × 512, L = 640 rows per query; ``docs/perf/attention_h200.md``):
+
+* 64 queries: ``split_cta`` 21.4 µs of kernel (128 CTAs, two per query) against ``shared_qk`` 28.5 µs (64 CTAs)
+  and ``shared_qk, l_split=2`` 21.6 µs of kernel plus 6 µs of XLA merge — ``split_cta`` is the choice;
+* 1 query: ``split_cta`` 16.2 µs (its CTAs walk the ten KV blocks one after another) against ``shared_qk,
+  l_split=10`` 6.8 µs of kernel and 10.4 µs for the whole call with the merge — one KV block per CTA.
+
+So few queries take ``shared_qk`` with L split over as many CTAs as keep the grid within one wave of SMs, and
+many queries ``split_cta``. :data:`SMALL_N_MAX` is the boundary; the sizes between 1 and 64 are measured by
+``scripts/bench_kernels.py attention-kernel --batches 1 4 8 16 64`` (the ``model rule`` row).
+"""
+
+from __future__ import annotations
+
+NUM_SMS = 132          # H200
+SMALL_N_MAX = 8        # up to this many query rows a call: shared_qk with an L split (module docstring)
+
+
+def decode_options(n_queries: int, rows: int, block_kv: int = 64) -> dict:
+    """Keyword arguments of ``sparse_decode_attention`` for ``n_queries`` query rows over ``rows`` KV rows each
+    (a multiple of ``block_kv``): ``split_cta`` above :data:`SMALL_N_MAX` queries; otherwise ``shared_qk`` with the
+    largest ``l_split`` dividing the ``rows / block_kv`` KV blocks such that ``n_queries · l_split ≤``
+    :data:`NUM_SMS` (``l_split = 1``, no merge, when only one block or no split fits)."""
+    if n_queries <= 0 or rows <= 0 or rows % block_kv:
+        raise ValueError(f"need n_queries > 0 and rows a positive multiple of {block_kv}, got {n_queries}, {rows}")
+    if n_queries > SMALL_N_MAX:
+        return dict(organisation="split_cta")
+    blocks = rows // block_kv
+    l_split = max(s for s in range(1, blocks + 1) if blocks % s == 0 and n_queries * s <= NUM_SMS)
+    return dict(organisation="shared_qk", l_split=l_split)
+
+
+__all__ = ["NUM_SMS", "SMALL_N_MAX", "decode_options"]
