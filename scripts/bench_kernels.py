@@ -1,7 +1,11 @@
 """Kernel benchmarks on the accelerator: ``python scripts/bench_kernels.py moe [--tokens N ...] [--sweep N ...]
 [--out DIR]``, ``python scripts/bench_kernels.py attention [--contexts N ...] [--batches N ...] [--out DIR]``,
 ``python scripts/bench_kernels.py attention-kernel [--batches N ...] [--variants ...] [--out DIR]``,
+``python scripts/bench_kernels.py indexer [--contexts N ...] [--batches N ...] [--out DIR]``,
 ``python scripts/bench_kernels.py linear [--tokens N ...] [--out DIR]``.
+
+``indexer``: the lightning indexer over paged keys, fp32 against bf16 products, and its top-k
+(``scripts/bench_indexer.py`` says what is measured).
 
 ``linear``: the FP8 linear kernel (``pallas_kernels/linear``) against the model's XLA path at the V4 / V4.1 linear
 shapes (``scripts/bench_linear.py`` says what is measured).
@@ -266,7 +270,7 @@ def table(rows: list[dict], ceil: dict[str, float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["moe", "attention", "attention-kernel", "linear"])
+    p.add_argument("what", choices=["moe", "attention", "attention-kernel", "indexer", "linear"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192], help="token counts to run")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="token counts at which to sweep block sizes")
     p.add_argument("--no-baseline", action="store_true", help="skip the XLA ragged_dot baseline")
@@ -300,6 +304,13 @@ def main() -> None:
                                                    variants=args.variants,
                                                    on_row=saver("bench_attention_kernel", bench_attention.kernel_table))
         print(bench_attention.kernel_table(rows))
+        return
+    if args.what == "indexer":
+        import bench_indexer
+
+        rows = bench_indexer.bench_indexer(args, device_times, ceil["copy_GBps"] * 1e9,
+                                           on_row=saver("bench_indexer", bench_indexer.table))
+        print(bench_indexer.table(rows))
         return
     if args.what == "linear":
         import bench_linear

@@ -21,6 +21,8 @@ from dinfer_jax.models.invariant import active_tile, token_tiled
 from dinfer_jax.models.ops import F32, apply_rope_tail, linear, matmul, rms_norm, rope_cos_sin, rope_inv_freq
 from dinfer_jax.models.qweights import as_dense
 
+FP4_INDEX_BLOCK = 32  # values per power-of-two scale of the indexer's FP4 queries (Q4u) and keys (fp4_index)
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeTable:
@@ -60,24 +62,43 @@ def index_queries(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, *, cfg: Mod
     return q, w
 
 
-def index_scores_of(q: jax.Array, w: jax.Array, k_rows: jax.Array, pos: jax.Array, *, ratio: int) -> jax.Array:
+def index_scores_of(q: jax.Array, w: jax.Array, k_rows: jax.Array, pos: jax.Array, *, ratio: int,
+                    fp4_operands: bool = False) -> jax.Array:
     """Lightning-indexer scores ``[B,S,T]`` fp32 of :func:`index_queries`' ``(q, w)``: ``Σ_h relu(q_h · k_j) · w_h``
     with −inf where ``j ≥ (p+1)//m``. k_rows ``[B,T,di]`` (index keys, RoPE'd), pos ``[S]`` or ``[B,S]`` absolute
-    positions of the query rows."""
+    positions of the query rows.
+
+    ``fp4_operands``: the caller guarantees that ``q`` and ``k_rows`` hold FP4 values (e2m1 codes times
+    power-of-two scales: Q4u queries, ``fp4_index`` keys; ``cfg.kv_fake_quant``). Such values are exact in bf16 and
+    their products exact in fp32, so the ``q · k`` products run as bf16 with fp32 accumulation — on a GPU the
+    tensor cores instead of fp32 arithmetic, with half the key bytes — and give the fp32 path's dots up to the
+    order of the fp32 additions (``docs/kv_formats.md``, "Indexer operands")."""
     if active_tile():
         scores = index_dots_invariant(q, w, k_rows)
     else:
-        dots = jnp.einsum("bshd,btd->bsht", q, k_rows.astype(F32), precision=jax.lax.Precision.HIGHEST)
+        if fp4_operands:
+            dots = jnp.einsum("bshd,btd->bsht", q.astype(jnp.bfloat16), k_rows.astype(jnp.bfloat16),
+                              preferred_element_type=F32)
+        else:
+            dots = jnp.einsum("bshd,btd->bsht", q, k_rows.astype(F32), precision=jax.lax.Precision.HIGHEST)
         scores = jnp.einsum("bsht,bsh->bst", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)
     visible = jnp.arange(k_rows.shape[1]) < ((pos + 1) // ratio)[..., None]  # [S,T] or [B,S,T]
     return jnp.where(visible, scores, -jnp.inf)
+
+
+def index_operands_fp4(cfg: ModelConfig) -> bool:
+    """Whether ``cfg``'s indexer queries and keys hold FP4 values (``index_scores_of(..., fp4_operands=True)``):
+    with ``kv_fake_quant`` both are rounded to e2m1 with power-of-two scales per 32 values (Q4u queries,
+    ``fp4_index`` keys) — when the index head width is a multiple of 32; otherwise the reference leaves them
+    unquantised."""
+    return bool(cfg.kv_fake_quant) and cfg.index_head_dim % FP4_INDEX_BLOCK == 0
 
 
 def index_scores(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, k_rows: jax.Array, pos: jax.Array, *,
                  cfg: ModelConfig, ratio: int, rope: RopeTable) -> jax.Array:
     """Lightning-indexer scores ``[B,S,T]`` fp32 (:func:`index_queries`, then :func:`index_scores_of`)."""
     q, w = index_queries(p, h, cq, cfg=cfg, rope=rope)
-    return index_scores_of(q, w, k_rows, pos, ratio=ratio)
+    return index_scores_of(q, w, k_rows, pos, ratio=ratio, fp4_operands=index_operands_fp4(cfg))
 
 
 def query_and_window_kv(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig,
@@ -165,8 +186,10 @@ def selected_attention_impl(requested: str, q: jax.Array) -> str:
 def _attend_selected_pallas(q: jax.Array, kv: jax.Array, wm: jax.Array, rows: jax.Array, row_mask: jax.Array,
                             sink: jax.Array) -> jax.Array:
     """:func:`attend_selected` through the Mosaic GPU kernel: each query's window and selected rows laid out as
-    one row set ``[B·S, Sw+K (padded to 64), d]`` (masked rows zeroed: the kernel needs finite rows)."""
+    one row set ``[B·S, Sw+K (padded to 64), d]`` (masked rows zeroed: the kernel needs finite rows); the kernel's
+    organisation by the number of query rows (``pallas_kernels.attention.tuning``)."""
     from pallas_kernels.attention.decode_sm90 import sparse_decode_attention
+    from pallas_kernels.attention.tuning import decode_options
 
     B, S, H, d = q.shape
     Sw, K = kv.shape[1], rows.shape[2]
@@ -178,7 +201,7 @@ def _attend_selected_pallas(q: jax.Array, kv: jax.Array, wm: jax.Array, rows: ja
     keys = jnp.where(valid[..., None], keys, jnp.zeros((), q.dtype))
     L = Sw + K + pad
     o = sparse_decode_attention(q.reshape(B * S, H, d), keys.reshape(B * S, L, d), valid.reshape(B * S, L),
-                                sink.astype(F32), scale=d ** -0.5)
+                                sink.astype(F32), scale=d ** -0.5, **decode_options(B * S, L))
     return o.reshape(B, S, H, d)
 
 

@@ -26,6 +26,7 @@ from dinfer_jax.models.attention import (
     RopeTable,
     attend,
     attend_selected,
+    index_operands_fp4,
     index_queries,
     index_scores_of,
     output_projection,
@@ -297,7 +298,7 @@ def attention_v4(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, 
                 dim=cfg.index_head_dim, overlap=True, inv_freq=inv, norm_eps=cfg.norm_eps, codec=codecs.ikv,
                 rotate=codecs.packed)
             scores = index_scores_of(t["iq"], t["iw"], codecs.ikv.unpack(pages_read(upd["ikv"], k, pages)), pos,
-                                     ratio=ratio)
+                                     ratio=ratio, fp4_operands=index_operands_fp4(cfg))
             top_idx, selected = topk_select(scores, cfg.index_topk)
             if opts.collect:
                 aux.update(indexer_topk=top_idx, indexer_scores=scores)
@@ -369,7 +370,8 @@ def attention_v41(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array,
         stored = carry["kv"]
         visible = (pos + 1) // ratio
         if info.index_source:
-            scores = index_scores_of(t["iq"], t["iw"], carry["ik"], pos, ratio=ratio)
+            scores = index_scores_of(t["iq"], t["iw"], carry["ik"], pos, ratio=ratio,
+                                     fp4_operands=index_operands_fp4(cfg))
             if info.candidate_source:
                 carry["candidates"], cand_ids = candidate_blocks(scores, visible, cfg.candidate_block_size,
                                                                  cfg.candidate_topk_blocks)
