@@ -74,7 +74,9 @@ def main() -> None:
         return Buckets(decode_batch=(B,), prefill_batch=(1,), prefill_len=(256,), pages=tuple(sorted({P, 16})),
                        decode_len=decode_len)
 
-    kw = dict(max_num_seqs=B, max_model_len=256, progress=False, warmup=False, **extra)
+    # A fixed pool (1 GiB holds every row's 256 tokens many times over): the default plan sizes the pool from the
+    # device memory left, so a second engine built while the first lives would find none left.
+    kw = dict(max_num_seqs=B, max_model_len=256, progress=False, warmup=False, kv_cache_memory_bytes=1 << 30, **extra)
     plain = LLM(model, buckets=buckets(1), **kw).runner
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {what}, batch {B}, {P} pages")
     print("| program | shape | ms per call | vs plain [B, 1] step + sampler |\n|---|---|---:|---:|")
@@ -90,6 +92,7 @@ def main() -> None:
     logits = forward()
     samp = plain._sampling([], [], [], B)
     rows.append(("plain sampler", f"[{B}]", per_call_ms(lambda: plain._sample(logits, samp, plain.full_mask(B))[0])))
+    del plain, logits
     for k in (4, 2):
         spec = LLM(model, buckets=buckets(1 + k), speculative=method, num_speculative_tokens=k, **kw).runner
         inp, feed = empty_inputs(B, 1 + k, P)
@@ -97,6 +100,7 @@ def main() -> None:
         rows.append((f"speculative step, k={k}", f"[{B}, {1 + k}]", per_call_ms(
             lambda spec=spec, inp=inp, feed=feed, s_samp=s_samp, k=k: spec._call_spec(
                 inp, feed, s_samp, (B, 1 + k, P), True, *spec._spec_extra(B))[0])))
+        del spec
     base = rows[0][2] + rows[4][2]
     for name, shape, ms in rows:
         print(f"| {name} | {shape} | {ms:.2f} | {ms / base:.2f}× |")
