@@ -92,7 +92,7 @@ def main() -> None:
     logits = forward()
     samp = plain._sampling([], [], [], B)
     rows.append(("plain sampler", f"[{B}]", per_call_ms(lambda: plain._sample(logits, samp, plain.full_mask(B))[0])))
-    del plain, logits
+    plain = logits = None  # release the plain engine (its pool and programs) before building the speculative ones
     for k in (4, 2):
         spec = LLM(model, buckets=buckets(1 + k), speculative=method, num_speculative_tokens=k, **kw).runner
         inp, feed = empty_inputs(B, 1 + k, P)
