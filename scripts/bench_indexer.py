@@ -10,6 +10,9 @@ on the device (CUPTI, medians of 10):
   (what every step did before the bf16 path; V4's path still);
 * ``scores, bf16 products``: the same with ``fp4_operands=True`` (V4.1: Q4u queries and ``fp4_index`` keys are
   exact in bf16, ``docs/kv_formats.md`` "Indexer operands"); for V4 (unquantised keys) not applicable;
+* ``scores, kernel``: V4.1 only — the model's GPU path: ``pages_read`` of the stored bytes + the Mosaic GPU
+  kernel (``pallas_kernels.indexer``, keys decoded in registers) + the visibility mask; ``kernel alone``: the kernel
+  on rows already gathered (what a paged kernel would cost);
 * ``top-k``: ``csa2.topk_select`` (``lax.top_k``, the sort of the picks and the mask) on the scores alone.
 
 Queries are Q4u-rounded random values (V4.1) or plain random values (V4), head weights random: the work does not
@@ -65,6 +68,26 @@ def _scores(codec: RowCodec, ratio: int, fp4: bool, pool, pages, q, w, pos):
     return index_scores_of(q, w, keys, pos, ratio=ratio, fp4_operands=fp4)
 
 
+def _scores_kernel(ratio: int, pool, pages, q, w, pos):
+    from dinfer_jax.models.attention import index_scores_stored
+
+    return index_scores_stored(q, w, pages_read(pool, jnp.int32(0), pages), pos, ratio=ratio)
+
+
+def _kernel_alone(q, w, rows):
+    from pallas_kernels.indexer.scores_sm90 import index_scores_rows
+
+    return index_scores_rows(q, w, rows)
+
+
+def _compare(topk, got, want) -> tuple[float, int]:
+    """Max difference relative to the largest finite reference score, and top-k sets that differ."""
+    finite = np.isfinite(np.asarray(want))
+    scale = float(np.abs(np.asarray(want)[finite]).max())
+    err = float(np.abs(np.asarray(got - want)[finite]).max() / max(scale, 1e-30))
+    return err, int(np.any(np.asarray(topk(got)) != np.asarray(topk(want)), axis=(1, 2)).sum())
+
+
 def _topk(k: int, scores):
     return topk_select(scores, k)[0]
 
@@ -72,6 +95,7 @@ def _topk(k: int, scores):
 def bench_indexer(args, device_times, copy_bw: float, on_row=lambda rows: None) -> list[dict]:
     """Rows of the table (module docstring)."""
     rows = []
+    kernel = getattr(args, "kernel", True) and jax.default_backend() == "gpu"
     for name, ratio, fmt in MODELS:
         cfg = load_config(name)
         codec = RowCodec(cfg.index_head_dim, jnp.float32, fmt)
@@ -84,28 +108,58 @@ def bench_indexer(args, device_times, copy_bw: float, on_row=lambda rows: None) 
                 slow = jax.jit(functools.partial(_scores, codec, ratio, False))
                 t_slow, _ = device_times(slow, *a)
                 s_slow = slow(*a)
-                t_fast = err = float("nan")
-                differ = -1
+                t_fast = err = t_kern = t_alone = err_k = float("nan")
+                differ = differ_k = -1
                 if fmt is not None:
                     fast = jax.jit(functools.partial(_scores, codec, ratio, True))
                     t_fast, _ = device_times(fast, *a)
                     s_fast = fast(*a)
-                    finite = np.isfinite(np.asarray(s_slow))
-                    scale = float(np.abs(np.asarray(s_slow)[finite]).max())
-                    err = float(np.abs(np.asarray(s_fast - s_slow)[finite]).max() / max(scale, 1e-30))
-                    differ = int(np.any(np.asarray(topk(s_fast)) != np.asarray(topk(s_slow)), axis=(1, 2)).sum())
+                    err, differ = _compare(topk, s_fast, s_slow)
                     del s_fast
+                    if kernel:
+                        kern = jax.jit(functools.partial(_scores_kernel, ratio))
+                        t_kern, _ = device_times(kern, *a)
+                        err_k, differ_k = _compare(topk, kern(*a), s_slow)
+                        rows_g = pages_read(c["pool"], jnp.int32(0), c["pages"])
+                        t_alone, _ = device_times(jax.jit(_kernel_alone), c["q"], c["w"], rows_g)
+                        del rows_g
                 t_topk, _ = device_times(topk, s_slow)
                 key_bytes = B * c["T"] * row_bytes
                 row = dict(model=name, batch=B, context=C, rows=c["T"], row_bytes=row_bytes, keys=fmt or "fp32",
                            scores_fp32_ms=t_slow, scores_bf16_ms=t_fast, topk_ms=t_topk,
                            scores_fp32_GBps=key_bytes / t_slow / 1e6, scores_bf16_GBps=key_bytes / t_fast / 1e6,
-                           max_rel_diff=err, topk_sets_differ=differ, copy_GBps=copy_bw / 1e9)
+                           max_rel_diff=err, topk_sets_differ=differ, copy_GBps=copy_bw / 1e9,
+                           scores_kernel_ms=t_kern, kernel_alone_ms=t_alone,
+                           scores_kernel_GBps=key_bytes / t_kern / 1e6, kernel_alone_GBps=key_bytes / t_alone / 1e6,
+                           kernel_max_rel_diff=err_k, kernel_topk_sets_differ=differ_k)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 on_row(rows)
                 del c, s_slow
     return rows
+
+
+def _rate(ms: float, gbps: float, cp: float) -> str:
+    return f"{ms:.3f} ({gbps:.0f}, {100 * gbps / cp:.0f}%)" if ms == ms else "—"
+
+
+def kernel_table(rows: list[dict]) -> str:
+    """The kernel's columns, for the rows that have them (V4.1 on a GPU)."""
+    lines = ["| model | batch | context | rows | bf16 products ms (GB/s, % copy) | "
+             "pages_read + kernel ms (GB/s, % copy) | kernel alone ms (GB/s, % copy) | bf16 / kernel path | "
+             "max rel. diff vs fp32 | top-k sets differing |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("scores_kernel_ms", float("nan")) != r.get("scores_kernel_ms", float("nan")):
+            continue
+        cp = r["copy_GBps"]
+        lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['rows']} | "
+                     f"{_rate(r['scores_bf16_ms'], r['scores_bf16_GBps'], cp)} | "
+                     f"{_rate(r['scores_kernel_ms'], r['scores_kernel_GBps'], cp)} | "
+                     f"{_rate(r['kernel_alone_ms'], r['kernel_alone_GBps'], cp)} | "
+                     f"{r['scores_bf16_ms'] / r['scores_kernel_ms']:.1f}× | {r['kernel_max_rel_diff']:.1e} | "
+                     f"{r['kernel_topk_sets_differ']} of {r['batch']} |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:

@@ -309,8 +309,10 @@ def main() -> None:
         import bench_indexer
 
         rows = bench_indexer.bench_indexer(args, device_times, ceil["copy_GBps"] * 1e9,
-                                           on_row=saver("bench_indexer", bench_indexer.table))
+                                           on_row=saver("bench_indexer", lambda r: bench_indexer.table(r) + "\n\n"
+                                                        + bench_indexer.kernel_table(r)))
         print(bench_indexer.table(rows))
+        print(bench_indexer.kernel_table(rows))
         return
     if args.what == "linear":
         import bench_linear

@@ -82,8 +82,59 @@ def index_scores_of(q: jax.Array, w: jax.Array, k_rows: jax.Array, pos: jax.Arra
         else:
             dots = jnp.einsum("bshd,btd->bsht", q, k_rows.astype(F32), precision=jax.lax.Precision.HIGHEST)
         scores = jnp.einsum("bsht,bsh->bst", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)
-    visible = jnp.arange(k_rows.shape[1]) < ((pos + 1) // ratio)[..., None]  # [S,T] or [B,S,T]
+    return mask_visible(scores, pos, ratio)
+
+
+def mask_visible(scores: jax.Array, pos: jax.Array, ratio: int) -> jax.Array:
+    """Indexer scores ``[B,S,T]`` with −inf where compressed row ``j ≥ (p+1)//ratio`` (not yet complete for the
+    query at position ``p``; pos ``[S]`` or ``[B,S]``). A select, so rows past a sequence's length may hold anything,
+    non-finite values included."""
+    visible = jnp.arange(scores.shape[-1]) < ((pos + 1) // ratio)[..., None]  # [S,T] or [B,S,T]
     return jnp.where(visible, scores, -jnp.inf)
+
+
+def index_kernel_unsupported(cfg: ModelConfig, num_queries: int) -> str | None:
+    """Why the Mosaic GPU indexer kernel (``pallas_kernels.indexer``) cannot score ``num_queries`` query tokens per
+    sequence of ``cfg`` over its stored index keys (None when it can): it needs a GPU, keys stored as ``fp4_index``
+    bytes with FP4 queries (:func:`index_operands_fp4`), index heads of width 128 in a multiple of 32 up to 128,
+    and at most 8 query tokens per sequence (decode and verification rows)."""
+    from pallas_kernels.indexer.scores_sm90 import DIM, MAX_QUERIES
+
+    if jax.default_backend() != "gpu":
+        return f"backend is {jax.default_backend()!r}, the kernel needs a GPU"
+    if not index_operands_fp4(cfg):
+        return "index keys are not stored as fp4_index bytes (kv_fake_quant off)"
+    if cfg.index_head_dim != DIM:
+        return f"index head width {cfg.index_head_dim} is not {DIM}"
+    if cfg.index_n_heads % 32 or cfg.index_n_heads > 128:
+        return f"{cfg.index_n_heads} index heads are not a multiple of 32 up to 128"
+    if num_queries > MAX_QUERIES:
+        return f"{num_queries} query tokens per sequence (the kernel holds at most {MAX_QUERIES})"
+    return None
+
+
+def index_impl(requested: str, cfg: ModelConfig, num_queries: int) -> str:
+    """``"jnp"`` or ``"pallas"`` for the indexer's scores (:func:`index_scores_stored`), under the same switch as
+    the decode-attention kernel (``LayerOptions.attention_impl``): ``"auto"`` takes the kernel where it can run
+    (:func:`index_kernel_unsupported`) outside batch-invariant mode, ``"pallas"`` raises where it cannot."""
+    if requested not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {requested!r}")
+    why = index_kernel_unsupported(cfg, num_queries)
+    if requested == "pallas" and why is not None:
+        raise ValueError(f"attention_impl='pallas' cannot run the indexer kernel here: {why}")
+    if requested == "auto":
+        return "pallas" if why is None and not active_tile() else "jnp"
+    return requested
+
+
+def index_scores_stored(q: jax.Array, w: jax.Array, stored: jax.Array, pos: jax.Array, *, ratio: int) -> jax.Array:
+    """Indexer scores ``[B,S,T]`` fp32 (masked as :func:`index_scores_of`) straight from the stored ``fp4_index``
+    rows ``uint8 [B,T,68]`` through the Mosaic GPU kernel: the keys are decoded in registers, never written out.
+    Same values as decoding the rows and calling :func:`index_scores_of` with ``fp4_operands=True``, up to the
+    order of the fp32 additions (``docs/kv_formats.md``, "Indexer operands")."""
+    from pallas_kernels.indexer.scores_sm90 import index_scores_rows
+
+    return mask_visible(index_scores_rows(q, w, stored), pos, ratio)
 
 
 def index_operands_fp4(cfg: ModelConfig) -> bool:

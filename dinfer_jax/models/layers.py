@@ -26,9 +26,11 @@ from dinfer_jax.models.attention import (
     RopeTable,
     attend,
     attend_selected,
+    index_impl,
     index_operands_fp4,
     index_queries,
     index_scores_of,
+    index_scores_stored,
     output_projection,
     query_and_window_kv,
     selected_attention_impl,
@@ -297,8 +299,12 @@ def attention_v4(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, 
                 ix["compressor"], h, lc.ist_kv, lc.ist_gate, lc.ikv, k, inp, pos, ratio=ratio,
                 dim=cfg.index_head_dim, overlap=True, inv_freq=inv, norm_eps=cfg.norm_eps, codec=codecs.ikv,
                 rotate=codecs.packed)
-            scores = index_scores_of(t["iq"], t["iw"], codecs.ikv.unpack(pages_read(upd["ikv"], k, pages)), pos,
-                                     ratio=ratio, fp4_operands=index_operands_fp4(cfg))
+            stored_keys = pages_read(upd["ikv"], k, pages)
+            if index_impl(opts.attention_impl, cfg, pos.shape[1]) == "pallas":
+                scores = index_scores_stored(t["iq"], t["iw"], stored_keys, pos, ratio=ratio)
+            else:
+                scores = index_scores_of(t["iq"], t["iw"], codecs.ikv.unpack(stored_keys), pos, ratio=ratio,
+                                         fp4_operands=index_operands_fp4(cfg))
             top_idx, selected = topk_select(scores, cfg.index_topk)
             if opts.collect:
                 aux.update(indexer_topk=top_idx, indexer_scores=scores)
@@ -361,17 +367,24 @@ def attention_v41(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array,
     ckv = cmask = None
     ratio = info.ratio
     if ratio > 0:
+        # the same static choice in every layer of the step, so the carried index keys suit every index source
+        index_kernel = index_impl(opts.attention_impl, cfg, pos.shape[1]) == "pallas"
         if info.kv_source:
             upd.update(_write_source_rows(p, h, lc, k, inp, cfg=cfg, info=info, inv_freq=inv))
             # the step attends to the pages it just wrote (earlier rows and this step's), decoded as stored
             carry["kv"] = pages_read(upd["ckv"], k, inp.pages)  # decoded by the consumers (all rows or top-k)
-            if info.has_index_k:
-                carry["ik"] = codecs.ik.unpack(pages_read(upd["ik"], k, inp.pages))
+            if info.has_index_k:   # as stored for the indexer kernel (it decodes in registers), else decoded
+                carry["ik"] = pages_read(upd["ik"], k, inp.pages)
+                if not index_kernel:
+                    carry["ik"] = codecs.ik.unpack(carry["ik"])
         stored = carry["kv"]
         visible = (pos + 1) // ratio
-        if info.index_source:
+        if info.index_source and index_kernel:
+            scores = index_scores_stored(t["iq"], t["iw"], carry["ik"], pos, ratio=ratio)
+        elif info.index_source:
             scores = index_scores_of(t["iq"], t["iw"], carry["ik"], pos, ratio=ratio,
                                      fp4_operands=index_operands_fp4(cfg))
+        if info.index_source:
             if info.candidate_source:
                 carry["candidates"], cand_ids = candidate_blocks(scores, visible, cfg.candidate_block_size,
                                                                  cfg.candidate_topk_blocks)

@@ -1,0 +1,344 @@
+"""Lightning-indexer scores over FP4 index-key rows for Hopper (Mosaic GPU).
+
+Contract (the same as :func:`pallas_kernels.indexer.reference.index_scores_rows_ref`)::
+
+    index_scores_rows(q, w, rows) -> scores
+    q      [B, S, H, 128]  fp32 / bf16  FP4 values (Q4u: e2m1 codes times powers of two), exact in bf16
+    w      [B, S, H]       fp32         H a multiple of 32, at most 128 (32 in V4.1-Flash, 64 in V4)
+    rows   [B, T, 68]      uint8        ``fp4_index`` rows ``[64 B packed e2m1 | 4 B UE8M0]`` (as the cache stores them)
+    scores [B, S, T]       fp32         Σ_h relu(q[b,s,h] · k[b,t]) · w[b,s,h]
+
+The keys never exist in memory as numbers: each 64-row tile of rows is copied (TMA) into shared memory as its
+4352 bytes, and every thread decodes its part of the tile straight into the WGMMA A-operand registers.
+
+**Organisation.** Grid ``(splits, B)``: CTA ``(p, b)`` handles a contiguous run of ``T / 64 / splits`` tiles of
+sequence ``b`` with one warpgroup: it loads ``b``'s queries (``[S, 128, H]`` bf16, the WGMMA B operand) and head
+weights once, keeps ``stages`` tiles in flight (TMA into a ring of ``[2, 136, 16]`` uint8 buffers: 32 rows = 2176
+bytes = 136 × 16 per copy, as the 68-byte row stride is not 16-byte aligned), and per tile: decodes keys into
+registers, releases the buffer to the next TMA, then per query ``s`` one WGMMA ``[64 keys, 128] × [128, H]`` into
+fp32, ``relu``, the head weights broadcast over the rows, a row sum over the heads, and a TMA store of the 64
+scores. Shared memory is small (``S · 16 KiB`` of queries at H = 64 + ``stages`` × 4.25 KiB), so several CTAs share
+an SM and their TMA streams overlap.
+
+**Register decode.** In the WGMMA A layout thread ``t = 32w + 4g + c`` holds rows ``r = 16w + g + 8·q0`` and
+columns ``16·kc + 2c + 8·q1 + h`` (``q0, q1, h ∈ {0, 1}``, ``kc ∈ 0..7``). The thread reads bytes ``16c .. 16c + 15``
+of each of its rows (four aligned 32-bit loads: row ``r`` starts at byte ``68 r``, a multiple of 4): codes of dims
+``32c .. 32c + 31``, which is exactly scale group ``c`` — one scale byte per row for all its 32 registers. Which
+of its codes lands in which register is free, provided the queries' dims are permuted the same way
+(:func:`key_permutation`). The kernel pairs nibble ``j`` and nibble ``j + 4`` of word ``i`` into the register of
+chunk ``kc = 2i + j // 2``, half ``q1 = j % 2``, so that one register is::
+
+    ((x << (6 − 4j)) & 0x01C001C0) | ((x << (12 − 4j)) & 0x80008000)      (negative shifts shift right)
+
+i.e. sign → bit 15, exponent and mantissa bits → bits 8..6 of each bf16 half: the bf16 pattern of
+``e2m1(code) · 2^−126``. Column ``16kc + 2c + 8q1 + h`` therefore holds dim ``32c + 8·(kc // 2) + 2·(kc % 2) + q1 +
+4h``. Each register is then multiplied (``bf16x2``) by ``2^(S − 65)`` built from the scale byte ``S`` as
+``((S + 62) · 0x10001) << 7``: ``e2m1 · 2^(S − 191)``. The queries are multiplied by ``2^64`` (exact) when they are
+cast to bf16, so every product is ``e2m1 · 2^(S − 127) · q`` exactly, accumulated in fp32.
+
+**Range.** The multiplier is a normal bf16 number for ``S ≤ 192``, i.e. key blocks with maxima up to ``6 · 2^65``;
+decoded keys are exact down to ``e2m1 · 2^(S − 127) ≥ 2^−133 · 2^64`` (below that, blocks with ``S < 59``, i.e.
+maxima under ``6 · 2^−68``, bf16 flushes some to zero: the reference keeps them). Queries must stay below
+``2^63`` in magnitude. Rows the caller will mask (past a sequence's length, stale pages) may decode to anything,
+including inf / NaN, and must be masked by a select, not a multiply.
+
+:func:`host_decode_tile` is the register decode on the host (what the CPU tests check against the format's
+definition); the kernel issues the same operations. Imports of Mosaic GPU are lazy so that CPU-only machines can
+import this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.indexer.reference import check_shapes
+
+DIM = 128                       # index head width the register decode is built for (four scale groups of 32)
+ROW_BYTES = DIM // 2 + DIM // 32    # 68
+TILE = 64                       # key rows per WGMMA (its M)
+HALF_ROWS = 32                  # rows per TMA copy: 32 · 68 = 2176 = 136 · 16 bytes
+BOX = (HALF_ROWS * ROW_BYTES // 16, 16)
+QUERY_SCALE = 2.0 ** 64         # queries are pre-multiplied by this; keys carry 2^-64 (module docstring)
+MAX_QUERIES = 8                 # query tokens per sequence a CTA holds in shared memory (decode and verify rows)
+TARGET_CTAS = 132 * 4           # several small CTAs per SM overlap their TMA streams
+SMEM_BYTES = 232448             # H100/H200 dynamic shared memory per CTA
+SMEM_ALIGNMENT = 1024
+REDUCTION_SCRATCH = 2048
+BODY_MASK = 0x01C001C0
+SIGN_MASK = 0x80008000
+
+
+def key_permutation() -> np.ndarray:
+    """``perm [128]``: WGMMA column ``j`` of the decoded key tile holds key dim ``perm[j]`` (module docstring)."""
+    perm = np.empty(DIM, np.int64)
+    for kc in range(8):
+        for c in range(4):
+            for q1 in range(2):
+                for h in range(2):
+                    perm[16 * kc + 2 * c + 8 * q1 + h] = 32 * c + 8 * (kc // 2) + 2 * (kc % 2) + q1 + 4 * h
+    return perm
+
+
+def _shift(x: int, n: int) -> int:
+    return (x << n) & 0xFFFFFFFF if n >= 0 else x >> -n
+
+
+def register_bits(word: int, j: int) -> int:
+    """Host model of one register: the two bf16 patterns ``e2m1 · 2^−126`` of nibbles ``j`` (low half) and
+    ``j + 4`` (high half) of a little-endian 32-bit word. Same shifts and masks as the kernel."""
+    return (_shift(word, 6 - 4 * j) & BODY_MASK) | (_shift(word, 12 - 4 * j) & SIGN_MASK)
+
+
+def multiplier_bits(scale: int) -> int:
+    """Host model of the scale step: two bf16 ``2^(S − 65)`` for the UE8M0 byte ``S`` (valid for ``S ≤ 192``)."""
+    return (((scale + 62) * 0x10001) << 7) & 0xFFFFFFFF
+
+
+def _bf16_value(bits16: int) -> float:
+    sign = -1.0 if bits16 & 0x8000 else 1.0
+    e, m = (bits16 >> 7) & 0xFF, bits16 & 0x7F
+    return sign * (m / 128 * 2.0 ** -126 if e == 0 else (1 + m / 128) * 2.0 ** (e - 127))
+
+
+def host_decode_tile(rows: np.ndarray) -> np.ndarray:
+    """The kernel's decode of one tile on the host: ``uint8 [64, 68]`` → ``float64 [64, 128]``, the A operand in
+    WGMMA column order (column ``j`` = key dim ``key_permutation()[j]`` times ``2^−64``)."""
+    rows = np.asarray(rows, np.uint8)
+    assert rows.shape == (TILE, ROW_BYTES)
+    out = np.zeros((TILE, DIM))
+    for t in range(128):
+        w, g, c = t // 32, (t % 32) // 4, t % 4
+        for q0 in range(2):
+            r = 16 * w + g + 8 * q0
+            words = rows[r, 16 * c:16 * c + 16].view("<u4")
+            mul = multiplier_bits(int(rows[r, 64 + c]))
+            for kc in range(8):
+                for q1 in range(2):
+                    bits = register_bits(int(words[kc // 2]), 2 * (kc % 2) + q1)
+                    for h in range(2):
+                        v = _bf16_value((bits >> 16 * h) & 0xFFFF) * _bf16_value((mul >> 16 * h) & 0xFFFF)
+                        out[r, 16 * kc + 2 * c + 8 * q1 + h] = v
+    return out
+
+
+def query_operand(q: jax.Array) -> jax.Array:
+    """Queries ``[B, S, H, 128]`` → the WGMMA B operand ``bf16 [B, S, 128, H]``: dims in :func:`key_permutation`
+    order, times ``2^64`` (exact for FP4 values)."""
+    qp = jnp.take(q.astype(jnp.float32), jnp.asarray(key_permutation()), axis=-1) * QUERY_SCALE
+    return jnp.swapaxes(qp.astype(jnp.bfloat16), -1, -2)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+
+
+def smem_bytes(s: int, h: int, stages: int) -> int:
+    """Shared memory one CTA allocates, each buffer rounded up to 1 KiB as Pallas does: the queries ``[S, 128,
+    H]`` bf16, the head weights, the ring of ``stages`` key tiles, two score tiles ``[S, 64]`` fp32, mbarriers,
+    and the 2 KiB Pallas reserves for cross-warp reductions by default."""
+    return (REDUCTION_SCRATCH + _aligned(s * DIM * h * 2) + _aligned(s * h * 4) + _aligned(stages * TILE * ROW_BYTES)
+            + _aligned(2 * s * TILE * 4) + 8 * (1 + stages))
+
+
+def check_config(b: int, s: int, h: int, d: int, t: int, *, stages: int, splits: int | None) -> tuple[int, int]:
+    """Validates the static configuration; returns ``(splits, stages)`` actually used."""
+    if d != DIM:
+        raise ValueError(f"the kernel's register decode needs index head width {DIM}, got {d}")
+    if h % 32 or not 32 <= h <= 128:
+        raise ValueError(f"number of index heads H={h} must be 32, 64, 96 or 128 (the WGMMA N side)")
+    if not 1 <= s <= MAX_QUERIES:
+        raise ValueError(f"query tokens per sequence S={s} must be between 1 and {MAX_QUERIES}")
+    if t <= 0 or t % TILE:
+        raise ValueError(f"number of key rows T={t} must be a positive multiple of {TILE}")
+    if stages < 1:
+        raise ValueError(f"stages={stages} must be at least 1")
+    tiles = t // TILE
+    need = smem_bytes(s, h, min(stages, tiles))
+    if need > SMEM_BYTES:
+        raise ValueError(f"shared memory {need} B (S={s} query tokens of H={h} heads, stages={stages}) exceeds "
+                         f"{SMEM_BYTES} B per CTA; fewer query tokens per call")
+    if splits is None:
+        splits = max(p for p in range(1, tiles + 1) if tiles % p == 0 and (b * p <= TARGET_CTAS or p == 1))
+    if splits < 1 or tiles % splits:
+        raise ValueError(f"splits={splits} must divide the number of 64-row tiles T / 64 = {tiles}")
+    return splits, min(stages, tiles // splits)
+
+
+def _load_vector(plgpu, ref, layout):
+    """``plgpu.load`` of a whole shared-memory ref in ``layout`` (jax 0.10.2 needs the ``()`` index, ≥ 0.11 not)."""
+    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+def _decode_keys(plgpu, k_ref):
+    """The tile ``k_ref`` (uint8 smem ``[2, 136, 16]``: 64 rows of 68 bytes, contiguous) → bf16 ``[64, 128]`` in
+    the WGMMA register layout (module docstring)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    shape = (TILE, DIM)
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, plgpu.Layout.WGMMA),
+    )
+    def decoded(_, k_smem):
+        layout = fa.WGMMA_LAYOUT
+        i32 = ir.IntegerType.get_signless(32)
+        i8 = ir.IntegerType.get_signless(8)
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+
+        def c(v):
+            return arith.constant(i32, v - (1 << 32) if v >= 1 << 31 else v)
+
+        def shift(x, n):
+            if n == 0:
+                return x
+            return arith.shli(x, c(n)) if n > 0 else arith.shrui(x, c(-n))
+
+        base = mgpu_utils.memref_ptr(k_smem)
+        t = arith.remui(mgpu_utils.thread_idx(), c(128))
+        warp, lane = arith.shrui(t, c(5)), arith.andi(t, c(31))
+        g, cc = arith.shrui(lane, c(2)), arith.andi(lane, c(3))
+
+        def load_word(byte_offset):
+            return llvm.load(i32, mgpu_utils.getelementptr(base, [byte_offset], i8))
+
+        words, muls = {}, {}
+        for q0 in range(2):
+            r = arith.addi(arith.addi(arith.muli(warp, c(16)), g), c(8 * q0))
+            row0 = arith.muli(r, c(ROW_BYTES))
+            first = arith.addi(row0, arith.muli(cc, c(16)))
+            words[q0] = [load_word(arith.addi(first, c(4 * i))) for i in range(4)]
+            scale = arith.andi(arith.shrui(load_word(arith.addi(row0, c(64))), arith.muli(cc, c(8))), c(0xFF))
+            mul = arith.shli(arith.muli(arith.addi(scale, c(62)), c(0x10001)), c(7))
+            muls[q0] = mgpu_utils.bitcast(mul, bf16x2)
+
+        strides = mgpu_utils.get_contiguous_strides(shape)
+        tile_strides = layout.tiling.tile_strides(strides)
+        regs_shape = layout.registers_shape(shape)
+        out = np.empty(regs_shape, dtype=object)
+        for tile_idx in np.ndindex(regs_shape):
+            lin = sum(i * s for i, s in zip(tile_idx, tile_strides, strict=False))
+            d_row, d_col = divmod(lin, shape[1])
+            q0, rrem = divmod(d_row, 8)
+            kc, crem = divmod(d_col, 16)
+            q1, crem = divmod(crem, 8)
+            if rrem or crem or q0 > 1:
+                raise AssertionError(f"unexpected WGMMA register offset ({d_row}, {d_col})")
+            j = 2 * (kc % 2) + q1
+            x = words[q0][kc // 2]
+            bits = arith.ori(arith.andi(shift(x, 6 - 4 * j), c(BODY_MASK)),
+                             arith.andi(shift(x, 12 - 4 * j), c(SIGN_MASK)))
+            out[tile_idx] = arith.mulf(mgpu_utils.bitcast(bits, bf16x2), muls[q0])
+        return fa.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
+
+    return decoded(k_ref)
+
+
+def _kernel_call(qt: jax.Array, w: jax.Array, rows4: jax.Array, *, splits: int, stages: int) -> jax.Array:
+    """The Mosaic GPU kernel. ``qt bf16 [B, S, 128, H]`` (:func:`query_operand`), ``w fp32 [B, S, H]``, ``rows4
+    uint8 [B, T / 32, 136, 16]`` (a free reshape of the rows). Returns ``fp32 [B, S, T]``."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    b, s, d, h = qt.shape
+    t = rows4.shape[1] * HALF_ROWS
+    tiles_per_cta = t // TILE // splits
+    swizzle = min(128, 2 * h)
+    q_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+    def body(q_ref, w_ref, rows_ref, out_ref, q_smem, w_smem, k_smem, o_smem, setup_barrier, loaded_barriers):
+        seq = lax.axis_index("seq")
+        tile0 = lax.axis_index("split") * tiles_per_cta
+        for i in range(s):
+            plgpu.copy_gmem_to_smem(q_ref.at[seq, i], q_smem.at[i], setup_barrier)
+        plgpu.copy_gmem_to_smem(w_ref.at[seq], w_smem, setup_barrier)
+
+        def issue(i, slot):
+            for half in range(2):
+                plgpu.copy_gmem_to_smem(rows_ref.at[seq, 2 * (tile0 + i) + half], k_smem.at[slot, half],
+                                        loaded_barriers.at[slot])
+
+        for i in range(stages):
+            issue(i, i)
+        plgpu.barrier_wait(setup_barrier)
+        head_weights = [_load_vector(plgpu, w_smem.at[i], plgpu.Layout.WGMMA.reduce(0)) for i in range(s)]
+
+        @pl.loop(0, tiles_per_cta)
+        def _tile(i):
+            slot = lax.rem(i, jnp.array(stages, i.dtype))
+            plgpu.barrier_wait(loaded_barriers.at[slot])
+            keys = _decode_keys(plgpu, k_smem.at[slot])
+            plgpu.commit_smem()              # every thread has read the slot: it may be refilled
+
+            @pl.when(i + stages < tiles_per_cta)
+            def _refill():
+                issue(i + stages, slot)
+
+            o_slot = lax.rem(i, jnp.array(2, i.dtype))
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)    # the store from this o_slot two tiles ago is out
+            for qi in range(s):
+                def qk(acc_ref, qi=qi):
+                    plgpu.wgmma(acc_ref, keys, q_smem.at[qi])
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(qk, plgpu.ACC((TILE, h), jnp.float32))
+                weighted = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(head_weights[qi], acc.shape, [1])
+                o_smem.at[o_slot, qi][...] = weighted.sum(axis=1)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[o_slot], out_ref.at[seq, pl.ds(0, s), pl.ds((tile0 + i) * TILE, TILE)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    body.__name__ = f"index_scores_fp4_h{h}_s{s}"
+    scratch = [
+        plgpu.SMEM((s, d, h), jnp.bfloat16, transforms=q_transforms),
+        plgpu.SMEM((s, h), jnp.float32),
+        plgpu.SMEM((stages, 2, *BOX), jnp.uint8),
+        plgpu.SMEM((2, s, TILE), jnp.float32),
+        plgpu.Barrier(num_arrivals=s + 1),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    ]
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((b, s, t), jnp.float32),
+        scratch_types=scratch,
+        grid=(splits, b),
+        grid_names=("split", "seq"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+    return kernel(qt, w, rows4)
+
+
+@functools.partial(jax.jit, static_argnames=("stages", "splits"))
+def index_scores_rows(q: jax.Array, w: jax.Array, rows: jax.Array, *, stages: int = 4,
+                      splits: int | None = None) -> jax.Array:
+    """Indexer scores ``fp32 [B, S, T]`` of queries ``q [B, S, H, 128]`` (FP4 values) with head weights ``w [B, S,
+    H]`` over ``fp4_index`` rows ``uint8 [B, T, 68]`` (module docstring). ``T`` that is not a multiple of 64 is
+    padded with zero rows (their scores, 0, are cut off again). ``stages``: tiles in flight per CTA; ``splits``:
+    CTAs per sequence (default: as many as keep ≤ ~4 CTAs per SM busy)."""
+    b, s, h, d, t = check_shapes(q, w, rows)
+    t_pad = -(-t // TILE) * TILE
+    splits, stages = check_config(b, s, h, d, t_pad, stages=stages, splits=splits)
+    if t_pad != t:
+        rows = jnp.pad(rows, ((0, 0), (0, t_pad - t), (0, 0)))
+    rows4 = rows.reshape(b, t_pad // HALF_ROWS, *BOX)
+    out = _kernel_call(query_operand(q), w.astype(jnp.float32), rows4, splits=splits, stages=stages)
+    return out[:, :, :t] if t_pad != t else out
+
+
+def traffic(b: int, s: int, h: int, t: int) -> dict[str, float]:
+    """Work of one call: ``bytes_read`` = rows ``B·T·68`` + queries ``B·S·H·128·2`` + weights ``B·S·H·4``;
+    ``bytes`` adds the scores ``B·S·T·4``; ``flops`` = ``2·B·S·H·T·128`` (the q·k products)."""
+    read = b * t * ROW_BYTES + b * s * h * DIM * 2 + b * s * h * 4
+    return dict(bytes_read=float(read), bytes=float(read + b * s * t * 4), flops=float(2 * b * s * h * t * DIM))
