@@ -10,9 +10,10 @@ on the device (CUPTI, medians of 10):
   (what every step did before the bf16 path; V4's path still);
 * ``scores, bf16 products``: the same with ``fp4_operands=True`` (V4.1: Q4u queries and ``fp4_index`` keys are
   exact in bf16, ``docs/kv_formats.md`` "Indexer operands"); for V4 (unquantised keys) not applicable;
-* ``scores, kernel``: V4.1 only — the model's GPU path: ``pages_read`` of the stored bytes + the Mosaic GPU
-  kernel (``pallas_kernels.indexer``, keys decoded in registers) + the visibility mask; ``kernel alone``: the kernel
-  on rows already gathered (what a paged kernel would cost);
+* the Mosaic GPU kernel (``pallas_kernels.indexer``, keys decoded in registers), V4.1 only: ``paged kernel`` — the
+  model's GPU path for an index source scoring its own pages (the kernel reads them through the page table) + the
+  visibility mask; ``pages_read + kernel`` — the path of index sources scoring another layer's keys (gathered once
+  by that layer, timed here per call); ``kernel alone`` — the kernel on rows already gathered;
 * ``top-k``: ``csa2.topk_select`` (``lax.top_k``, the sort of the picks and the mask) on the scores alone.
 
 Queries are Q4u-rounded random values (V4.1) or plain random values (V4), head weights random: the work does not
@@ -74,6 +75,12 @@ def _scores_kernel(ratio: int, pool, pages, q, w, pos):
     return index_scores_stored(q, w, pages_read(pool, jnp.int32(0), pages), pos, ratio=ratio)
 
 
+def _scores_paged(ratio: int, pool, pages, q, w, pos):
+    from dinfer_jax.models.attention import index_scores_paged
+
+    return index_scores_paged(q, w, pool, jnp.int32(0), pages, pos, ratio=ratio)
+
+
 def _kernel_alone(q, w, rows):
     from pallas_kernels.indexer.scores_sm90 import index_scores_rows
 
@@ -86,6 +93,29 @@ def _compare(topk, got, want) -> tuple[float, int]:
     scale = float(np.abs(np.asarray(want)[finite]).max())
     err = float(np.abs(np.asarray(got - want)[finite]).max() / max(scale, 1e-30))
     return err, int(np.any(np.asarray(topk(got)) != np.asarray(topk(want)), axis=(1, 2)).sum())
+
+
+def sweep_paged(device_times, copy_bw: float, batch: int = 64, context: int = 131072) -> str:
+    """The paged kernel's ``stages`` × ``splits`` at V4.1-Flash's size: a table of ms and % of copy bandwidth."""
+    from pallas_kernels.indexer.scores_sm90 import check_config, index_scores_paged
+
+    cfg = load_config("deepseek-v4.1-flash")
+    codec = RowCodec(cfg.index_head_dim, jnp.float32, "fp4_index")
+    c = _case(cfg, codec, 2, batch, context, jax.random.key(1))
+    key_bytes = batch * c["T"] * 68
+    default, _ = check_config(batch, 1, cfg.index_n_heads, 128, c["T"], stages=4, splits=None)
+    lines = [f"paged kernel alone, V4.1-Flash, batch {batch}, context {context} ({c['T']} rows); default splits "
+             f"{default}", "", "| stages | splits | ms | GB/s | % copy |", "|---:|---:|---:|---:|---:|"]
+    for stages in (2, 4, 8):
+        for splits in sorted({max(1, default // 2), default, default * 2}):
+            if (c["T"] // 64) % splits:
+                continue
+            fn = jax.jit(functools.partial(index_scores_paged, stages=stages, splits=splits))
+            t, _ = device_times(fn, c["q"], c["w"], c["pool"], jnp.int32(0), c["pages"])
+            gbps = key_bytes / t / 1e6
+            lines.append(f"| {stages} | {splits} | {t:.3f} | {gbps:.0f} | {100 * gbps / (copy_bw / 1e9):.0f}% |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
 
 
 def _topk(k: int, scores):
@@ -108,8 +138,8 @@ def bench_indexer(args, device_times, copy_bw: float, on_row=lambda rows: None) 
                 slow = jax.jit(functools.partial(_scores, codec, ratio, False))
                 t_slow, _ = device_times(slow, *a)
                 s_slow = slow(*a)
-                t_fast = err = t_kern = t_alone = err_k = float("nan")
-                differ = differ_k = -1
+                t_fast = err = t_kern = t_alone = err_k = t_paged = err_p = float("nan")
+                differ = differ_k = differ_p = -1
                 if fmt is not None:
                     fast = jax.jit(functools.partial(_scores, codec, ratio, True))
                     t_fast, _ = device_times(fast, *a)
@@ -120,6 +150,9 @@ def bench_indexer(args, device_times, copy_bw: float, on_row=lambda rows: None) 
                         kern = jax.jit(functools.partial(_scores_kernel, ratio))
                         t_kern, _ = device_times(kern, *a)
                         err_k, differ_k = _compare(topk, kern(*a), s_slow)
+                        paged = jax.jit(functools.partial(_scores_paged, ratio))
+                        t_paged, _ = device_times(paged, *a)
+                        err_p, differ_p = _compare(topk, paged(*a), s_slow)
                         rows_g = pages_read(c["pool"], jnp.int32(0), c["pages"])
                         t_alone, _ = device_times(jax.jit(_kernel_alone), c["q"], c["w"], rows_g)
                         del rows_g
@@ -131,7 +164,9 @@ def bench_indexer(args, device_times, copy_bw: float, on_row=lambda rows: None) 
                            max_rel_diff=err, topk_sets_differ=differ, copy_GBps=copy_bw / 1e9,
                            scores_kernel_ms=t_kern, kernel_alone_ms=t_alone,
                            scores_kernel_GBps=key_bytes / t_kern / 1e6, kernel_alone_GBps=key_bytes / t_alone / 1e6,
-                           kernel_max_rel_diff=err_k, kernel_topk_sets_differ=differ_k)
+                           kernel_max_rel_diff=err_k, kernel_topk_sets_differ=differ_k,
+                           paged_ms=t_paged, paged_GBps=key_bytes / t_paged / 1e6, paged_max_rel_diff=err_p,
+                           paged_topk_sets_differ=differ_p)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 on_row(rows)
@@ -145,20 +180,22 @@ def _rate(ms: float, gbps: float, cp: float) -> str:
 
 def kernel_table(rows: list[dict]) -> str:
     """The kernel's columns, for the rows that have them (V4.1 on a GPU)."""
-    lines = ["| model | batch | context | rows | bf16 products ms (GB/s, % copy) | "
-             "pages_read + kernel ms (GB/s, % copy) | kernel alone ms (GB/s, % copy) | bf16 / kernel path | "
-             "max rel. diff vs fp32 | top-k sets differing |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | batch | context | rows | bf16 products ms (GB/s, % copy) | paged kernel ms (GB/s, % copy) | "
+             "pages_read + kernel ms (GB/s, % copy) | kernel alone ms (GB/s, % copy) | bf16 / paged | "
+             "max rel. diff vs fp32 (paged, rows) | top-k sets differing (paged, rows) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.get("scores_kernel_ms", float("nan")) != r.get("scores_kernel_ms", float("nan")):
             continue
         cp = r["copy_GBps"]
         lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['rows']} | "
                      f"{_rate(r['scores_bf16_ms'], r['scores_bf16_GBps'], cp)} | "
+                     f"{_rate(r['paged_ms'], r['paged_GBps'], cp)} | "
                      f"{_rate(r['scores_kernel_ms'], r['scores_kernel_GBps'], cp)} | "
                      f"{_rate(r['kernel_alone_ms'], r['kernel_alone_GBps'], cp)} | "
-                     f"{r['scores_bf16_ms'] / r['scores_kernel_ms']:.1f}× | {r['kernel_max_rel_diff']:.1e} | "
-                     f"{r['kernel_topk_sets_differ']} of {r['batch']} |")
+                     f"{r['scores_bf16_ms'] / r['paged_ms']:.1f}× | "
+                     f"{r['paged_max_rel_diff']:.1e}, {r['kernel_max_rel_diff']:.1e} | "
+                     f"{r['paged_topk_sets_differ']}, {r['kernel_topk_sets_differ']} of {r['batch']} |")
     return "\n".join(lines)
 
 

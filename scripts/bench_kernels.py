@@ -313,6 +313,11 @@ def main() -> None:
                                                         + bench_indexer.kernel_table(r)))
         print(bench_indexer.table(rows))
         print(bench_indexer.kernel_table(rows))
+        if jax.default_backend() == "gpu":
+            sweep = bench_indexer.sweep_paged(device_times, ceil["copy_GBps"] * 1e9)
+            print(sweep)
+            if args.out:
+                (Path(args.out) / "bench_indexer_sweep.md").write_text(sweep + "\n")
         return
     if args.what == "linear":
         import bench_linear

@@ -37,8 +37,8 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, attn or index}" in
       2>&1 | quiet | grep "^|\|copy bandwidth"
     timeout 220 python3 scripts/bench_kernels.py indexer --out "$OUT/indexer" 2>&1 | quiet | grep "^|" ;;
   index)
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_indexer_kernel_gpu.py 2>&1 \
+    timeout 290 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_indexer_kernel_gpu.py 2>&1 \
       | grep "^E \|passed\|failed\|max err\|Error" | head -40
-    timeout 300 python3 scripts/bench_kernels.py indexer --out "$OUT/indexer" 2>&1 | quiet | grep "^|" ;;
+    timeout 270 python3 scripts/bench_kernels.py indexer --out "$OUT/indexer" 2>&1 | quiet | grep "^|" ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac

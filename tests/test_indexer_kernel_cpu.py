@@ -149,3 +149,35 @@ def test_model_uses_the_jnp_indexer_on_cpu():
     assert index_impl("auto", cfg, 1) == "jnp"
     with pytest.raises(ValueError, match="cannot run the indexer kernel"):
         index_impl("pallas", cfg, 1)
+
+
+@pytest.mark.parametrize("rpb,pages", [(64, 7), (32, 5), (128, 3)])
+def test_paged_kernel_lowers_for_cuda(rpb, pages):
+    """Through the page table: V4.1 (ratio 2, 64 rows a 128-token page), V4 (ratio 4, 32 rows), 128-row pages;
+    page counts whose rows are not a multiple of 64 are padded with page 0."""
+    from pallas_kernels.indexer.scores_sm90 import index_scores_paged
+
+    sds = jax.ShapeDtypeStruct
+    traced = jax.jit(index_scores_paged).trace(
+        sds((3, 1, 32, 128), jnp.float32), sds((3, 1, 32), jnp.float32), sds((4, 50, rpb, 68), jnp.uint8),
+        sds((), jnp.int32), sds((3, pages), jnp.int32))
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("rpb", [0, 8, 16, 48])
+def test_paged_kernel_rejects_page_sizes_it_cannot_copy(rpb):
+    from pallas_kernels.indexer.scores_sm90 import copy_rows
+
+    with pytest.raises(ValueError, match="rows per page"):
+        copy_rows(rpb)
+
+
+def test_index_keys_are_passed_on_only_where_a_later_layer_reads_them():
+    """``LayerInfo.shares_index_k``: V4.1-Flash's index sources 24–36 score against layer 20's keys (which must be
+    carried to them); layers 2, 8 and 14 are their own indexers' only readers."""
+    from dinfer_jax.models.config import load_config
+    from dinfer_jax.models.layer_plan import layer_info
+
+    for name, want in [("deepseek-v4.1-flash", {20}), ("tiny-v41", {6})]:
+        cfg = load_config(name)
+        assert {i for i in range(cfg.num_layers) if layer_info(cfg, i).shares_index_k} == want, name

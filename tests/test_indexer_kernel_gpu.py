@@ -67,15 +67,48 @@ def test_kernel_matches_reference(b, s, h, t):
     _check(b, s, h, t, seed=b + s + h + t)
 
 
+@pytest.mark.parametrize("b,s,h,rpb,n_pages", [
+    (64, 1, 32, 64, 32),    # V4.1-Flash: 128-token pages at ratio 2, 4K-token contexts
+    (8, 2, 64, 32, 9),      # V4-Flash (fp8 cache): ratio 4; 288 rows, padded to 320 with page 0
+    (3, 5, 32, 128, 3),
+])
+def test_paged_kernel_matches_reference_on_gathered_rows(b, s, h, rpb, n_pages):
+    """Through the page table (pages of each sequence scattered over a pool of two layers, layer 1 read) against
+    the reference on the rows ``pages_read`` gathers."""
+    from dinfer_jax.models.cache_io import pages_read
+    from pallas_kernels.indexer.scores_sm90 import index_scores_paged
+
+    gpu = gpu_device()
+    n_pool = b * n_pages + 1
+    q, w, flat = _case(1, s, h, 2 * n_pool * rpb, seed=rpb + n_pages)
+    pool = flat.reshape(2, n_pool, rpb, 68)
+    perm = np.random.default_rng(0).permutation(np.arange(1, n_pool))[: b * n_pages]
+    pages = jnp.asarray(perm.reshape(b, n_pages), jnp.int32)
+    q, w = jnp.broadcast_to(q, (b, *q.shape[1:])), jnp.broadcast_to(w, (b, *w.shape[1:]))
+    rows = pages_read(pool, jnp.int32(1), pages)
+    with jax.default_device(gpu):
+        got = np.asarray(index_scores_paged(*(jax.device_put(a, gpu) for a in (q, w, pool)), jnp.int32(1),
+                                            jax.device_put(pages, gpu)))
+    want = np.asarray(jax.jit(index_scores_rows_ref, backend="cpu")(q, w, rows))
+    k = np.asarray(decode_rows(rows, 128), np.float64)
+    a = np.einsum("bsh,bshd,btd->bst", np.abs(np.asarray(w, np.float64)), np.abs(np.asarray(q, np.float64)), np.abs(k))
+    err = np.abs(got - want)
+    print(f"paged B={b} S={s} H={h} rpb={rpb} P={n_pages}: max err / bound "
+          f"{float((err / (2.0 ** -14 * a + 1e-300)).max()):.3g}")
+    assert got.shape == want.shape and np.all(err <= 2.0 ** -14 * a)
+
+
 @pytest.mark.parametrize("kw", [dict(stages=1), dict(stages=2, splits=1), dict(splits=4), dict(stages=8)])
 def test_kernel_configs(kw):
     _check(4, 2, 32, 1024, seed=7, **kw)
 
 
-def test_engine_greedy_with_the_kernel_equals_full_forward_argmax():
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_engine_greedy_with_the_kernel_equals_full_forward_argmax(block_size):
     """A random tiny V4.1 model widened so that its indexer fits the kernel (32 index heads of 128): on the GPU the
     engine's decode steps score with the kernel (asserted), the full forward (long query rows) with XLA; greedy
-    tokens must equal the full forward's argmax, prompts crossing windows, compression groups and pages. Matmuls
+    tokens must equal the full forward's argmax, prompts crossing windows, compression groups and pages. 16-token
+    pages (8 rows at ratio 2) go through the gathered-rows form, 64-token pages through the page table. Matmuls
     at full fp32 precision so that both sides compute the same numbers up to addition order."""
     gpu_device()
     from dinfer_jax import LLM, SamplingParams
@@ -88,7 +121,7 @@ def test_engine_greedy_with_the_kernel_equals_full_forward_argmax():
     prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, size=n)] for n in (5, 40, 90, 150)]
     with jax.default_matmul_precision("highest"):
         model = random_model(cfg, seed=3, std=0.1, include_mtp=False)
-        llm = LLM(model, max_num_seqs=4, max_model_len=256, progress=False)
+        llm = LLM(model, max_num_seqs=4, max_model_len=256, block_size=block_size, progress=False, warmup=False)
         outs = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
                                                                           ignore_eos=True), use_tqdm=False)]
         seqs = [p + o for p, o in zip(prompts, outs, strict=True)]

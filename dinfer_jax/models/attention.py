@@ -127,6 +127,22 @@ def index_impl(requested: str, cfg: ModelConfig, num_queries: int) -> str:
     return requested
 
 
+def index_scores_paged(q: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array, pages: jax.Array,
+                       pos: jax.Array, *, ratio: int) -> jax.Array:
+    """Indexer scores ``[B,S,P·rpb]`` fp32 (masked as :func:`index_scores_of`) of each sequence's pages ``pages
+    [B,P]`` of layer ``layer`` of the paged ``fp4_index`` rows ``pool uint8 [L,N,rpb,68]``, through the Mosaic GPU
+    kernel reading the pages itself (no gathered copy of the rows). Same values as :func:`index_scores_stored` on
+    ``pages_read(pool, layer, pages)``. Pages of other than a multiple of 32 rows (small test pages) are gathered
+    first (:func:`index_scores_stored`)."""
+    from pallas_kernels.indexer.scores_sm90 import index_scores_paged as kernel
+
+    if pool.shape[2] % 32:
+        from dinfer_jax.models.cache_io import pages_read
+
+        return index_scores_stored(q, w, pages_read(pool, layer, pages), pos, ratio=ratio)
+    return mask_visible(kernel(q, w, pool, layer, pages), pos, ratio)
+
+
 def index_scores_stored(q: jax.Array, w: jax.Array, stored: jax.Array, pos: jax.Array, *, ratio: int) -> jax.Array:
     """Indexer scores ``[B,S,T]`` fp32 (masked as :func:`index_scores_of`) straight from the stored ``fp4_index``
     rows ``uint8 [B,T,68]`` through the Mosaic GPU kernel: the keys are decoded in registers, never written out.

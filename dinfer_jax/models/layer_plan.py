@@ -32,7 +32,8 @@ class LayerInfo:
     """Static facts one layer's math branches on (everything else comes from its parameters and the step input).
 
     V4: ``kind`` ∈ {sliding, csa, hca}, ``ratio``, ``hash_routed``. V4.1 adds the cross-layer roles: ``kv_source``
-    (owns compressed KV pages), ``has_index_k`` (owns index-key pages), ``index_source`` (runs the indexer),
+    (owns compressed KV pages), ``has_index_k`` (owns index-key pages), ``shares_index_k`` (owns index keys that a
+    later index source scores against, so the layer passes them on), ``index_source`` (runs the indexer),
     ``candidate_source`` / ``uses_candidates`` (two-level top-k), ``engram``, ``dspark_target`` (its attention
     input feeds the drafter) and ``yoco_region`` (at or after the first ratio-1 layer).
     """
@@ -42,6 +43,7 @@ class LayerInfo:
     hash_routed: bool = False
     kv_source: bool = False
     has_index_k: bool = False
+    shares_index_k: bool = False
     index_source: bool = False
     candidate_source: bool = False
     uses_candidates: bool = False
@@ -56,11 +58,15 @@ def layer_info(cfg: ModelConfig, layer: int) -> LayerInfo:
     if not cfg.is_v41:
         return LayerInfo(kind=cfg.attn_kinds[layer], ratio=ratio, hash_routed=cfg.hash_layers[layer])
     compressed = ratio > 0
+    has_index_k = (compressed and layer in cfg.kv_source_layer_ids
+                   and layer in (cfg.index_k_source_layer_ids or cfg.kv_source_layer_ids))
     return LayerInfo(
         kind=cfg.attn_kinds[layer], ratio=ratio,
         kv_source=compressed and layer in cfg.kv_source_layer_ids,
-        has_index_k=compressed and layer in cfg.kv_source_layer_ids
-        and layer in (cfg.index_k_source_layer_ids or cfg.kv_source_layer_ids),
+        has_index_k=has_index_k,
+        shares_index_k=has_index_k and any(
+            other != layer and cfg.compress_ratios[other] > 0 and cfg.index_k_source(other) == layer
+            for other in cfg.index_source_layer_ids),
         index_source=compressed and layer in cfg.index_source_layer_ids,
         candidate_source=compressed and layer == cfg.candidate_source_layer_id,
         uses_candidates=compressed and cfg.uses_candidates(layer),

@@ -30,6 +30,7 @@ from dinfer_jax.models.attention import (
     index_operands_fp4,
     index_queries,
     index_scores_of,
+    index_scores_paged,
     index_scores_stored,
     output_projection,
     query_and_window_kv,
@@ -299,12 +300,11 @@ def attention_v4(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, 
                 ix["compressor"], h, lc.ist_kv, lc.ist_gate, lc.ikv, k, inp, pos, ratio=ratio,
                 dim=cfg.index_head_dim, overlap=True, inv_freq=inv, norm_eps=cfg.norm_eps, codec=codecs.ikv,
                 rotate=codecs.packed)
-            stored_keys = pages_read(upd["ikv"], k, pages)
             if index_impl(opts.attention_impl, cfg, pos.shape[1]) == "pallas":
-                scores = index_scores_stored(t["iq"], t["iw"], stored_keys, pos, ratio=ratio)
+                scores = index_scores_paged(t["iq"], t["iw"], upd["ikv"], k, pages, pos, ratio=ratio)
             else:
-                scores = index_scores_of(t["iq"], t["iw"], codecs.ikv.unpack(stored_keys), pos, ratio=ratio,
-                                         fp4_operands=index_operands_fp4(cfg))
+                scores = index_scores_of(t["iq"], t["iw"], codecs.ikv.unpack(pages_read(upd["ikv"], k, pages)), pos,
+                                         ratio=ratio, fp4_operands=index_operands_fp4(cfg))
             top_idx, selected = topk_select(scores, cfg.index_topk)
             if opts.collect:
                 aux.update(indexer_topk=top_idx, indexer_scores=scores)
@@ -373,13 +373,15 @@ def attention_v41(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array,
             upd.update(_write_source_rows(p, h, lc, k, inp, cfg=cfg, info=info, inv_freq=inv))
             # the step attends to the pages it just wrote (earlier rows and this step's), decoded as stored
             carry["kv"] = pages_read(upd["ckv"], k, inp.pages)  # decoded by the consumers (all rows or top-k)
-            if info.has_index_k:   # as stored for the indexer kernel (it decodes in registers), else decoded
+            if info.has_index_k and not index_kernel:
+                carry["ik"] = codecs.ik.unpack(pages_read(upd["ik"], k, inp.pages))
+            elif info.shares_index_k:   # as stored: the indexer kernel decodes them in registers
                 carry["ik"] = pages_read(upd["ik"], k, inp.pages)
-                if not index_kernel:
-                    carry["ik"] = codecs.ik.unpack(carry["ik"])
         stored = carry["kv"]
         visible = (pos + 1) // ratio
-        if info.index_source and index_kernel:
+        if info.index_source and index_kernel and info.has_index_k:   # its own pages, read by the kernel
+            scores = index_scores_paged(t["iq"], t["iw"], upd["ik"], k, inp.pages, pos, ratio=ratio)
+        elif info.index_source and index_kernel:
             scores = index_scores_stored(t["iq"], t["iw"], carry["ik"], pos, ratio=ratio)
         elif info.index_source:
             scores = index_scores_of(t["iq"], t["iw"], carry["ik"], pos, ratio=ratio,

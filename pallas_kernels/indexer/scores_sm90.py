@@ -63,8 +63,6 @@ from pallas_kernels.indexer.reference import check_shapes
 DIM = 128                       # index head width the register decode is built for (four scale groups of 32)
 ROW_BYTES = DIM // 2 + DIM // 32    # 68
 TILE = 64                       # key rows per WGMMA (its M)
-HALF_ROWS = 32                  # rows per TMA copy: 32 · 68 = 2176 = 136 · 16 bytes
-BOX = (HALF_ROWS * ROW_BYTES // 16, 16)
 QUERY_SCALE = 2.0 ** 64         # queries are pre-multiplied by this; keys carry 2^-64 (module docstring)
 MAX_QUERIES = 8                 # query tokens per sequence a CTA holds in shared memory (decode and verify rows)
 TARGET_CTAS = 132 * 4           # several small CTAs per SM overlap their TMA streams
@@ -246,28 +244,55 @@ def _decode_keys(plgpu, k_ref):
     return decoded(k_ref)
 
 
-def _kernel_call(qt: jax.Array, w: jax.Array, rows4: jax.Array, *, splits: int, stages: int) -> jax.Array:
-    """The Mosaic GPU kernel. ``qt bf16 [B, S, 128, H]`` (:func:`query_operand`), ``w fp32 [B, S, H]``, ``rows4
-    uint8 [B, T / 32, 136, 16]`` (a free reshape of the rows). Returns ``fp32 [B, S, T]``."""
+def copy_rows(rows_per_page: int) -> int:
+    """Rows per TMA copy: 32 (2176 bytes = 136 16-byte lines; TMA boxes hold at most 256 lines, and Pallas's copies
+    move a multiple of 128 bytes, which 68-byte rows reach at multiples of 32 rows). Pages must hold a multiple of
+    32 rows (DeepInfer's 128-token pages at ratio 2 or 4); :func:`index_scores_rows` takes any layout."""
+    if rows_per_page <= 0 or rows_per_page % 32:
+        raise ValueError(f"rows per page {rows_per_page} must be a positive multiple of 32 for the paged kernel")
+    return 32
+
+
+def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array, pages: jax.Array, *,
+                 splits: int, stages: int) -> jax.Array:
+    """The Mosaic GPU kernel.
+
+    Args:
+      qt: ``bf16 [B, S, 128, H]`` (:func:`query_operand`); w: ``fp32 [B, S, H]``.
+      pool: ``uint8 [L, N, rpb, 68]`` paged index-key rows (``rpb`` rows per page).
+      layer: ``int32 []``, the layer of ``pool`` to read; pages: ``int32 [B, P]``, ``P · rpb`` a multiple of 64.
+    Returns:
+      ``fp32 [B, S, P · rpb]``.
+    """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     b, s, d, h = qt.shape
-    t = rows4.shape[1] * HALF_ROWS
+    n_layers, n_pages, rpb, _ = pool.shape
+    t = pages.shape[1] * rpb
+    rc = copy_rows(rpb)
+    pieces = rpb // rc                      # copies per page
+    copies = TILE // rc                     # copies per tile
+    box = (rc * ROW_BYTES // 16, 16)
+    pool4 = pool.reshape(n_layers, n_pages * pieces, *box)    # a free reshape: rows are contiguous in a page
     tiles_per_cta = t // TILE // splits
     swizzle = min(128, 2 * h)
     q_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
-    def body(q_ref, w_ref, rows_ref, out_ref, q_smem, w_smem, k_smem, o_smem, setup_barrier, loaded_barriers):
+    def body(meta_ref, pages_ref, q_ref, w_ref, pool_ref, out_ref, q_smem, w_smem, k_smem, o_smem, setup_barrier,
+             loaded_barriers):
         seq = lax.axis_index("seq")
         tile0 = lax.axis_index("split") * tiles_per_cta
+        layer_idx = meta_ref[0]
         for i in range(s):
             plgpu.copy_gmem_to_smem(q_ref.at[seq, i], q_smem.at[i], setup_barrier)
         plgpu.copy_gmem_to_smem(w_ref.at[seq], w_smem, setup_barrier)
 
         def issue(i, slot):
-            for half in range(2):
-                plgpu.copy_gmem_to_smem(rows_ref.at[seq, 2 * (tile0 + i) + half], k_smem.at[slot, half],
-                                        loaded_barriers.at[slot])
+            for j in range(copies):
+                row = (tile0 + i) * TILE + j * rc
+                piece = pages_ref[seq, row // rpb] * pieces + (row % rpb) // rc if pieces > 1 else \
+                    pages_ref[seq, row // rpb]
+                plgpu.copy_gmem_to_smem(pool_ref.at[layer_idx, piece], k_smem.at[slot, j], loaded_barriers.at[slot])
 
         for i in range(stages):
             issue(i, i)
@@ -300,14 +325,14 @@ def _kernel_call(qt: jax.Array, w: jax.Array, rows4: jax.Array, *, splits: int, 
 
         plgpu.wait_smem_to_gmem(0)
 
-    body.__name__ = f"index_scores_fp4_h{h}_s{s}"
+    body.__name__ = f"index_scores_fp4_h{h}_s{s}_rpb{rpb}"
     scratch = [
         plgpu.SMEM((s, d, h), jnp.bfloat16, transforms=q_transforms),
         plgpu.SMEM((s, h), jnp.float32),
-        plgpu.SMEM((stages, 2, *BOX), jnp.uint8),
+        plgpu.SMEM((stages, copies, *box), jnp.uint8),
         plgpu.SMEM((2, s, TILE), jnp.float32),
         plgpu.Barrier(num_arrivals=s + 1),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
     ]
     kernel = plgpu.kernel(
         body,
@@ -317,23 +342,52 @@ def _kernel_call(qt: jax.Array, w: jax.Array, rows4: jax.Array, *, splits: int, 
         grid_names=("split", "seq"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
-    return kernel(qt, w, rows4)
+    meta = jnp.reshape(layer, (1,)).astype(jnp.int32)
+    return kernel(meta, pages.astype(jnp.int32), qt, w, pool4)
+
+
+@functools.partial(jax.jit, static_argnames=("stages", "splits"))
+def index_scores_paged(q: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array, pages: jax.Array, *,
+                       stages: int = 4, splits: int | None = None) -> jax.Array:
+    """Indexer scores ``fp32 [B, S, P · rpb]`` of queries ``q [B, S, H, 128]`` (FP4 values) with head weights ``w
+    [B, S, H]`` over each sequence's pages ``pages [B, P]`` of layer ``layer`` of the paged rows ``pool uint8 [L, N,
+    rpb, 68]`` — the rows :func:`dinfer_jax.models.cache_io.pages_read` would gather, read by the kernel through
+    the page table. A page count whose rows are not a multiple of 64 is padded with page 0 (those scores are cut
+    off again). ``stages``: tiles in flight per CTA; ``splits``: CTAs per sequence (default: as many as keep ≤ ~4
+    CTAs per SM busy)."""
+    if q.ndim != 4 or w.shape != q.shape[:3]:
+        raise ValueError(f"q must be [B, S, H, D] and w [B, S, H], got {q.shape} and {w.shape}")
+    b, s, h, d = q.shape
+    if pool.ndim != 4 or pool.dtype != jnp.uint8 or pool.shape[-1] != ROW_BYTES:
+        raise ValueError(f"pool must be uint8 [L, N, rows per page, {ROW_BYTES}], got {pool.dtype} {pool.shape}")
+    rpb = pool.shape[2]
+    if pages.ndim != 2 or pages.shape[0] != b:
+        raise ValueError(f"pages must be [B={b}, P], got {pages.shape}")
+    copy_rows(rpb)
+    t = pages.shape[1] * rpb
+    pad = (-t) % TILE
+    if pad:
+        pages = jnp.pad(pages, ((0, 0), (0, pad // rpb)))
+    splits, stages = check_config(b, s, h, d, t + pad, stages=stages, splits=splits)
+    out = _kernel_call(query_operand(q), w.astype(jnp.float32), pool, jnp.asarray(layer, jnp.int32), pages,
+                       splits=splits, stages=stages)
+    return out[:, :, :t] if pad else out
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "splits"))
 def index_scores_rows(q: jax.Array, w: jax.Array, rows: jax.Array, *, stages: int = 4,
                       splits: int | None = None) -> jax.Array:
     """Indexer scores ``fp32 [B, S, T]`` of queries ``q [B, S, H, 128]`` (FP4 values) with head weights ``w [B, S,
-    H]`` over ``fp4_index`` rows ``uint8 [B, T, 68]`` (module docstring). ``T`` that is not a multiple of 64 is
-    padded with zero rows (their scores, 0, are cut off again). ``stages``: tiles in flight per CTA; ``splits``:
-    CTAs per sequence (default: as many as keep ≤ ~4 CTAs per SM busy)."""
+    H]`` over rows already laid out per sequence, ``uint8 [B, T, 68]`` (module docstring): the paged kernel with
+    32-row pages in order. ``T`` that is not a multiple of 64 is padded with zero rows (their scores are cut off)."""
     b, s, h, d, t = check_shapes(q, w, rows)
     t_pad = -(-t // TILE) * TILE
-    splits, stages = check_config(b, s, h, d, t_pad, stages=stages, splits=splits)
     if t_pad != t:
         rows = jnp.pad(rows, ((0, 0), (0, t_pad - t), (0, 0)))
-    rows4 = rows.reshape(b, t_pad // HALF_ROWS, *BOX)
-    out = _kernel_call(query_operand(q), w.astype(jnp.float32), rows4, splits=splits, stages=stages)
+    per_seq = t_pad // 32
+    pool = rows.reshape(1, b * per_seq, 32, ROW_BYTES)
+    pages = jnp.arange(b * per_seq, dtype=jnp.int32).reshape(b, per_seq)
+    out = index_scores_paged(q, w, pool, jnp.int32(0), pages, stages=stages, splits=splits)
     return out[:, :, :t] if t_pad != t else out
 
 
