@@ -8,6 +8,10 @@ split is exact in its range); only the order and rounding of the fp32 additions 
 rounding at most ``2^-24`` relative, the difference is bounded by ``(128 + 128) · 2^-24 · A ≤ 2^-16 · A``; the test
 allows ``2^-14 · A`` per element (tensor-core accumulation is not IEEE round-to-nearest in every step). A wrong
 permutation, scale or tile would be off by O(A).
+
+All 15 cases passed on the H200 (jax 0.11.2, 2026-12-04): largest error 0.0012 of the bound; the two engine cases
+(gathered rows with 16-token pages, the page table with 64-token pages) gave the full forward's tokens
+(``docs/perf/attention_h200.md``).
 """
 
 from __future__ import annotations

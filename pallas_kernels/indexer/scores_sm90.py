@@ -11,10 +11,14 @@ Contract (the same as :func:`pallas_kernels.indexer.reference.index_scores_rows_
 The keys never exist in memory as numbers: each 64-row tile of rows is copied (TMA) into shared memory as its
 4352 bytes, and every thread decodes its part of the tile straight into the WGMMA A-operand registers.
 
+The paged form, :func:`index_scores_paged`, reads the same rows through a page table (``pool uint8 [L, N, rpb,
+68]``, ``pages [B, P]``, a layer index): what the model's caches hold, without gathering them first.
+
 **Organisation.** Grid ``(splits, B)``: CTA ``(p, b)`` handles a contiguous run of ``T / 64 / splits`` tiles of
 sequence ``b`` with one warpgroup: it loads ``b``'s queries (``[S, 128, H]`` bf16, the WGMMA B operand) and head
 weights once, keeps ``stages`` tiles in flight (TMA into a ring of ``[2, 136, 16]`` uint8 buffers: 32 rows = 2176
-bytes = 136 × 16 per copy, as the 68-byte row stride is not 16-byte aligned), and per tile: decodes keys into
+bytes = 136 × 16 per copy, as the 68-byte row stride is not 16-byte aligned; the page of each 32-row piece is read
+from the page table in GMEM, so pages must hold a multiple of 32 rows), and per tile: decodes keys into
 registers, releases the buffer to the next TMA, then per query ``s`` one WGMMA ``[64 keys, 128] × [128, H]`` into
 fp32, ``relu``, the head weights broadcast over the rows, a row sum over the heads, and a TMA store of the 64
 scores. Shared memory is small (``S · 16 KiB`` of queries at H = 64 + ``stages`` × 4.25 KiB), so several CTAs share
