@@ -270,7 +270,7 @@ def table(rows: list[dict], ceil: dict[str, float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["moe", "attention", "attention-kernel", "indexer", "linear"])
+    p.add_argument("what", choices=["moe", "attention", "attention-kernel", "indexer", "indexer-sweep", "linear"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192], help="token counts to run")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="token counts at which to sweep block sizes")
     p.add_argument("--no-baseline", action="store_true", help="skip the XLA ragged_dot baseline")
@@ -304,6 +304,15 @@ def main() -> None:
                                                    variants=args.variants,
                                                    on_row=saver("bench_attention_kernel", bench_attention.kernel_table))
         print(bench_attention.kernel_table(rows))
+        return
+    if args.what == "indexer-sweep":
+        import bench_indexer
+
+        sweep = bench_indexer.sweep_paged(device_times, ceil["copy_GBps"] * 1e9)
+        print(sweep)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "bench_indexer_sweep.md").write_text(sweep + "\n")
         return
     if args.what == "indexer":
         import bench_indexer

@@ -11,12 +11,14 @@
 #                 (pallas_kernels/attention/tuning.py), the kernel's variants at 1-64 queries, and the indexer's
 #                 fp32 vs bf16 products and top-k (scripts/bench_indexer.py);
 #   STAGE=index   issue 9: the indexer kernel's GPU tests (kernel vs reference, the V4.1 engine with it) and the
-#                 indexer benchmark with the kernel columns (scripts/bench_indexer.py).
+#                 indexer benchmark with the kernel columns (scripts/bench_indexer.py);
+#   STAGE=index-sweep  the indexer kernel's tests without the engine cases, and its stages x splits x page-table
+#                 read placement sweep at V4.1-Flash batch 64, 128K context.
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=.95
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, attn or index}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, attn, index or index-sweep}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -40,5 +42,9 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, attn or index}" in
     timeout 290 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_indexer_kernel_gpu.py 2>&1 \
       | grep "^E \|passed\|failed\|max err\|Error" | head -40
     timeout 270 python3 scripts/bench_kernels.py indexer --out "$OUT/indexer" 2>&1 | quiet | grep "^|" ;;
+  index-sweep)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_indexer_kernel_gpu.py -k "not engine" \
+      2>&1 | grep "^E \|passed\|failed\|max err\|Error" | head -40
+    timeout 200 python3 scripts/bench_kernels.py indexer-sweep --out "$OUT/indexer" 2>&1 | quiet | grep "^|" ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac

@@ -258,13 +258,15 @@ def copy_rows(rows_per_page: int) -> int:
 
 
 def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array, pages: jax.Array, *,
-                 splits: int, stages: int) -> jax.Array:
+                 splits: int, stages: int, early_page_reads: bool = True) -> jax.Array:
     """The Mosaic GPU kernel.
 
     Args:
       qt: ``bf16 [B, S, 128, H]`` (:func:`query_operand`); w: ``fp32 [B, S, H]``.
       pool: ``uint8 [L, N, rpb, 68]`` paged index-key rows (``rpb`` rows per page).
       layer: ``int32 []``, the layer of ``pool`` to read; pages: ``int32 [B, P]``, ``P · rpb`` a multiple of 64.
+      early_page_reads: read the next refill's page ids before waiting for the current tile (benchmark switch;
+        False reads them after the decode, right before the copies).
     Returns:
       ``fp32 [B, S, P · rpb]``.
     """
@@ -272,7 +274,8 @@ def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array,
 
     b, s, d, h = qt.shape
     n_layers, n_pages, rpb, _ = pool.shape
-    t = pages.shape[1] * rpb
+    n_table = pages.shape[1]
+    t = n_table * rpb
     rc = copy_rows(rpb)
     pieces = rpb // rc                      # copies per page
     copies = TILE // rc                     # copies per tile
@@ -291,28 +294,37 @@ def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array,
             plgpu.copy_gmem_to_smem(q_ref.at[seq, i], q_smem.at[i], setup_barrier)
         plgpu.copy_gmem_to_smem(w_ref.at[seq], w_smem, setup_barrier)
 
-        def issue(i, slot):
+        def pieces_of(i):
+            """The pool pieces (page · pieces + piece within the page) of this CTA's tile ``i`` (clamped into the
+            table, so a load for a tile that does not exist is harmless)."""
+            out = []
             for j in range(copies):
                 row = (tile0 + i) * TILE + j * rc
-                piece = pages_ref[seq, row // rpb] * pieces + (row % rpb) // rc if pieces > 1 else \
-                    pages_ref[seq, row // rpb]
+                page = pages_ref[seq, jnp.minimum(row // rpb, n_table - 1)]
+                out.append(page * pieces + (row % rpb) // rc if pieces > 1 else page)
+            return out
+
+        def issue(tile_pieces, slot):
+            for j, piece in enumerate(tile_pieces):
                 plgpu.copy_gmem_to_smem(pool_ref.at[layer_idx, piece], k_smem.at[slot, j], loaded_barriers.at[slot])
 
         for i in range(stages):
-            issue(i, i)
+            issue(pieces_of(i), i)
         plgpu.barrier_wait(setup_barrier)
         head_weights = [_load_vector(plgpu, w_smem.at[i], plgpu.Layout.WGMMA.reduce(0)) for i in range(s)]
 
         @pl.loop(0, tiles_per_cta)
         def _tile(i):
             slot = lax.rem(i, jnp.array(stages, i.dtype))
+            # the refill's page-table reads (GMEM) go out before the waits below, so their latency hides behind them
+            refill = pieces_of(i + stages) if early_page_reads else None
             plgpu.barrier_wait(loaded_barriers.at[slot])
             keys = _decode_keys(plgpu, k_smem.at[slot])
             plgpu.commit_smem()              # every thread has read the slot: it may be refilled
 
             @pl.when(i + stages < tiles_per_cta)
             def _refill():
-                issue(i + stages, slot)
+                issue(refill if early_page_reads else pieces_of(i + stages), slot)
 
             o_slot = lax.rem(i, jnp.array(2, i.dtype))
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)    # the store from this o_slot two tiles ago is out
@@ -350,9 +362,9 @@ def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array,
     return kernel(meta, pages.astype(jnp.int32), qt, w, pool4)
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "splits"))
+@functools.partial(jax.jit, static_argnames=("stages", "splits", "early_page_reads"))
 def index_scores_paged(q: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array, pages: jax.Array, *,
-                       stages: int = 4, splits: int | None = None) -> jax.Array:
+                       stages: int = 4, splits: int | None = None, early_page_reads: bool = True) -> jax.Array:
     """Indexer scores ``fp32 [B, S, P · rpb]`` of queries ``q [B, S, H, 128]`` (FP4 values) with head weights ``w
     [B, S, H]`` over each sequence's pages ``pages [B, P]`` of layer ``layer`` of the paged rows ``pool uint8 [L, N,
     rpb, 68]`` — the rows :func:`dinfer_jax.models.cache_io.pages_read` would gather, read by the kernel through
@@ -374,7 +386,7 @@ def index_scores_paged(q: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.A
         pages = jnp.pad(pages, ((0, 0), (0, pad // rpb)))
     splits, stages = check_config(b, s, h, d, t + pad, stages=stages, splits=splits)
     out = _kernel_call(query_operand(q), w.astype(jnp.float32), pool, jnp.asarray(layer, jnp.int32), pages,
-                       splits=splits, stages=stages)
+                       splits=splits, stages=stages, early_page_reads=early_page_reads)
     return out[:, :, :t] if pad else out
 
 
