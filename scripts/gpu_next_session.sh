@@ -6,7 +6,7 @@
 #   STAGE=linear  issue 8: V4-Flash 4-layer slice with the FP8 linear kernel limited to decode calls (<= 64 tokens;
 #                 pallas_kernels/linear/tuning.py) — cold warm-up and decode against docs/perf/linear_kernel_h200.md;
 #   STAGE=spec    issue 11: one speculative step against one plain step on a real-dimension slice with its drafter;
-#   STAGE=tests   the GPU-marked kernel tests as a regression check;
+#   STAGE=tests   the GPU-marked kernel tests as a regression check, and the step's page pools not copied on the GPU;
 #   STAGE=attn    issue 9: the decode-attention GPU tests with the model's organisation rule
 #                 (pallas_kernels/attention/tuning.py), the kernel's variants at 1-64 queries, and the indexer's
 #                 fp32 vs bf16 products and top-k (scripts/bench_indexer.py);
@@ -29,9 +29,12 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, attn, index or index-sw
     timeout 570 python3 scripts/probe_spec_step.py --preset deepseek-v4-flash --layers 4 --batch 64 2>&1 | quiet \
       | tail -30 ;;
   tests)
-    timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampling_gpu.py tests/test_head_gpu.py \
+    timeout 380 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampling_gpu.py tests/test_head_gpu.py \
       tests/test_decode_attention_gpu.py tests/test_mhc_kernel_gpu.py tests/test_linear_kernel_gpu.py \
-      tests/test_engram_gather_gpu.py 2>&1 | grep "^E \|passed\|failed" | head -30 ;;
+      tests/test_engram_gather_gpu.py tests/test_indexer_kernel_gpu.py 2>&1 | grep "^E \|passed\|failed" | head -30
+    # not gpu-marked: the compiled step must not copy page pools on the GPU either (found on CPU, 2026-12-04)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_step_pool_copies.py 2>&1 \
+      | grep "^E \|passed\|failed" | head -10 ;;
   attn)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py 2>&1 \
       | grep "^E \|passed\|failed" | head -20
