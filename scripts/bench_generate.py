@@ -22,7 +22,8 @@ masks all of the step's compressed rows against gathering its top-k.
 mean something): ``examples/prompts.txt`` (repeated to ``--batch`` prompts), greedy, ``--max-tokens`` new tokens,
 output tokens/s with DSpark verifying K drafts per step against the same engine without it, asynchronous and
 synchronous loops, with the mean acceptance length (tokens emitted per verification step). Outputs are checked to be
-identical with and without speculation.
+identical with and without speculation. ``--max-num-seqs N`` serves the prompts N at a time (default: all at once;
+1 = one request at a time, the latency-bound case where a step costs the same for 1 or 1 + K query tokens).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="prefill tokens/s of long prompts with LLM(yoco=off / mask / compact) (V4.1 models)")
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="compare DSpark speculation (K drafts per verification) on the default model instead")
+    ap.add_argument("--max-num-seqs", type=int, default=0,
+                    help="with --speculative: requests served at once (default: --batch)")
     return ap.parse_args(argv)
 
 
@@ -261,11 +264,12 @@ def bench_speculative(args: argparse.Namespace) -> int:
              if ln.strip()]
     prompts = [lines[i % len(lines)] for i in range(args.batch)]
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    seqs = args.max_num_seqs or args.batch
     table = Table(title=f"LLM.generate on CPU, default model: {args.batch} prompts of examples/prompts.txt, "
-                        f"{args.max_tokens} new tokens, greedy fp32 (median of {args.repeats})")
+                        f"{seqs} at a time, {args.max_tokens} new tokens, greedy fp32 (median of {args.repeats})")
     for col in ("loop", "speculation", "output tok/s", "vs off", "mean acceptance length", "same tokens as off"):
         table.add_column(col, justify="left" if col in ("loop", "speculation") else "right")
-    engines = {spec: LLM("default", max_num_seqs=args.batch, max_model_len=256, progress=False, speculative=spec,
+    engines = {spec: LLM("default", max_num_seqs=seqs, max_model_len=256, progress=False, speculative=spec,
                          num_speculative_tokens=k if spec else 5) for spec in (None, "dspark")}
     for async_ in (True, False):
         base, ref = None, None
