@@ -4,8 +4,8 @@ XLA simplifies a one-index scatter (a batch-1 decode step writes one compressed 
 and, if nothing prevents it, fuses that update into the gather that reads the written pool next; the fused gather
 then reads the old pool while the update writes the new one in place, so XLA copies the whole pool twice per step
 (found on CPU: 65 ms instead of 3 ms for the default model's batch-1 decode step; ``cache_io.pages_write`` now keeps
-such writes scatters). Checked on the optimised HLO of the step at batch 1 and 2, one and two query tokens, for
-V4.1 (compressed KV and index-key pools) and V4 (compressed KV and CSA index-key pools).
+such writes scatters). Checked on the optimised HLO of the step at batch 1 and 2, one and two query tokens,
+for V4.1 (compressed KV and index-key pools) and V4 (compressed KV and CSA index-key pools).
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ from dinfer_jax.models import load_config, random_model
 POOL_COPY = re.compile(r"copy\(%cache_layers_\d+__\d+__(ckv|ik|ikv)\b")
 
 
-@pytest.mark.parametrize("preset", ["tiny-v41", "tiny-v4"])
-@pytest.mark.parametrize("batch,q", [(1, 1), (1, 2), (2, 1)])
+@pytest.mark.parametrize("preset,batch,q", [
+    ("tiny-v41", 1, 1),     # one compressed row written (ratio 2): failed before the fix
+    ("tiny-v4", 1, 1),      # ratio 4: one row per step at one or two query tokens, both failed before the fix
+    ("tiny-v4", 1, 2),
+    ("tiny-v41", 2, 1),     # two rows: a scatter all along
+])
 def test_step_copies_no_page_pool(preset, batch, q):
     model = random_model(load_config(preset), seed=0, include_mtp=False)
     buckets = Buckets(decode_batch=(batch,), prefill_batch=(1,), prefill_len=(64,), pages=(4,), decode_len=q)
