@@ -47,8 +47,11 @@ maxima under ``6 · 2^−68``, bf16 flushes some to zero: the reference keeps th
 including inf / NaN, and must be masked by a select, not a multiply.
 
 :func:`host_decode_tile` is the register decode on the host (what the CPU tests check against the format's
-definition); the kernel issues the same operations. Imports of Mosaic GPU are lazy so that CPU-only machines can
-import this module.
+definition); the kernel issues the same operations. Checked on the H200 (jax 0.11.2, 2026-12-04):
+tests/test_indexer_kernel_gpu.py passed (kernel against the reference, engine with the kernel against the full
+forward); at V4.1-Flash's size, batch 64 and 128K context, 0.15–0.16 ms = 41–46% of copy bandwidth on the stored
+bytes (``docs/perf/attention_h200.md``). Imports of Mosaic GPU are lazy so that CPU-only machines can import this
+module.
 """
 
 from __future__ import annotations
