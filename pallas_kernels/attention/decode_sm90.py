@@ -138,7 +138,6 @@ Imports of Mosaic GPU are lazy so that CPU-only machines can import this module.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 
 import jax
@@ -147,6 +146,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.attention.reference import check_shapes
+from pallas_kernels.mgpu_compat import load_whole
 
 HEADS_PER_CTA = 64            # the WGMMA M of one warpgroup
 MAX_DH = 256                  # fp32 accumulator columns per thread budget: 64 × 256 / 128 threads = 128 registers
@@ -253,14 +253,6 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
     return stages
 
 
-def _load_vector(plgpu, ref, layout):
-    """``plgpu.load`` of a whole shared-memory ref in ``layout``: jax 0.10.2 requires the index argument
-    (``()``), jax ≥ 0.11 deprecates it (the ref is indexed with ``.at`` instead)."""
-    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
-        return plgpu.load(ref, (), layout=layout)
-    return plgpu.load(ref, layout=layout)
-
-
 def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
                            block_kv: int, stages: int) -> jax.Array:
     """The Mosaic GPU kernel on the split layouts.
@@ -298,7 +290,7 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
             plgpu.barrier_wait(setup_barrier)
 
             row_layout = plgpu.Layout.WGMMA.reduce(1)   # one value per head (accumulator row)
-            m_i = _load_vector(plgpu, sink_smem, row_layout) * LOG2E
+            m_i = load_whole(plgpu, sink_smem, row_layout) * LOG2E
             l_i = plgpu.layout_cast(jnp.full((hb,), 1.0, jnp.float32), row_layout)
             acc = plgpu.layout_cast(jnp.full((hb, dh), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
@@ -313,7 +305,7 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
                     return acc_ref[...]
 
                 qk = pl.run_scoped(compute_qk, plgpu.ACC((hb, block_kv), jnp.float32))
-                bias = _load_vector(plgpu, bias_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))   # one per KV column
+                bias = load_whole(plgpu, bias_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))   # one per KV column
                 s = qk * qk_scale + lax.broadcast_in_dim(bias, qk.shape, [1])
                 m_new = jnp.maximum(m_i, s.max(axis=1))      # ≥ sink: finite, so masked rows give exp2(−inf) = 0
                 alpha = jnp.exp2(m_i - m_new)
@@ -416,7 +408,7 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
             plgpu.barrier_wait(setup_barriers.at[c])
 
             row_layout = plgpu.Layout.WGMMA.reduce(1)
-            m_i = _load_vector(plgpu, sink_smem.at[c], row_layout) * LOG2E
+            m_i = load_whole(plgpu, sink_smem.at[c], row_layout) * LOG2E
             l_i = plgpu.layout_cast(jnp.full((hb,), 1.0, jnp.float32), row_layout)
             if split_l:                          # the sink's exp(0) = 1 is counted once, in part 0
                 l_i = l_i * (part == 0).astype(jnp.float32)
@@ -440,7 +432,7 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
                 exch_smem.at[c][...] = s_own
                 plgpu.barrier_arrive(written_barrier)
                 plgpu.barrier_wait(written_barrier)
-                s_other = _load_vector(plgpu, exch_smem.at[other], plgpu.Layout.WGMMA)
+                s_other = load_whole(plgpu, exch_smem.at[other], plgpu.Layout.WGMMA)
 
                 @pl.when(step + (0 if split_l else 1) < kv_steps)   # split_l: the epilogue reuses the buffer too
                 def _read():
@@ -449,7 +441,7 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
                 # S = S_0 + S_1: one fp32 addition of the same two values in both consumers (IEEE addition is
                 # commutative), so both hold bitwise the same S, hence the same m, P and l.
                 qk = s_own + s_other
-                bias = _load_vector(plgpu, bias_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                bias = load_whole(plgpu, bias_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 s = qk * qk_scale + lax.broadcast_in_dim(bias, qk.shape, [1])
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)

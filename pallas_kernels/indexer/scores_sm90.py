@@ -57,7 +57,6 @@ module.
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +65,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.indexer.reference import check_shapes
+from pallas_kernels.mgpu_compat import load_whole
 
 DIM = 128                       # index head width the register decode is built for (four scale groups of 32)
 ROW_BYTES = DIM // 2 + DIM // 32    # 68
@@ -174,13 +174,6 @@ def check_config(b: int, s: int, h: int, d: int, t: int, *, stages: int, splits:
     if splits < 1 or tiles % splits:
         raise ValueError(f"splits={splits} must divide the number of 64-row tiles T / 64 = {tiles}")
     return splits, min(stages, tiles // splits)
-
-
-def _load_vector(plgpu, ref, layout):
-    """``plgpu.load`` of a whole shared-memory ref in ``layout`` (jax 0.10.2 needs the ``()`` index, ≥ 0.11 not)."""
-    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
-        return plgpu.load(ref, (), layout=layout)
-    return plgpu.load(ref, layout=layout)
 
 
 def _decode_keys(plgpu, k_ref):
@@ -314,7 +307,7 @@ def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array,
         for i in range(stages):
             issue(pieces_of(i), i)
         plgpu.barrier_wait(setup_barrier)
-        head_weights = [_load_vector(plgpu, w_smem.at[i], plgpu.Layout.WGMMA.reduce(0)) for i in range(s)]
+        head_weights = [load_whole(plgpu, w_smem.at[i], plgpu.Layout.WGMMA.reduce(0)) for i in range(s)]
 
         @pl.loop(0, tiles_per_cta)
         def _tile(i):
