@@ -301,9 +301,107 @@ def kernel_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# One prefill chunk (``bench_kernels.py prefill-attention``): V4.1-Flash attention of S query tokens starting at
+# position ``start`` over the window (a ring of W entries, then the chunk) and the compressed rows (v41_fp4 bytes,
+# ratio 2), per way the model can compute it.
+PREFILL_VARIANTS = ("dense, shared window", "dense, per-query window", "sparse, per-query window",
+                    "sparse + kernel, per-query window")
+
+
+def _prefill_case(cfg, codec: RowCodec, S: int, start: int, key):
+    """Random ring + chunk window keys with their mask (as ``layers._window`` builds it), one sequence's compressed
+    rows as stored bytes, per-query top-k indices among the visible rows (sorted, −1 fill), queries and a sink."""
+    ratio, d, H, W, K = 2, cfg.head_dim, cfg.num_heads, cfg.sliding_window, cfg.index_topk
+    ks = jax.random.split(key, 6)
+    pos = start + jnp.arange(S)[None]                                          # [1,S]
+    rpos = start - 1 - jnp.mod(start - 1 - jnp.arange(W), W)[None]             # ring of W entries
+    keys = jax.random.normal(ks[0], (1, W + S, d), jnp.bfloat16)
+    kpos = jnp.concatenate([rpos, pos], axis=1)
+    kvalid = jnp.concatenate([rpos >= 0, jnp.ones((1, S), bool)], axis=1)
+    wmask = kvalid[:, None] & (kpos[:, None] <= pos[..., None]) & (kpos[:, None] > pos[..., None] - W)
+    T = (start + S) // ratio
+    stored = codec.pack(jax.random.normal(ks[1], (T, d), jnp.float32).astype(jnp.bfloat16))[None]   # [1,T,bytes]
+    visible = (pos + 1) // ratio                                               # [1,S]
+    scores = jnp.where(jnp.arange(T) < visible[..., None], jax.random.uniform(ks[2], (1, S, T)), -jnp.inf)
+    val, idx = jax.lax.top_k(scores, min(K, T))                                # distinct rows, as topk_select
+    idx = jnp.sort(jnp.where(val > -jnp.inf, idx, T), axis=-1)
+    idx = jnp.where(idx < T, idx, -1).astype(jnp.int32)
+    fill = jnp.where(idx[0] >= 0, idx[0], T)                                   # −1 → a column dropped below
+    cmask = jnp.zeros((1, S, T + 1), bool).at[0, jnp.arange(S)[:, None], fill].set(True)[..., :T]
+    q = jax.random.normal(ks[3], (1, S, H, d), jnp.bfloat16)
+    sink = jax.random.normal(ks[4], (H,), jnp.float32)
+    return dict(keys=keys, wmask=wmask, stored=stored, idx=idx, cmask=cmask, q=q, sink=sink, pos=pos,
+                start=jnp.full((1,), start, jnp.int32), T=T)
+
+
+def _prefill_variant(label: str, codec: RowCodec, W: int):
+    """The jitted computation of one :data:`PREFILL_VARIANTS` entry, from the stored rows on (gather/decode
+    included, as the model's step does)."""
+    from dinfer_jax.models.attention_invariant import window_rows
+    from dinfer_jax.models.cache_io import take_rows
+
+    def f(q, keys, wmask, stored, idx, cmask, sink, start, pos):
+        if "per-query" in label:
+            keys, wmask = window_rows(keys, wmask, start, pos, W)
+        if label.startswith("dense"):
+            return attend(q, keys, wmask, codec.unpack(stored), cmask, sink)
+        impl = "pallas" if "kernel" in label else "jnp"
+        return attend_selected(q, keys, wmask, codec.unpack(take_rows(stored, idx)), idx >= 0, sink, impl=impl)
+    return jax.jit(f)
+
+
+def bench_prefill(chunks, device_times, ceil: dict, on_row=lambda rows: None) -> list[dict]:
+    """Rows of :func:`prefill_table`: per chunk ``(S, start)`` and variant, device ms, query tokens/s, TFLOP/s of
+    the minimal work (``4·H·(W + k)·d`` per query: QK and PV over the window and the top-k) against the bf16 peak
+    measured in the same run, and the error against the ``dense, shared window`` output (max over max |ref|)."""
+    cfg = load_config("deepseek-v4.1-flash")
+    codec = RowCodec(cfg.head_dim, jnp.bfloat16, "v41_fp4", reciprocal=False)
+    out = []
+    for S, start in chunks:
+        c = _prefill_case(cfg, codec, S, start, jax.random.key(S + start))
+        a = tuple(c[k] for k in ("q", "keys", "wmask", "stored", "idx", "cmask", "sink", "start", "pos"))
+        ref = None
+        flops = 4 * cfg.num_heads * (cfg.sliding_window + cfg.index_topk) * cfg.head_dim * S
+        for label in PREFILL_VARIANTS:
+            row = dict(S=S, start=start, rows=c["T"], variant=label, bf16_TFLOPs=ceil["bf16_TFLOPs"])
+            try:
+                if "kernel" in label and selected_kernel_unsupported(c["q"]) is not None:
+                    raise RuntimeError(selected_kernel_unsupported(c["q"]))
+                f = _prefill_variant(label, codec, cfg.sliding_window)
+                got = np.asarray(f(*a), np.float32)
+                if ref is None:
+                    ref = got
+                row["rel_err"] = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+                ms, _ = device_times(f, *a)
+                row.update(ms=ms, tokens_per_s=S / (ms * 1e-3), TFLOPs_minimal=flops / (ms * 1e-3) / 1e12)
+            except Exception as e:  # noqa: BLE001 - a variant failing (memory, compile) must not end the run
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            out.append(row)
+            print(json.dumps(row), flush=True)
+            on_row(out)
+        del c, a
+    return out
+
+
+def prefill_table(rows: list[dict]) -> str:
+    lines = [f"bf16 matmul peak measured in this run: {rows[0]['bf16_TFLOPs']:.0f} TFLOP/s" if rows else "", "",
+             "| chunk tokens | start | compressed rows | variant | ms | query tokens/s | TFLOP/s minimal (% peak) "
+             "| max rel. err vs dense shared |", "|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        head = f"| {r['S']} | {r['start']} | {r['rows']} | {r['variant']} |"
+        if "error" in r:
+            lines.append(f"{head} FAILED: {r['error'][:160]} | | | |")
+            continue
+        lines.append(f"{head} {r['ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['TFLOPs_minimal']:.0f} "
+                     f"({100 * r['TFLOPs_minimal'] / r['bf16_TFLOPs']:.0f}%) | {r['rel_err']:.1e} |")
+    return "\n".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--chunks", type=int, nargs="+", default=[2048, 0, 8192, 0, 4096, 28672], metavar="S START",
+                   help="prefill-attention: (chunk tokens, start position) pairs")
     p.add_argument("--variants", nargs="+", default=None, choices=[*KERNEL_VARIANTS, MODEL_RULE],
                    help="attention-kernel: the decode kernel's variants to time (default: all, the l_split=5/10 "
                         "ones at batches ≤ 8 only)")

@@ -1,6 +1,7 @@
 """Kernel benchmarks on the accelerator: ``python scripts/bench_kernels.py moe [--tokens N ...] [--sweep N ...]
 [--out DIR]``, ``python scripts/bench_kernels.py attention [--contexts N ...] [--batches N ...] [--out DIR]``,
 ``python scripts/bench_kernels.py attention-kernel [--batches N ...] [--variants ...] [--out DIR]``,
+``python scripts/bench_kernels.py prefill-attention [--chunks S START ...] [--out DIR]``,
 ``python scripts/bench_kernels.py indexer [--contexts N ...] [--batches N ...] [--out DIR]``,
 ``python scripts/bench_kernels.py linear [--tokens N ...] [--out DIR]``.
 
@@ -18,6 +19,10 @@ the real size (64 heads × 512, L = 640 rows per token; default batches 1 and 64
 (``split_cta``, ``shared_qk``, and ``shared_qk`` with L split over CTAs) in one run: device time of the call and of
 the kernel, GB/s and % of the copy bandwidth measured in the same run, TFLOP/s, error against the reference
 (``bench_attention.bench_decode_kernel``).
+
+``prefill-attention``: one V4.1-Flash prefill chunk's attention (window + compressed rows, from the stored bytes
+on) computed the ways the model can: all rows masked with the shared or each query's own window, the gathered top-k
+in XLA, or through the Mosaic GPU kernel (``bench_attention.bench_prefill``).
 
 ``moe``: the routed-expert kernel (``pallas_kernels.moe``) at V4-Flash expert shapes (256 experts, hidden 4096,
 expert width 2048, top-6, MXFP4 weights):
@@ -270,7 +275,8 @@ def table(rows: list[dict], ceil: dict[str, float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["moe", "attention", "attention-kernel", "indexer", "indexer-sweep", "linear"])
+    p.add_argument("what", choices=["moe", "attention", "attention-kernel", "prefill-attention", "indexer",
+                                       "indexer-sweep", "linear"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192], help="token counts to run")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="token counts at which to sweep block sizes")
     p.add_argument("--no-baseline", action="store_true", help="skip the XLA ragged_dot baseline")
@@ -299,6 +305,12 @@ def main() -> None:
                 (out / f"{name}.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, default=str, indent=1))
         return save
 
+    if args.what == "prefill-attention":
+        pairs = list(zip(args.chunks[::2], args.chunks[1::2], strict=True))
+        rows = bench_attention.bench_prefill(pairs, device_times, ceil,
+                                             on_row=saver("bench_prefill_attention", bench_attention.prefill_table))
+        print(bench_attention.prefill_table(rows))
+        return
     if args.what == "attention-kernel":
         rows = bench_attention.bench_decode_kernel(args.batches, device_times, ceil["copy_GBps"] * 1e9,
                                                    variants=args.variants,

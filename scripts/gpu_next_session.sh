@@ -12,13 +12,19 @@
 #                 fp32 vs bf16 products and top-k (scripts/bench_indexer.py);
 #   STAGE=index   issue 9: the indexer kernel's GPU tests (kernel vs reference, the V4.1 engine with it) and the
 #                 indexer benchmark with the kernel columns (scripts/bench_indexer.py);
+#   STAGE=steps   the step's page pools not copied on the GPU (tests/test_step_pool_copies.py), then the V4.1-Flash
+#                 4-layer slice's decode step at batch 1 and 64 after the one-row pool-write fix;
+#   STAGE=prefill issue 9: per-query windows (prefill chunks cost Q·W window products, not Q·(R+Q)) and the gathered
+#                 top-k for long chunks: the pool-copy check, the kernel-vs-XLA test with per-query windows, one
+#                 prefill chunk's attention per variant (bench_kernels.py prefill-attention), and the V4.1 4-layer
+#                 slice's prefill tokens/s and batch-64 decode step;
 #   STAGE=index-sweep  the indexer kernel's tests without the engine cases, and its stages x splits x page-table
 #                 read placement sweep at V4.1-Flash batch 64, 128K context.
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=.95
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, attn, index or index-sweep}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, attn, index or index-sweep}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -35,6 +41,20 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, attn, index or index-sw
     # not gpu-marked: the compiled step must not copy page pools on the GPU either (found on CPU, 2026-12-04)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_step_pool_copies.py 2>&1 \
       | grep "^E \|passed\|failed" | head -10 ;;
+  steps)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_step_pool_copies.py 2>&1 \
+      | grep "^E \|passed\|failed" | head -10
+    cd scripts && for b in 1 64; do timeout 215 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 \
+      --batch $b $C --out "$OUT/steps_b$b" 2>&1 | quiet | grep "^|"; done ;;
+  prefill)
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_step_pool_copies.py 2>&1 \
+      | grep "^E \|passed\|failed" | head -10
+    timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_decode_attention_gpu.py \
+      -k model_attend_selected 2>&1 | grep "^E \|passed\|failed\|bound" | head -10
+    timeout 140 python3 scripts/bench_kernels.py prefill-attention --out "$OUT/prefill_attn" 2>&1 | quiet \
+      | grep "^|\|peak"
+    cd scripts && timeout 220 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --batch 64 $C \
+      --out "$OUT/serve_b64" 2>&1 | quiet | grep "^|" ;;
   attn)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py 2>&1 \
       | grep "^E \|passed\|failed" | head -20

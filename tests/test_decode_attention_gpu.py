@@ -151,20 +151,21 @@ def test_shared_qk_l_split(l_split, mask):
     _check(64, 64, 512, 640, mask, seed=l_split, organisation="shared_qk", l_split=l_split)
 
 
-@pytest.mark.parametrize("b,s", [(4, 1), (2, 3)])
-def test_model_attend_selected_kernel_matches_xla_path(b, s):
+@pytest.mark.parametrize("b,s,per_query", [(4, 1, False), (2, 3, False), (4, 1, True), (1, 300, True)])
+def test_model_attend_selected_kernel_matches_xla_path(b, s, per_query):
     """The model's use of the kernel (``attention.attend_selected(impl="pallas")``: window rows shared by the row's
-    queries + each query's gathered rows, laid out per query, padded to 64, masked rows zeroed) against the XLA path
-    (``impl="jnp"``) at V4-Flash's width: 64 heads × 512, window 128 + this step's s rows, top-k 512 with unselected
-    entries. Both round the probabilities and the output to bf16, so they differ by at most 2 · (2^-7 · A) per
-    element (A as in the module docstring, from float64 here) plus 2^-14 · max A."""
+    queries — or each query's own 128 window rows (``per_query``, what the model passes the kernel, decode and
+    prefill chunks alike) — + each query's gathered rows, laid out per query, padded to 64, masked rows zeroed)
+    against the XLA path (``impl="jnp"``) at V4-Flash's width: 64 heads × 512, window 128 (+ this step's s rows when
+    shared), top-k 512 with unselected entries. Both round the probabilities and the output to bf16, so they differ
+    by at most 2 · (2^-7 · A) per element (A as in the module docstring, from float64 here) plus 2^-14 · max A."""
     from dinfer_jax.models.attention import attend_selected
 
     gpu_device()
-    h, d, sw, k = 64, 512, 128 + s, 512
+    h, d, sw, k = 64, 512, 128 + (0 if per_query else s), 512
     rng = np.random.default_rng(7)
     q = rng.standard_normal((b, s, h, d)).astype(ml_dtypes.bfloat16)
-    kv = rng.standard_normal((b, sw, d)).astype(ml_dtypes.bfloat16)
+    kv = rng.standard_normal((b, s, sw, d) if per_query else (b, sw, d)).astype(ml_dtypes.bfloat16)
     rows = rng.standard_normal((b, s, k, d)).astype(ml_dtypes.bfloat16)
     win = rng.random((b, s, sw)) < 0.8
     win[0, 0] = False
@@ -174,7 +175,8 @@ def test_model_attend_selected_kernel_matches_xla_path(b, s):
     args = tuple(jnp.asarray(a) for a in (q, kv, win, rows, sel, sink))
     got = np.asarray(jax.jit(lambda *a: attend_selected(*a, impl="pallas"))(*args), np.float64)
     want = np.asarray(jax.jit(lambda *a: attend_selected(*a, impl="jnp"))(*args), np.float64)
-    keys = np.concatenate([np.broadcast_to(kv[:, None], (b, s, sw, d)), rows], axis=2).astype(np.float64)
+    window = kv if per_query else np.broadcast_to(kv[:, None], (b, s, sw, d))
+    keys = np.concatenate([window, rows], axis=2).astype(np.float64)
     valid = np.concatenate([win, sel], axis=2)
     logits = np.einsum("bshd,bsld->bshl", q.astype(np.float64), keys) * d ** -0.5
     logits = np.where(valid[:, :, None], logits, -np.inf)
@@ -184,6 +186,6 @@ def test_model_attend_selected_kernel_matches_xla_path(b, s):
     a = np.einsum("bshl,bsld->bshd", p, np.abs(keys))
     bound = 2 * 2.0 ** -7 * a + 2.0 ** -14 * a.max()
     ratio = np.abs(got - want) / bound
-    print(f"b={b} s={s}: max error / bound {ratio.max():.2f}")
+    print(f"b={b} s={s} per_query={per_query}: max error / bound {ratio.max():.2f}")
     assert ratio.max() <= 1.0
     assert np.all(got[0, 0] == 0) and np.all(want[0, 0] == 0)

@@ -7,10 +7,13 @@ full forward in both modes (V4 CSA layers, V4.1 KV/index sources and their consu
 gathering engine's greedy tokens against the masked full forward's argmax. fp32 throughout; the only difference
 is summation order (window and selected rows in two products instead of one concatenation): one attention agrees
 to ~1e-6 relative; through the 7 (V4) / 12 (V4.1) layers of the tiny presets the logits differ by at most ~1e-6 of
-their largest magnitude (measured 9.4e-7 / 1.1e-6, mean ~1e-7), so the forward's bound is 1e-5 of it.
+their largest magnitude (measured 9.4e-7 / 1.1e-6, mean ~1e-7), so the forward's bound is 1e-5 of it — without
+fake quantisation; with it the forward is discontinuous (see ``test_forward_sparse_equals_dense``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +63,9 @@ def test_pages_gather_reads_the_rows_pages_read_lays_out():
 
 def test_mode_rule_and_bad_mode():
     assert use_selected_rows("auto", 1, 512, 2048) and not use_selected_rows("auto", 8, 512, 2048)
+    # long chunks are compute-bound: gather once the rows are at least twice the top-k
+    assert use_selected_rows("auto", 64, 512, 1024) and not use_selected_rows("auto", 64, 512, 1023)
+    assert not use_selected_rows("auto", 63, 512, 4096)
     assert use_selected_rows("sparse", 64, 512, 16) and not use_selected_rows("dense", 1, 8, 4096)
     with pytest.raises(ValueError, match="attention mode"):
         use_selected_rows("fast", 1, 1, 1)
@@ -68,11 +74,20 @@ def test_mode_rule_and_bad_mode():
             progress=False)
 
 
-@pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
-def test_forward_sparse_equals_dense(preset):
+@pytest.mark.parametrize("preset,fake_quant", [("tiny-v4", None), ("tiny-v41", False), ("tiny-v41", True)])
+def test_forward_sparse_equals_dense(preset, fake_quant):
     """The full forward with every query gathering its top-k rows equals the masked forward (V4: CSA layers; V4.1:
-    ratio-1/2 consumers of KV and index sources, byte caches decoded after the gather)."""
+    ratio-1/2 consumers of KV and index sources; with fake quantisation, byte caches decoded after the gather).
+
+    Without fake quantisation the two differ by fp32 summation order only: bound 1e-5 of max |logit| (measured
+    ~5e-7). With it (V4.1's default, DeepSeek's reference numerics) the forward is discontinuous: a ~1e-7 rounding
+    difference can move an activation across an FP8/FP4 rounding boundary (one code step: up to 1/8 of the value
+    in e4m3, more in e2m1), and every later position that reads the changed row inherits it. Measured: 61% of the
+    positions agree to 1e-5, the rest after one such flip by up to 1.1e-3 of max |logit|; bound 1e-2, and the
+    greedy token equal at every position."""
     cfg = load_config(preset)
+    if fake_quant is not None:
+        cfg = dataclasses.replace(cfg, kv_fake_quant=fake_quant)
     model = random_model(cfg, seed=3, std=0.1, include_mtp=False)
     rng = np.random.default_rng(5)
     S = 96        # compressed rows > index_topk at every ratio (V4: 96 / 4 > 16, V4.1: 96 / 2 > 8): top-k drops some
@@ -82,7 +97,11 @@ def test_forward_sparse_equals_dense(preset):
     scale = np.abs(dense).max()
     err = np.abs(sparse - dense)
     print(f"{preset}: max |sparse - dense| = {err.max() / scale:.2e}, mean {err.mean() / scale:.2e} of max |logit|")
-    assert err.max() <= 1e-5 * scale, (err.max(), err.mean(), scale)
+    if fake_quant:
+        assert err.max() <= 1e-2 * scale, (err.max(), err.mean(), scale)
+        np.testing.assert_array_equal(sparse.argmax(-1), dense.argmax(-1))
+    else:
+        assert err.max() <= 1e-5 * scale, (err.max(), err.mean(), scale)
 
 
 @pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
@@ -99,3 +118,67 @@ def test_engine_gathering_rows_gives_the_masked_forward_tokens(preset):
     for p, o in zip(prompts, llm.generate(prompts, sp, use_tqdm=False), strict=True):
         logits = np.asarray(run(model, np.asarray([p + o.token_ids]), attention="dense").logits[0])
         assert o.token_ids == logits[len(p) - 1: len(p) - 1 + len(o.token_ids)].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("selected", [False, True])
+def test_per_query_windows_equal_closed_form(selected):
+    """A prefill chunk longer than the window attends through each query's own ``W`` window keys
+    (``attention_invariant.window_rows`` over the ring + chunk keys): the result is the float64 softmax over the
+    keys at positions ``p − W + 1 … p`` (ring entries for positions before the chunk, padding queries seeing
+    nothing), plus the compressed rows and the sink, computed here from positions alone. fp32 inputs; the bound
+    1e-5 of the output scale covers fp32 rounding of 3·W-term sums (measured ~1e-7)."""
+    from dinfer_jax.models.attention_invariant import window_rows
+
+    rng = np.random.default_rng(7)
+    B, Q, H, d, W, R, T, K = 2, 40, 4, 16, 8, 10, 12, 3
+    start = np.array([0, 23])                  # row 0: a first chunk (empty ring); row 1: ring holds 13 … 22
+    n = np.array([40, 31])                     # row 1: 9 padding queries
+    ring_vals = rng.standard_normal((B, R, d))
+    ring_vals[0] = np.nan                      # never written: must not leak through a zero weight
+    chunk = rng.standard_normal((B, Q, d))
+    q = rng.standard_normal((B, Q, H, d))
+    sink = rng.standard_normal(H)
+    ckv = rng.standard_normal((B, T, d))
+    pos = start[:, None] + np.arange(Q)[None]
+    rpos = start[:, None] - 1 - np.mod(start[:, None] - 1 - np.arange(R)[None], R)
+    keys = np.concatenate([ring_vals, chunk], axis=1)
+    kpos = np.concatenate([rpos, pos], axis=1)
+    kvalid = np.concatenate([rpos >= 0, np.arange(Q)[None] < n[:, None]], axis=1)
+    real = np.arange(Q)[None] < n[:, None]
+    wmask = (kvalid[:, None] & (kpos[:, None] <= pos[..., None]) & (kpos[:, None] > pos[..., None] - W)
+             & real[..., None])
+    cmask = (rng.random((B, Q, T)) < 0.4) & real[..., None]
+    idx = np.full((B, Q, K), -1)
+    for b in range(B):
+        for s in range(Q):
+            hit = np.nonzero(cmask[b, s])[0][:K]
+            idx[b, s, :len(hit)] = hit
+    if selected:
+        cmask = np.zeros_like(cmask)
+        for b, s, j in zip(*np.nonzero(idx >= 0), strict=True):
+            cmask[b, s, idx[b, s, j]] = True
+
+    want = np.zeros((B, Q, H, d))
+    for b in range(B):
+        for s in range(n[b]):
+            rows = [chunk[b, p_ - start[b]] if p_ >= start[b] else ring_vals[b, p_ % R]
+                    for p_ in range(max(0, pos[b, s] - W + 1), pos[b, s] + 1)]
+            rows += [ckv[b, t] for t in np.nonzero(cmask[b, s])[0]]
+            kk = np.stack(rows)                                   # [n_vis, d]
+            logit = q[b, s] @ kk.T * d ** -0.5                    # [H, n_vis]
+            mx = np.maximum(logit.max(axis=1), sink)
+            e = np.exp(logit - mx[:, None])
+            want[b, s] = e @ kk / (e.sum(axis=1) + np.exp(sink - mx))[:, None]
+
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    wrows, wvis = window_rows(f32(keys), jnp.asarray(wmask), jnp.asarray(start), jnp.asarray(pos), W)
+    assert wrows.shape == (B, Q, W, d)
+    if selected:
+        got = attend_selected(f32(q), wrows, wvis, take_rows(f32(ckv), jnp.asarray(idx, jnp.int32)),
+                              jnp.asarray(idx >= 0), f32(sink))
+    else:
+        got = attend(f32(q), wrows, wvis, f32(ckv), jnp.asarray(cmask), f32(sink))
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all()
+    err = np.abs(got - want)
+    assert err.max() <= 1e-5 * np.abs(want).max(), (err.max(), err.mean())

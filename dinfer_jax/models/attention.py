@@ -9,7 +9,7 @@ shared by all heads, learned per-head sink, inverse RoPE on the output, grouped 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -192,18 +192,51 @@ def _visible_rows(rows: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(seen[..., None], rows, jnp.zeros((), rows.dtype))
 
 
+def _window_term(q: jax.Array, kv: jax.Array, wm: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """The window keys' part of an attention: scaled logits ``[B,H,S,Lw]`` fp32 (−inf where masked) and the map
+    from their probabilities ``[B,H,S,Lw]`` (q's dtype) to the weighted rows ``[B,S,H,d]`` fp32.
+
+    kv is either shared by the step's queries, ``[B,Lw,d]`` with ``wm [B or 1,S,Lw]``, or each query's own window,
+    ``[B,S,Lw,d]`` with ``wm [B,S,Lw]`` (:func:`~dinfer_jax.models.attention_invariant.window_rows`: a long
+    prefill chunk then costs ``S·W`` products instead of ``S·(R+S)``)."""
+    B, S, H, d = q.shape
+    dt = q.dtype
+    scale = d ** -0.5
+    if kv.ndim == 4:
+        rows = jnp.where(wm[..., None], kv.astype(dt), jnp.zeros((), dt))   # select: see _visible_rows
+        logits = jnp.where(wm[:, None], matmul("bshd,bswd->bhsw", q, rows) * scale, -jnp.inf)
+        return logits, lambda p: matmul("bhsw,bswd->bshd", p, rows)
+    rows = _visible_rows(kv.astype(dt), jnp.broadcast_to(wm, (B, S, kv.shape[1])))
+    logits = jnp.where(wm[:, None], matmul("bshd,btd->bhst", q, rows) * scale, -jnp.inf)
+    return logits, lambda p: matmul("bhst,btd->bshd", p, rows)
+
+
 def attend(q: jax.Array, kv: jax.Array, win_mask: jax.Array, ckv: jax.Array | None, cmask: jax.Array | None,
            sink: jax.Array) -> jax.Array:
     """Sink softmax attention over window rows plus compressed rows, K = V.
 
-    q ``[B,S,H,d]``; kv ``[B,S,d]`` with ``win_mask`` ``[S,S]`` (or ``[B,S,S]``); ckv ``[B,T,d]`` with cmask
-    ``[B,S,T]``; sink ``[H]`` fp32 logits that only enlarge the denominator. Returns o ``[B,S,H,d]`` (q's dtype);
-    a query with no visible key gets 0.
+    q ``[B,S,H,d]``; kv ``[B,S,d]`` with ``win_mask`` ``[S,S]`` (or ``[B,S,S]``), or each query's own window rows
+    ``[B,S,W,d]`` with ``win_mask [B,S,W]`` (see :func:`_window_term`); ckv ``[B,T,d]`` with cmask ``[B,S,T]``;
+    sink ``[H]`` fp32 logits that only enlarge the denominator. Returns o ``[B,S,H,d]`` (q's dtype); a query with
+    no visible key gets 0.
     """
     B, S, H, d = q.shape
     dt = q.dtype
     scale = d ** -0.5
     wm = win_mask if win_mask.ndim == 3 else win_mask[None]
+    sink_col = jnp.broadcast_to(sink.astype(F32)[None, :, None, None], (B, H, S, 1))
+    if kv.ndim == 4:   # per-query windows: the window and the compressed rows in two products
+        w_logits, w_values = _window_term(q, kv, wm)
+        logits = [w_logits]
+        if ckv is not None and ckv.shape[1] > 0:
+            crows = _visible_rows(ckv.astype(dt), cmask)
+            logits.append(jnp.where(cmask[:, None], matmul("bshd,btd->bhst", q, crows) * scale, -jnp.inf))
+        probs = jax.nn.softmax(jnp.concatenate([*logits, sink_col], axis=-1), axis=-1)
+        lw = w_logits.shape[-1]
+        o = w_values(probs[..., :lw].astype(dt))
+        if len(logits) > 1:
+            o = o + matmul("bhst,btd->bshd", probs[..., lw:-1].astype(dt), crows)
+        return o.astype(dt)
     logits = matmul("bshd,btd->bhst", q, kv) * scale
     logits = jnp.where(wm[:, None], logits, -jnp.inf)
     values = [_visible_rows(kv, wm)]
@@ -211,7 +244,6 @@ def attend(q: jax.Array, kv: jax.Array, win_mask: jax.Array, ckv: jax.Array | No
         c_logits = matmul("bshd,btd->bhst", q, ckv.astype(dt)) * scale
         logits = jnp.concatenate([logits, jnp.where(cmask[:, None], c_logits, -jnp.inf)], axis=-1)
         values.append(_visible_rows(ckv.astype(dt), cmask))
-    sink_col = jnp.broadcast_to(sink.astype(F32)[None, :, None, None], (B, H, S, 1))
     probs = jax.nn.softmax(jnp.concatenate([logits, sink_col], axis=-1), axis=-1)[..., :-1]
     v = jnp.concatenate(values, axis=1)
     return matmul("bhst,btd->bshd", probs.astype(dt), v).astype(dt)
@@ -252,15 +284,21 @@ def selected_attention_impl(requested: str, q: jax.Array) -> str:
 
 def _attend_selected_pallas(q: jax.Array, kv: jax.Array, wm: jax.Array, rows: jax.Array, row_mask: jax.Array,
                             sink: jax.Array) -> jax.Array:
-    """:func:`attend_selected` through the Mosaic GPU kernel: each query's window and selected rows laid out as
-    one row set ``[B·S, Sw+K (padded to 64), d]`` (masked rows zeroed: the kernel needs finite rows); the kernel's
-    organisation by the number of query rows (``pallas_kernels.attention.tuning``)."""
+    """:func:`attend_selected` through the Mosaic GPU kernel: each query's window rows (shared ``[B,Sw,d]``,
+    broadcast, or its own ``[B,S,Sw,d]``) and selected rows laid out as one row set ``[B·S, Sw+K (padded to 64),
+    d]`` (masked rows zeroed: the kernel needs finite rows); the kernel's organisation by the number of query rows
+    (``pallas_kernels.attention.tuning``)."""
     from pallas_kernels.attention.decode_sm90 import sparse_decode_attention
     from pallas_kernels.attention.tuning import decode_options
 
     B, S, H, d = q.shape
-    Sw, K = kv.shape[1], rows.shape[2]
-    keys = jnp.concatenate([jnp.broadcast_to(kv[:, None], (B, S, Sw, d)), rows.astype(q.dtype)], axis=2)
+    K = rows.shape[2]
+    if kv.ndim == 4:   # each query's own window rows
+        Sw = kv.shape[2]
+        keys = jnp.concatenate([kv.astype(q.dtype), rows.astype(q.dtype)], axis=2)
+    else:
+        Sw = kv.shape[1]
+        keys = jnp.concatenate([jnp.broadcast_to(kv[:, None], (B, S, Sw, d)), rows.astype(q.dtype)], axis=2)
     valid = jnp.concatenate([jnp.broadcast_to(wm, (B, S, Sw)), row_mask], axis=2)
     pad = (-(Sw + K)) % 64
     keys = jnp.pad(keys, ((0, 0), (0, 0), (0, pad), (0, 0)))
@@ -276,7 +314,8 @@ def attend_selected(q: jax.Array, kv: jax.Array, win_mask: jax.Array, rows: jax.
                     sink: jax.Array, impl: str = "jnp") -> jax.Array:
     """:func:`attend` with each query's own compressed rows instead of a mask over all of them (sparse attention).
 
-    q ``[B,S,H,d]``; kv ``[B,Sw,d]`` window rows with ``win_mask`` ``[S,Sw]`` (or ``[B,S,Sw]``); rows ``[B,S,K,d]``
+    q ``[B,S,H,d]``; kv ``[B,Sw,d]`` window rows with ``win_mask`` ``[S,Sw]`` (or ``[B,S,Sw]``), or each query's
+    own ``[B,S,Sw,d]`` with ``[B,S,Sw]`` (:func:`_window_term`); rows ``[B,S,K,d]``
     the compressed rows query ``s`` selected (its top-k, gathered) with ``row_mask`` ``[B,S,K]`` (False: no entry);
     sink ``[H]``. Returns o ``[B,S,H,d]`` (q's dtype). The same function of the same visible set as
     :func:`attend` (masked entries add nothing there), computed over ``K`` instead of all ``T`` compressed rows.
@@ -290,27 +329,33 @@ def attend_selected(q: jax.Array, kv: jax.Array, win_mask: jax.Array, rows: jax.
     if impl == "pallas":
         return _attend_selected_pallas(q, kv, wm, rows, row_mask, sink)
     rows = jnp.where(row_mask[..., None], rows.astype(dt), jnp.zeros((), dt))  # select: see _visible_rows
-    kv = _visible_rows(kv, jnp.broadcast_to(wm, (B, S, kv.shape[1])))
-    w_logits = jnp.where(wm[:, None], matmul("bshd,btd->bhst", q, kv) * scale, -jnp.inf)
+    w_logits, w_values = _window_term(q, kv, wm)
     c_logits = jnp.where(row_mask[:, None], matmul("bshd,bskd->bhsk", q, rows) * scale, -jnp.inf)
     sink_col = jnp.broadcast_to(sink.astype(F32)[None, :, None, None], (B, H, S, 1))
     probs = jax.nn.softmax(jnp.concatenate([w_logits, c_logits, sink_col], axis=-1), axis=-1)
-    sw = kv.shape[1]
+    sw = w_logits.shape[-1]
     pw, pc = probs[..., :sw].astype(dt), probs[..., sw:-1].astype(dt)
-    o = matmul("bhst,btd->bshd", pw, kv) + matmul("bhsk,bskd->bshd", pc, rows)
+    o = w_values(pw) + matmul("bhsk,bskd->bshd", pc, rows)
     return o.astype(dt)
 
 
 def use_selected_rows(mode: str, queries: int, topk: int, rows: int) -> bool:
     """Whether a step attends to gathered top-k rows (:func:`attend_selected`) rather than masking all ``rows``
-    compressed rows (:func:`attend`). ``mode``: ``"auto"`` (gather when ``queries · topk < rows``, i.e. when the
-    gathered rows are fewer than the rows a dense pass reads: decode steps at long context), ``"sparse"`` or
-    ``"dense"``."""
+    compressed rows (:func:`attend`). ``mode``: ``"auto"``, ``"sparse"`` or ``"dense"``. ``"auto"`` gathers
+
+    * when ``queries · topk < rows``: the gathered rows are fewer than the rows a dense pass reads (decode steps at
+      long context, which are bound by the bytes read), or
+    * when the step has at least :data:`COMPUTE_BOUND_QUERIES` queries per row and ``2 · topk ≤ rows``: a prefill
+      chunk reads the rows once for all its queries but computes ``queries · rows`` products against
+      ``queries · topk`` for the gathered ones (an 8192-token V4.1 chunk over 4096 rows: 8x fewer)."""
     if mode not in ("auto", "sparse", "dense"):
         raise ValueError(f"attention mode must be 'auto', 'sparse' or 'dense', got {mode!r}")
     if mode == "auto":
-        return queries * topk < rows
+        return queries * topk < rows or (queries >= COMPUTE_BOUND_QUERIES and 2 * topk <= rows)
     return mode == "sparse"
+
+
+COMPUTE_BOUND_QUERIES = 64  # queries per row from which a step's attention is counted as compute-bound
 
 
 def output_projection(p: Mapping[str, Any], o: jax.Array, *, cfg: ModelConfig, rope: RopeTable) -> jax.Array:

@@ -37,7 +37,7 @@ from dinfer_jax.models.attention import (
     selected_attention_impl,
     use_selected_rows,
 )
-from dinfer_jax.models.attention_invariant import attend_invariant
+from dinfer_jax.models.attention_invariant import attend_invariant, window_rows
 from dinfer_jax.models.cache_codec import RowCodec, cache_codecs
 from dinfer_jax.models.cache_io import (
     buffer_take,
@@ -217,13 +217,29 @@ def compress_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, inp: StepIn
 # attention sublayers
 
 
+def _query_windows(keys: jax.Array, wmask: jax.Array, ctx: StepContext, cfg: ModelConfig,
+                   per_query: bool) -> tuple[jax.Array, jax.Array]:
+    """The window keys as attention reads them: shared by the step's queries (``keys [B,R+Q,d]``, ``wmask
+    [B,Q,R+Q]``, as :func:`_window` builds them) while the step has at most ``W`` queries, else — or with
+    ``per_query`` — each query's own ``W`` keys in position order (``[B,Q,W,d]``, ``[B,Q,W]``;
+    :func:`~dinfer_jax.models.attention_invariant.window_rows`). A prefill chunk of ``Q`` tokens then costs
+    ``Q·W`` window products instead of ``Q·(R+Q)``; the visible set, hence the result up to the order of fp32
+    additions, is the same."""
+    if per_query or ctx.pos.shape[1] > cfg.sliding_window:
+        return window_rows(keys, wmask, ctx.inp.start, ctx.pos, cfg.sliding_window)
+    return keys, wmask
+
+
 def _attend_rows(q: jax.Array, keys: jax.Array, wmask: jax.Array, rows: jax.Array, row_mask: jax.Array,
                  sink: jax.Array, ctx: StepContext, cfg: ModelConfig, opts: LayerOptions) -> jax.Array:
-    """Attention over the window and each query's selected compressed rows (batch-invariantly when tracing so)."""
+    """Attention over the window and each query's selected compressed rows (batch-invariantly when tracing so).
+    The decode kernel reads each query's own window (``W`` rows instead of the ring's ``R`` plus the step's)."""
     if active_tile():
         return attend_invariant(q, keys, wmask, ctx.inp.start, ctx.pos, cfg.sliding_window, sink, rows=rows,
                                 row_mask=row_mask)
-    return attend_selected(q, keys, wmask, rows, row_mask, sink, impl=selected_attention_impl(opts.attention_impl, q))
+    impl = selected_attention_impl(opts.attention_impl, q)
+    keys, wmask = _query_windows(keys, wmask, ctx, cfg, per_query=impl == "pallas")
+    return attend_selected(q, keys, wmask, rows, row_mask, sink, impl=impl)
 
 
 def _attend_all(q: jax.Array, keys: jax.Array, wmask: jax.Array, ckv: jax.Array | None, cmask: jax.Array | None,
@@ -232,6 +248,7 @@ def _attend_all(q: jax.Array, keys: jax.Array, wmask: jax.Array, ckv: jax.Array 
     if active_tile():
         return attend_invariant(q, keys, wmask, ctx.inp.start, ctx.pos, cfg.sliding_window, sink, ckv=ckv,
                                 cmask=cmask)
+    keys, wmask = _query_windows(keys, wmask, ctx, cfg, per_query=False)
     return attend(q, keys, wmask, ckv, cmask, sink)
 
 
