@@ -196,3 +196,58 @@ def test_eplb_engine_rebalances_keep_tokens_and_loads_are_counted(setup):
         LLM(model, num_redundant_experts=4, warmup=False, progress=False)
     with pytest.raises(ValueError, match="eplb_interval"):
         LLM(model, dp_size=2, ep_size=4, eplb_interval=3, warmup=False, progress=False)
+
+
+@pytest.mark.parametrize("cp,Q", [(2, 24), (4, 21), (2, 6)])
+def test_cp_split_attention_equals_unsplit(cp, Q):
+    """Balanced CP attention: inside the per-device step each CP rank attends only its mirrored query rows (over the
+    window — per-query keys when the chunk exceeds it, shared keys otherwise — and the compressed rows, all masked
+    or gathered top-k) and the outputs are all-gathered back into row order. Against the same function unsplit
+    (one device): equal to fp32 rounding (each query's computation is the same; only XLA's batching differs),
+    padding queries (≥ n) zero in the split result."""
+    import types
+
+    from jax.sharding import PartitionSpec
+
+    from dinfer_jax.models import layers
+    from dinfer_jax.models.cache_io import take_rows
+    from sharding import make_mesh
+
+    cfg = load_config("tiny-v4")
+    W, R = cfg.sliding_window, cfg.sliding_window + 2
+    B, H, d, T, K = 3, 4, 16, 10, 3
+    rng = np.random.default_rng(cp * 100 + Q)
+    start = np.array([0, 5, 30], np.int32)
+    n = np.array([Q, Q - 3, 1], np.int32)
+    pos = start[:, None] + np.arange(Q)[None]
+    rpos = start[:, None] - 1 - np.mod(start[:, None] - 1 - np.arange(R)[None], R)
+    kpos = np.concatenate([rpos, pos], axis=1)
+    kvalid = np.concatenate([rpos >= 0, np.arange(Q)[None] < n[:, None]], axis=1)
+    real = np.arange(Q)[None] < n[:, None]
+    wmask = (kvalid[:, None] & (kpos[:, None] <= pos[..., None]) & (kpos[:, None] > pos[..., None] - W)
+             & real[..., None])
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    q = f32(rng.standard_normal((B, Q, H, d)))
+    keys = f32(rng.standard_normal((B, R + Q, d)))
+    ckv = f32(rng.standard_normal((B, T, d)))
+    sink = f32(rng.standard_normal(H))
+    cmask = (rng.random((B, Q, T)) < 0.5) & real[..., None]
+    idx = np.where(rng.random((B, Q, K)) < 0.8, np.sort(rng.integers(0, T, (B, Q, K)), axis=-1), -1).astype(np.int32)
+
+    def both(q, keys, wmask, ckv, cmask, idx, start, n, pos, cp_manual):
+        ctx = layers.StepContext(inp=types.SimpleNamespace(start=start, n=n), pos=pos, ropes={})
+        opts = layers.LayerOptions(cp_manual=cp_manual)
+        a = layers._attend_all(q, keys, wmask, ckv, cmask, sink, ctx, cfg, opts)
+        b = layers._attend_rows(q, keys, wmask, lambda i: take_rows(ckv, i), idx, sink, ctx, cfg, opts)
+        return a, b
+
+    args = (q, keys, wmask, ckv, cmask, idx, start, n, pos)
+    want = jax.jit(lambda *a: both(*a, cp_manual=0))(*args)
+    mesh = make_mesh(1, cp, 1)
+    split = jax.shard_map(lambda *a: both(*a, cp_manual=cp), mesh=mesh, in_specs=(PartitionSpec(),) * len(args),
+                          out_specs=(PartitionSpec(), PartitionSpec()), check_vma=False)
+    got = jax.jit(split)(*args)
+    for g, w in zip(got, want, strict=True):
+        g, w = np.asarray(g), np.asarray(w)
+        np.testing.assert_allclose(g[real], w[real], rtol=0, atol=1e-6 * np.abs(w).max())
+        assert not g[~real].any()

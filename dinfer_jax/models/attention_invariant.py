@@ -32,18 +32,20 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def window_rows(keys: jax.Array, mask: jax.Array, start: jax.Array, pos: jax.Array,
-                window: int) -> tuple[jax.Array, jax.Array]:
+                window: int, ring: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Each query's window keys in position order.
 
-    keys ``[B, R+Q, d]`` (the slot's ring of ``R`` entries, position ``j`` at ``j mod R``, then this step's ``Q``
-    rows from position ``start [B]``), mask ``[B, Q, R+Q]`` (which of them each query sees), pos ``[B, Q]`` the
-    query positions. Returns ``(rows [B, Q, W, d], visible [B, Q, W])``: entry ``i`` is position
+    keys ``[B, R+C, d]`` (the slot's ring of ``R`` entries, position ``j`` at ``j mod R``, then this step's ``C``
+    rows from position ``start [B]``), mask ``[B, Q, R+C]`` (which of them each query sees), pos ``[B, Q]`` the
+    query positions. ``ring``: ``R``, by default ``R+C − Q`` (the queries are the step's rows; a CP rank passes it
+    with its own subset of them). Returns ``(rows [B, Q, W, d], visible [B, Q, W])``: entry ``i`` is position
     ``pos − W + 1 + i`` (its mask entry from ``mask``; positions below 0 are never visible)."""
     B, Q = pos.shape
-    R = keys.shape[1] - Q
+    R = keys.shape[1] - Q if ring is None else ring
+    C = keys.shape[1] - R
     j = pos[..., None] - (window - 1) + jnp.arange(window)                           # [B,Q,W]
     rel = j - start[:, None, None]
-    idx = jnp.where(rel >= 0, R + jnp.clip(rel, 0, Q - 1), jnp.mod(j, R))
+    idx = jnp.where(rel >= 0, R + jnp.clip(rel, 0, C - 1), jnp.mod(j, R))
     rows = jnp.take_along_axis(keys[:, None], idx.reshape(B, Q, window, 1), axis=2)  # [B,Q,W,d]
     visible = jnp.take_along_axis(mask, idx, axis=2) & (j >= 0)
     return rows, visible

@@ -2,7 +2,8 @@
 
 Inside the DP engines' ``shard_map`` step (:mod:`dinfer_jax.engine.dp_runner`) the ``cp`` ranks of an engine hold
 the same prefill rows. :func:`cp_tokenwise` runs a per-token function (the MoE sublayer: router, routed experts
-over EP, shared expert) on this CP rank's share of every row only — DeepInfer's mirrored rule, row ``b``'s ``n[b]``
+over EP, shared expert; the attention of each query over its window and compressed rows) on this CP rank's share of
+every row only — DeepInfer's mirrored rule, row ``b``'s ``n[b]``
 query tokens cut into ``2·cp`` pieces of ``ceil(n[b] / (2·cp))`` and rank ``r`` taking pieces ``r`` and
 ``2·cp − 1 − r`` (:func:`sharding.cp_split`) — and all-gathers the results over the CP group back into row order.
 Each token's output is computed once in the CP group, and the EP dispatch carries each token once.
@@ -34,9 +35,9 @@ def mirror_rows(n: jax.Array, q: int, cp: int, rank: jax.Array | int) -> tuple[j
 
 def cp_tokenwise(fn: Callable[..., jax.Array], x: jax.Array, extras: tuple[jax.Array | None, ...], n: jax.Array,
                  cp: int) -> jax.Array:
-    """``fn(x, *extras)`` for per-token ``fn`` on ``x [B, Q, D]`` (extras ``[B, Q]`` or None), computed on this CP
-    rank's mirrored rows and all-gathered over the CP axes (must run inside a ``shard_map`` over them). Positions
-    no rank owns (``≥ n[b]``, padding) come back as zeros."""
+    """``fn(x, *extras)`` for per-token ``fn`` on ``x [B, Q, ...]`` (extras ``[B, Q, ...]`` or None; the result
+    ``[B, Q', ...]`` for ``Q'`` rows in), computed on this CP rank's mirrored rows and all-gathered over the CP axes
+    (must run inside a ``shard_map`` over them). Positions no rank owns (``≥ n[b]``, padding) come back as zeros."""
     axes = GROUP_AXES["cp"]
     B, Q = x.shape[:2]
     rank = jax.lax.axis_index(axes)
@@ -48,13 +49,15 @@ def cp_tokenwise(fn: Callable[..., jax.Array], x: jax.Array, extras: tuple[jax.A
 
     pos, valid = mirror_rows(n, Q, cp, rank)
     y = fn(take(x, pos), *(take(e, pos) for e in extras))
-    y = jnp.where(valid[..., None], y, jnp.zeros((), y.dtype))
-    ys = jax.lax.all_gather(y, axes, axis=0, tiled=False)  # [cp, B, 2ps, D]
-    out = jnp.zeros((B, Q, y.shape[-1]), y.dtype)
+    tail = (1,) * (y.ndim - 2)
+    y = jnp.where(valid.reshape(valid.shape + tail), y, jnp.zeros((), y.dtype))
+    ys = jax.lax.all_gather(y, axes, axis=0, tiled=False)  # [cp, B, 2ps, ...]
+    out = jnp.zeros((B, Q, *y.shape[2:]), y.dtype)
     rows = jnp.arange(B)[:, None]
     for r in range(cp):  # every real position is owned by exactly one rank: the adds are exact
         pos_r, valid_r = mirror_rows(n, Q, cp, r)
-        out = out.at[rows, pos_r].add(jnp.where(valid_r[..., None], ys[r], jnp.zeros((), y.dtype)))
+        out = out.at[rows, pos_r].add(jnp.where(valid_r.reshape(valid_r.shape + tail), ys[r],
+                                                jnp.zeros((), y.dtype)))
     return out
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -217,39 +218,65 @@ def compress_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, inp: StepIn
 # attention sublayers
 
 
-def _query_windows(keys: jax.Array, wmask: jax.Array, ctx: StepContext, cfg: ModelConfig,
-                   per_query: bool) -> tuple[jax.Array, jax.Array]:
-    """The window keys as attention reads them: shared by the step's queries (``keys [B,R+Q,d]``, ``wmask
-    [B,Q,R+Q]``, as :func:`_window` builds them) while the step has at most ``W`` queries, else — or with
-    ``per_query`` — each query's own ``W`` keys in position order (``[B,Q,W,d]``, ``[B,Q,W]``;
+def _query_windows(keys: jax.Array, wmask: jax.Array, start: jax.Array, pos: jax.Array, chunk: int,
+                   cfg: ModelConfig, per_query: bool) -> tuple[jax.Array, jax.Array]:
+    """The window keys as attention reads them for queries at ``pos [B,Qq]`` (the step's ``chunk`` rows, or a CP
+    rank's share of them) with their mask rows ``wmask [B,Qq,R+chunk]``: shared by the queries (``keys [B,R+chunk,
+    d]`` as :func:`_window` builds them) while the step has at most ``W`` rows, else — or with ``per_query`` — each
+    query's own ``W`` keys in position order (``[B,Qq,W,d]``, ``[B,Qq,W]``;
     :func:`~dinfer_jax.models.attention_invariant.window_rows`). A prefill chunk of ``Q`` tokens then costs
     ``Q·W`` window products instead of ``Q·(R+Q)``; the visible set, hence the result up to the order of fp32
     additions, is the same."""
-    if per_query or ctx.pos.shape[1] > cfg.sliding_window:
-        return window_rows(keys, wmask, ctx.inp.start, ctx.pos, cfg.sliding_window)
+    if per_query or chunk > cfg.sliding_window:
+        return window_rows(keys, wmask, start, pos, cfg.sliding_window, ring=keys.shape[1] - chunk)
     return keys, wmask
 
 
-def _attend_rows(q: jax.Array, keys: jax.Array, wmask: jax.Array, rows: jax.Array, row_mask: jax.Array,
-                 sink: jax.Array, ctx: StepContext, cfg: ModelConfig, opts: LayerOptions) -> jax.Array:
-    """Attention over the window and each query's selected compressed rows (batch-invariantly when tracing so).
-    The decode kernel reads each query's own window (``W`` rows instead of the ring's ``R`` plus the step's)."""
+def _split_over_cp(q: jax.Array, opts: LayerOptions) -> bool:
+    """Whether this step's attention runs on each CP rank's mirrored query rows (prefill rows inside the DP
+    engines' per-device step; DeepInfer uses CP for prefill only)."""
+    return opts.cp_manual > 1 and q.shape[1] > 1 and not opts.collect and not active_tile()
+
+
+def _attend_rows(q: jax.Array, keys: jax.Array, wmask: jax.Array, rows_of: Callable[[jax.Array], jax.Array],
+                 idx: jax.Array, sink: jax.Array, ctx: StepContext, cfg: ModelConfig,
+                 opts: LayerOptions) -> jax.Array:
+    """Attention over the window and each query's selected compressed rows ``rows_of(idx)`` (``idx [B,Q,k]``, −1:
+    none; the gather and decode of the rows happen here, so a CP rank gathers only its queries' rows),
+    batch-invariantly when tracing so. The decode kernel reads each query's own window (``W`` rows instead of the
+    ring's ``R`` plus the step's). With CP on a prefill step each rank attends its mirrored query rows and the
+    outputs are all-gathered (:func:`~dinfer_jax.models.cp_rows.cp_tokenwise`)."""
     if active_tile():
-        return attend_invariant(q, keys, wmask, ctx.inp.start, ctx.pos, cfg.sliding_window, sink, rows=rows,
-                                row_mask=row_mask)
+        return attend_invariant(q, keys, wmask, ctx.inp.start, ctx.pos, cfg.sliding_window, sink, rows=rows_of(idx),
+                                row_mask=idx >= 0)
     impl = selected_attention_impl(opts.attention_impl, q)
-    keys, wmask = _query_windows(keys, wmask, ctx, cfg, per_query=impl == "pallas")
-    return attend_selected(q, keys, wmask, rows, row_mask, sink, impl=impl)
+    chunk = q.shape[1]
+
+    def core(q: jax.Array, pos: jax.Array, wmask: jax.Array, idx: jax.Array) -> jax.Array:
+        wkeys, wm = _query_windows(keys, wmask, ctx.inp.start, pos, chunk, cfg, per_query=impl == "pallas")
+        return attend_selected(q, wkeys, wm, rows_of(idx), idx >= 0, sink, impl=impl)
+
+    if _split_over_cp(q, opts):
+        return cp_tokenwise(core, q, (ctx.pos, wmask, idx), ctx.inp.n, opts.cp_manual)
+    return core(q, ctx.pos, wmask, idx)
 
 
 def _attend_all(q: jax.Array, keys: jax.Array, wmask: jax.Array, ckv: jax.Array | None, cmask: jax.Array | None,
-                sink: jax.Array, ctx: StepContext, cfg: ModelConfig) -> jax.Array:
-    """Attention over the window and all compressed rows under ``cmask`` (batch-invariantly when tracing so)."""
+                sink: jax.Array, ctx: StepContext, cfg: ModelConfig, opts: LayerOptions) -> jax.Array:
+    """Attention over the window and all compressed rows under ``cmask`` (batch-invariantly when tracing so; with CP
+    on a prefill step over each rank's mirrored query rows, as :func:`_attend_rows`)."""
     if active_tile():
         return attend_invariant(q, keys, wmask, ctx.inp.start, ctx.pos, cfg.sliding_window, sink, ckv=ckv,
                                 cmask=cmask)
-    keys, wmask = _query_windows(keys, wmask, ctx, cfg, per_query=False)
-    return attend(q, keys, wmask, ckv, cmask, sink)
+    chunk = q.shape[1]
+
+    def core(q: jax.Array, pos: jax.Array, wmask: jax.Array, cmask: jax.Array | None) -> jax.Array:
+        wkeys, wm = _query_windows(keys, wmask, ctx.inp.start, pos, chunk, cfg, per_query=False)
+        return attend(q, wkeys, wm, ckv, cmask, sink)
+
+    if _split_over_cp(q, opts):
+        return cp_tokenwise(core, q, (ctx.pos, wmask, cmask), ctx.inp.n, opts.cp_manual)
+    return core(q, ctx.pos, wmask, cmask)
 
 
 def _compress_into_cache(params: Any, h: jax.Array, kv_ring: jax.Array, gate_ring: jax.Array,
@@ -327,15 +354,17 @@ def attention_v4(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, 
                 aux.update(indexer_topk=top_idx, indexer_scores=scores)
         # batch-invariantly always the selected rows: their number (top-k) does not follow the step's page bucket
         if overlap and (active_tile() or use_selected_rows(opts.attention, q.shape[1], cfg.index_topk, n_rows)):
-            rows = codecs.ckv.unpack(pages_gather(upd["ckv"], k, pages, top_idx))
-            o = _attend_rows(q, keys, wmask, rows, top_idx >= 0, p["attn_sink"], ctx, cfg, opts)
+            def rows_of(idx: jax.Array) -> jax.Array:
+                return codecs.ckv.unpack(pages_gather(upd["ckv"], k, pages, idx))
+
+            o = _attend_rows(q, keys, wmask, rows_of, top_idx, p["attn_sink"], ctx, cfg, opts)
             return o, dataclasses.replace(lc, **upd), aux
         ckv = codecs.ckv.unpack(pages_read(upd["ckv"], k, pages))
         cmask = jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]  # [B,Q,T]
         cmask = cmask & _real_queries(inp, pos.shape[1])[..., None]
         if overlap:
             cmask = cmask & selected
-    o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg)
+    o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg, opts)
     return o, dataclasses.replace(lc, **upd), aux
 
 
@@ -415,14 +444,15 @@ def attention_v41(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array,
             if opts.collect:
                 aux.update(indexer_topk=carry["selected_idx"], indexer_scores=scores)
         if active_tile() or use_selected_rows(opts.attention, q.shape[1], cfg.index_topk, stored.shape[1]):
-            idx = carry["selected_idx"]
-            o = _attend_rows(q, keys, wmask, codecs.ckv.unpack(take_rows(stored, idx)), idx >= 0, p["attn_sink"],
-                             ctx, cfg, opts)
+            def rows_of(idx: jax.Array) -> jax.Array:
+                return codecs.ckv.unpack(take_rows(stored, idx))
+
+            o = _attend_rows(q, keys, wmask, rows_of, carry["selected_idx"], p["attn_sink"], ctx, cfg, opts)
             return o, dataclasses.replace(lc, **upd), carry, aux
         ckv = codecs.ckv.unpack(stored)
         cmask = (jnp.arange(ckv.shape[1]) < visible[..., None]) & carry["selected"]
         cmask = cmask & _real_queries(inp, pos.shape[1])[..., None]
-    o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg)
+    o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg, opts)
     return o, dataclasses.replace(lc, **upd), carry, aux
 
 
