@@ -19,11 +19,12 @@ all-padding batch (it writes nowhere), so the EP collectives line up (DeepInfer'
 on ranks without work). An idle engine keeps its previous sampled tokens on the device, so its next step can still
 read in-flight input tokens from its own last real step.
 
-**CP.** The ``cp`` ranks of an engine hold the same rows. Attention (and the cache writes) run replicated over
-CP, so every CP rank has the complete compressed KV and index keys; the MoE sublayer of prefill rows runs on each
-rank's mirrored share of every row (:func:`sharding.cp_split`'s rule, :mod:`dinfer_jax.models.cp_rows`) and is
-all-gathered over CP. The mirrored split of the attention queries (with the projected KV all-gathered, as
-DeepInfer does) is not done. Where an engine has copies (``ep > dp·cp``), and for decode rows under CP, the MoE
+**CP.** The ``cp`` ranks of an engine hold the same rows. The per-token projections and the cache writes run
+replicated over CP, so every CP rank has the complete compressed KV and index keys; in prefill steps the attention
+core (each query's window and compressed rows) and the MoE sublayer run on each rank's mirrored share of every row
+(:func:`sharding.cp_split`'s rule, :mod:`dinfer_jax.models.cp_rows`) and are all-gathered over CP. Splitting the
+whole layer with the projected KV all-gathered, as DeepInfer does, is not done (the indexer's scores still run on
+every rank). Where an engine has copies (``ep > dp·cp``), and for decode rows under CP, the MoE
 tokens are split contiguously over the engine's devices instead (``cp_rows.group_tokenwise``), so no token's
 experts run twice in an engine.
 """
