@@ -251,3 +251,18 @@ def test_cp_split_attention_equals_unsplit(cp, Q):
         g, w = np.asarray(g), np.asarray(w)
         np.testing.assert_allclose(g[real], w[real], rtol=0, atol=1e-6 * np.abs(w).max())
         assert not g[~real].any()
+
+
+def test_cp_engine_v41_equals_single_device():
+    """V4.1 under CP (1, 2, 2): prefill rows' indexer scores and top-k (KV sources, index sources restricted to
+    the candidate blocks, their consumers), attention core and MoE run on each rank's mirrored rows; greedy tokens
+    equal one device's on prompts long enough that the indexer drops rows (41 tokens: 20 compressed rows of ratio
+    2 > top-k 8) and chunked (32-token budget)."""
+    cfg = load_config("tiny-v41")
+    model = random_model(cfg, seed=3, std=0.1, include_mtp=False)
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, size=n)] for n in (41, 23, 30)]
+    ref = [o.token_ids for o in LLM(model, **KW).generate(prompts, GREEDY, use_tqdm=False)]
+    got = [o.token_ids for o in LLM(model, dp_size=1, cp_size=2, ep_size=2, **KW).generate(prompts, GREEDY,
+                                                                                            use_tqdm=False)]
+    assert got == ref

@@ -12,6 +12,7 @@ Each token's output is computed once in the CP group, and the EP dispatch carrie
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +34,12 @@ def mirror_rows(n: jax.Array, q: int, cp: int, rank: jax.Array | int) -> tuple[j
     return jnp.where(valid, pos, 0).astype(jnp.int32), valid
 
 
-def cp_tokenwise(fn: Callable[..., jax.Array], x: jax.Array, extras: tuple[jax.Array | None, ...], n: jax.Array,
-                 cp: int) -> jax.Array:
-    """``fn(x, *extras)`` for per-token ``fn`` on ``x [B, Q, ...]`` (extras ``[B, Q, ...]`` or None; the result
-    ``[B, Q', ...]`` for ``Q'`` rows in), computed on this CP rank's mirrored rows and all-gathered over the CP axes
-    (must run inside a ``shard_map`` over them). Positions no rank owns (``≥ n[b]``, padding) come back as zeros."""
+def cp_tokenwise(fn: Callable[..., Any], x: jax.Array, extras: tuple[jax.Array | None, ...], n: jax.Array,
+                 cp: int) -> Any:
+    """``fn(x, *extras)`` for per-token ``fn`` on ``x [B, Q, ...]`` (extras ``[B, Q, ...]`` or None; the result an
+    array or a pytree of arrays ``[B, Q', ...]`` for ``Q'`` rows in, any dtype), computed on this CP rank's mirrored
+    rows and all-gathered over the CP axes (must run inside a ``shard_map`` over them). Positions no rank owns
+    (``≥ n[b]``, padding) come back as zeros (False, 0)."""
     axes = GROUP_AXES["cp"]
     B, Q = x.shape[:2]
     rank = jax.lax.axis_index(axes)
@@ -48,17 +50,23 @@ def cp_tokenwise(fn: Callable[..., jax.Array], x: jax.Array, extras: tuple[jax.A
         return jnp.take_along_axis(a, pos.reshape(pos.shape + (1,) * (a.ndim - 2)), axis=1)
 
     pos, valid = mirror_rows(n, Q, cp, rank)
-    y = fn(take(x, pos), *(take(e, pos) for e in extras))
-    tail = (1,) * (y.ndim - 2)
-    y = jnp.where(valid.reshape(valid.shape + tail), y, jnp.zeros((), y.dtype))
-    ys = jax.lax.all_gather(y, axes, axis=0, tiled=False)  # [cp, B, 2ps, ...]
-    out = jnp.zeros((B, Q, *y.shape[2:]), y.dtype)
+    owned = [mirror_rows(n, Q, cp, r) for r in range(cp)]
     rows = jnp.arange(B)[:, None]
-    for r in range(cp):  # every real position is owned by exactly one rank: the adds are exact
-        pos_r, valid_r = mirror_rows(n, Q, cp, r)
-        out = out.at[rows, pos_r].add(jnp.where(valid_r.reshape(valid_r.shape + tail), ys[r],
-                                                jnp.zeros((), y.dtype)))
-    return out
+
+    def back(y: jax.Array) -> jax.Array:
+        dtype = y.dtype
+        if dtype == jnp.bool_:   # gathered and added as integers, exactly
+            y = y.astype(jnp.int8)
+        tail = (1,) * (y.ndim - 2)
+        zero = jnp.zeros((), y.dtype)
+        y = jnp.where(valid.reshape(valid.shape + tail), y, zero)
+        ys = jax.lax.all_gather(y, axes, axis=0, tiled=False)  # [cp, B, 2ps, ...]
+        out = jnp.zeros((B, Q, *y.shape[2:]), y.dtype)
+        for r, (pos_r, valid_r) in enumerate(owned):  # every real position has exactly one owner: the adds are exact
+            out = out.at[rows, pos_r].add(jnp.where(valid_r.reshape(valid_r.shape + tail), ys[r], zero))
+        return out.astype(dtype)
+
+    return jax.tree.map(back, fn(take(x, pos), *(take(e, pos) for e in extras)))
 
 
 def group_tokenwise(fn: Callable[..., jax.Array], x: jax.Array, extras: tuple[jax.Array | None, ...], copies: int,

@@ -232,6 +232,19 @@ def _query_windows(keys: jax.Array, wmask: jax.Array, start: jax.Array, pos: jax
     return keys, wmask
 
 
+def _cp_selection(index_select: Callable[..., dict[str, jax.Array]], iq: jax.Array, extras: tuple[Any, ...],
+                  inp: StepInput, opts: LayerOptions, idx_key: str) -> dict[str, jax.Array]:
+    """The indexer's selection (``index_select(iq, *extras)``: top-k indices, masks, candidates) computed by each CP
+    rank for its mirrored query rows and all-gathered into row order; the ``[B,Q,T]`` scores are left out (only
+    ``collect`` reads them, and a step that collects is not split). Padding queries get no selection (−1)."""
+    def local(*a: Any) -> dict[str, jax.Array]:
+        return {k: v for k, v in index_select(*a).items() if k != "scores"}
+
+    sel = cp_tokenwise(local, iq, extras, inp.n, opts.cp_manual)
+    real = _real_queries(inp, iq.shape[1])
+    return {**sel, idx_key: jnp.where(real[..., None], sel[idx_key], -1)}
+
+
 def _split_over_cp(q: jax.Array, opts: LayerOptions) -> bool:
     """Whether this step's attention runs on each CP rank's mirrored query rows (prefill rows inside the DP
     engines' per-device step; DeepInfer uses CP for prefill only)."""
@@ -344,14 +357,24 @@ def attention_v4(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, 
                 ix["compressor"], h, lc.ist_kv, lc.ist_gate, lc.ikv, k, inp, pos, ratio=ratio,
                 dim=cfg.index_head_dim, overlap=True, inv_freq=inv, norm_eps=cfg.norm_eps, codec=codecs.ikv,
                 rotate=codecs.packed)
-            if index_impl(opts.attention_impl, cfg, pos.shape[1]) == "pallas":
-                scores = index_scores_paged(t["iq"], t["iw"], upd["ikv"], k, pages, pos, ratio=ratio)
+            kernel = index_impl(opts.attention_impl, cfg, pos.shape[1]) == "pallas"
+            ikeys = None if kernel else codecs.ikv.unpack(pages_read(upd["ikv"], k, pages))
+
+            def index_select(iq: jax.Array, iw: jax.Array, pos: jax.Array) -> dict[str, jax.Array]:
+                if kernel:
+                    scores = index_scores_paged(iq, iw, upd["ikv"], k, pages, pos, ratio=ratio)
+                else:
+                    scores = index_scores_of(iq, iw, ikeys, pos, ratio=ratio, fp4_operands=index_operands_fp4(cfg))
+                top_idx, selected = topk_select(scores, cfg.index_topk)
+                return {"top_idx": top_idx, "selected": selected, "scores": scores}
+
+            if _split_over_cp(q, opts):   # each CP rank scores its mirrored queries (Q·T products split)
+                sel = _cp_selection(index_select, t["iq"], (t["iw"], pos), inp, opts, "top_idx")
             else:
-                scores = index_scores_of(t["iq"], t["iw"], codecs.ikv.unpack(pages_read(upd["ikv"], k, pages)), pos,
-                                         ratio=ratio, fp4_operands=index_operands_fp4(cfg))
-            top_idx, selected = topk_select(scores, cfg.index_topk)
+                sel = index_select(t["iq"], t["iw"], pos)
+            top_idx, selected = sel["top_idx"], sel["selected"]
             if opts.collect:
-                aux.update(indexer_topk=top_idx, indexer_scores=scores)
+                aux.update(indexer_topk=top_idx, indexer_scores=sel["scores"])
         # batch-invariantly always the selected rows: their number (top-k) does not follow the step's page bucket
         if overlap and (active_tile() or use_selected_rows(opts.attention, q.shape[1], cfg.index_topk, n_rows)):
             def rows_of(idx: jax.Array) -> jax.Array:
@@ -424,25 +447,37 @@ def attention_v41(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array,
             elif info.shares_index_k:   # as stored: the indexer kernel decodes them in registers
                 carry["ik"] = pages_read(upd["ik"], k, inp.pages)
         stored = carry["kv"]
-        visible = (pos + 1) // ratio
-        if info.index_source and index_kernel and info.has_index_k:   # its own pages, read by the kernel
-            scores = index_scores_paged(t["iq"], t["iw"], upd["ik"], k, inp.pages, pos, ratio=ratio)
-        elif info.index_source and index_kernel:
-            scores = index_scores_stored(t["iq"], t["iw"], carry["ik"], pos, ratio=ratio)
-        elif info.index_source:
-            scores = index_scores_of(t["iq"], t["iw"], carry["ik"], pos, ratio=ratio,
-                                     fp4_operands=index_operands_fp4(cfg))
         if info.index_source:
+            def index_select(iq: jax.Array, iw: jax.Array, pos: jax.Array,
+                             candidates: jax.Array | None) -> dict[str, jax.Array]:
+                if index_kernel and info.has_index_k:   # its own pages, read by the kernel
+                    scores = index_scores_paged(iq, iw, upd["ik"], k, inp.pages, pos, ratio=ratio)
+                elif index_kernel:
+                    scores = index_scores_stored(iq, iw, carry["ik"], pos, ratio=ratio)
+                else:
+                    scores = index_scores_of(iq, iw, carry["ik"], pos, ratio=ratio,
+                                             fp4_operands=index_operands_fp4(cfg))
+                out = {}
+                if info.candidate_source:
+                    out["candidates"], out["candidate_blocks"] = candidate_blocks(
+                        scores, (pos + 1) // ratio, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+                elif info.uses_candidates:
+                    scores = jnp.where(candidates, scores, NEG_INF)
+                out["selected_idx"], out["selected"] = topk_select(scores, cfg.index_topk)
+                return {**out, "scores": scores}
+
+            cand = carry.get("candidates") if info.uses_candidates else None
+            if _split_over_cp(q, opts):   # each CP rank scores its mirrored queries (Q·T products split)
+                sel = _cp_selection(index_select, t["iq"], (t["iw"], pos, cand), inp, opts, "selected_idx")
+            else:
+                sel = index_select(t["iq"], t["iw"], pos, cand)
+            carry["selected_idx"], carry["selected"] = sel["selected_idx"], sel["selected"]
             if info.candidate_source:
-                carry["candidates"], cand_ids = candidate_blocks(scores, visible, cfg.candidate_block_size,
-                                                                 cfg.candidate_topk_blocks)
-                if opts.collect:
-                    aux["candidate_blocks"] = cand_ids
-            elif info.uses_candidates:
-                scores = jnp.where(carry["candidates"], scores, NEG_INF)
-            carry["selected_idx"], carry["selected"] = topk_select(scores, cfg.index_topk)
+                carry["candidates"] = sel["candidates"]
             if opts.collect:
-                aux.update(indexer_topk=carry["selected_idx"], indexer_scores=scores)
+                aux.update(indexer_topk=sel["selected_idx"], indexer_scores=sel["scores"])
+                if info.candidate_source:
+                    aux["candidate_blocks"] = sel["candidate_blocks"]
         if active_tile() or use_selected_rows(opts.attention, q.shape[1], cfg.index_topk, stored.shape[1]):
             def rows_of(idx: jax.Array) -> jax.Array:
                 return codecs.ckv.unpack(take_rows(stored, idx))
@@ -450,7 +485,7 @@ def attention_v41(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array,
             o = _attend_rows(q, keys, wmask, rows_of, carry["selected_idx"], p["attn_sink"], ctx, cfg, opts)
             return o, dataclasses.replace(lc, **upd), carry, aux
         ckv = codecs.ckv.unpack(stored)
-        cmask = (jnp.arange(ckv.shape[1]) < visible[..., None]) & carry["selected"]
+        cmask = (jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]) & carry["selected"]
         cmask = cmask & _real_queries(inp, pos.shape[1])[..., None]
     o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg, opts)
     return o, dataclasses.replace(lc, **upd), carry, aux
