@@ -86,8 +86,13 @@ def test_engine_logits_are_batch_invariant(v41):
 
     # the invariant path computes the model: first-token logprobs against the full forward's (fp32, a few ulps of
     # the logits' scale: blockwise vs one-pass softmax sums, tiled vs whole GEMMs)
+    # one causal forward over the 4 prompts right-padded to a common length (one compile, not one per length):
+    # position len-1 of a row sees only that row's prompt
+    S = max(len(prompts[i]) for i in range(4))
+    batch = np.asarray([prompts[i] + [prompts[i][-1]] * (S - len(prompts[i])) for i in range(4)])
+    full = np.asarray(run(v41, batch).logits, np.float64)
     for i in range(4):
-        logits = np.asarray(run(v41, np.asarray([prompts[i]])).logits, np.float64)[0, -1]
+        logits = full[i, len(prompts[i]) - 1]
         want = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
         got = np.array([lp for _, lp in alone[i][0][2]])
         assert np.max(np.abs(got - want)) < 1e-4 * max(1.0, np.abs(want).max())

@@ -40,6 +40,8 @@ def _reference_continuations(model, prompts: list[list[int]], outputs: list[list
 
 
 def _small_buckets(max_num_seqs: int, max_tokens: int) -> Buckets:
+    """One decode and one prefill shape. The tiny-V4 engines below all use max_model_len=128 (one page bucket of
+    8 pages) and the default pool: their programs are those of the greedy test's V4 engine, compiled once."""
     return Buckets(decode_batch=(max_num_seqs,), prefill_batch=(max_num_seqs,), prefill_len=(max_tokens,))
 
 
@@ -85,14 +87,14 @@ def test_greedy_generation_equals_full_forward_argmax(model):
 
 def test_stop_conditions_errors_and_isolation():
     model = random_model(load_config("tiny-v4"), seed=5, std=0.1, include_mtp=False)
-    llm = LLM(model, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, buckets=_small_buckets(4, 32))
+    llm = LLM(model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, buckets=_small_buckets(4, 32))
     prompts = _prompts(model.config.vocab_size, [10, 12, 9, 11], seed=1)
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     clean = llm.generate(prompts, greedy, use_tqdm=False)
     stop_tok = clean[1].token_ids[4]
     bad_requests = [
         [1, 2, model.config.vocab_size + 5],  # unknown token id
-        list(range(1, 70)),  # longer than max_model_len
+        list(range(1, 140)),  # longer than max_model_len
         [],  # empty
     ]
     params = [greedy, SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=(stop_tok,), ignore_eos=True),
@@ -133,7 +135,7 @@ def test_preemption_under_small_pool_does_not_corrupt_others():
 
 def test_no_compilation_after_warmup_over_50_varied_requests():
     model = random_model(load_config("tiny-v4"), seed=7, std=0.1, include_mtp=False)
-    llm = LLM(model, max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32, buckets=_small_buckets(4, 32))
+    llm = LLM(model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, buckets=_small_buckets(4, 32))
     after_warmup = llm.metrics()["compilations"]
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(4, 500, size=int(n))] for n in rng.integers(1, 60, size=50)]
@@ -154,7 +156,7 @@ def test_logprobs_are_returned_per_generated_token():
     """Greedy with logprobs=3: one entry per output token; the chosen token is the top-1 of the processed
     distribution, its logprob is the largest, the top-3 are sorted, and probabilities are proper (≤ 0 logprobs)."""
     model = random_model(load_config("tiny-v4"), seed=8, std=0.1, include_mtp=False)
-    llm = LLM(model, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, buckets=_small_buckets(4, 32))
+    llm = LLM(model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, buckets=_small_buckets(4, 32))
     prompts = _prompts(model.config.vocab_size, [7, 12], seed=4)
     outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3),
                                   SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)], use_tqdm=False)

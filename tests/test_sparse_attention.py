@@ -115,9 +115,14 @@ def test_engine_gathering_rows_gives_the_masked_forward_tokens(preset):
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     llm = LLM(model, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=64, attention="sparse",
               buckets=Buckets(decode_batch=(2,), prefill_batch=(2,), prefill_len=(64,)), progress=False)
-    for p, o in zip(prompts, llm.generate(prompts, sp, use_tqdm=False), strict=True):
-        logits = np.asarray(run(model, np.asarray([p + o.token_ids]), attention="dense").logits[0])
-        assert o.token_ids == logits[len(p) - 1: len(p) - 1 + len(o.token_ids)].argmax(-1).tolist()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    # one masked forward over both final sequences, right-padded to a common length (one compile; causal: a row's
+    # logits at t see only its tokens ≤ t)
+    seqs = [p + o.token_ids for p, o in zip(prompts, outs, strict=True)]
+    S = max(len(s) for s in seqs)
+    logits = np.asarray(run(model, np.asarray([s + [s[-1]] * (S - len(s)) for s in seqs]), attention="dense").logits)
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+        assert o.token_ids == logits[i, len(p) - 1: len(p) - 1 + len(o.token_ids)].argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("selected", [False, True])

@@ -39,13 +39,21 @@ def _check_logits(ours: np.ndarray, ref: np.ndarray, label: str) -> None:
     assert agree >= 0.99, f"{label}: argmax agreement {agree:.3%}"
 
 
-@pytest.mark.parametrize("i", [0, 1, 2])
-def test_tiny_logits_match_reference(tiny_model, i):
+def _check_prompts(model, ref, name: str) -> None:
+    """Each of the fixture's three prompts (40, 57, 130 tokens) against its reference logits, from one causal
+    forward over the prompts right-padded to a common length (one compile: a row's logits at position t see only
+    its tokens ≤ t, so the first len(prompt) positions are the prompt's own forward)."""
     from dinfer_jax.models import forward_logits
 
-    ref = np.load(TINY / "reference.npz")
-    ids = ref[f"input_ids_{i}"][None]
-    _check_logits(forward_logits(tiny_model, ids)[0], ref[f"logits_{i}"], f"v41-tiny prompt {i} (S={ids.shape[1]})")
+    ids = [ref[f"input_ids_{i}"] for i in range(3)]
+    S = max(len(x) for x in ids)
+    logits = forward_logits(model, np.stack([np.concatenate([x, np.full(S - len(x), x[-1], x.dtype)]) for x in ids]))
+    for i, x in enumerate(ids):
+        _check_logits(logits[i, :len(x)], ref[f"logits_{i}"], f"{name} prompt {i} (S={len(x)})")
+
+
+def test_tiny_logits_match_reference(tiny_model):
+    _check_prompts(tiny_model, np.load(TINY / "reference.npz"), "v41-tiny")
 
 
 def test_tiny_trunk_and_premix_match_reference(tiny_model):
@@ -62,14 +70,8 @@ def test_tiny_trunk_and_premix_match_reference(tiny_model):
     assert rel_err(out["final_hidden"][0], ref["final_hidden_0"])[0] <= 1e-2
 
 
-@pytest.mark.parametrize("i", [0, 1, 2])
-def test_quantized_release_checkpoint_matches_reference(i):
-    from dinfer_jax.models import forward_logits
-
-    model = _quant_model()
-    ref = np.load(QUANT / "reference.npz")
-    ids = ref[f"input_ids_{i}"][None]
-    _check_logits(forward_logits(model, ids)[0], ref[f"logits_{i}"], f"v41-tiny-quant prompt {i}")
+def test_quantized_release_checkpoint_matches_reference():
+    _check_prompts(_quant_model(), np.load(QUANT / "reference.npz"), "v41-tiny-quant")
 
 
 _QUANT_CACHE: dict[str, object] = {}

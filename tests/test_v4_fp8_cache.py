@@ -77,14 +77,17 @@ def test_engine_greedy_equals_quantised_forward_and_deviation_is_fp8_sized():
     assert llm.config.kv_fake_quant and llm.runner.cache.layers[0][0].swa.dtype == jnp.uint8
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     fq = dataclasses.replace(model, config=dataclasses.replace(cfg, kv_fake_quant=True))
-    for p, o in zip(prompts, outs, strict=True):
-        seq = np.asarray([p + o.token_ids])
-        logits = np.asarray(run(fq, seq).logits[0])
-        want = logits[len(p) - 1: len(p) - 1 + len(o.token_ids)].argmax(-1)
+    # one quantised forward over both final sequences, right-padded to a common length (one compile; causal: a
+    # row's logits at t see only its tokens ≤ t, so row 1's first 70 positions are the forward of prompts[1])
+    seqs = [p + o.token_ids for p, o in zip(prompts, outs, strict=True)]
+    S = max(len(s) for s in seqs)
+    fq_logits = np.asarray(run(fq, np.asarray([s + [s[-1]] * (S - len(s)) for s in seqs])).logits)
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+        want = fq_logits[i, len(p) - 1: len(p) - 1 + len(o.token_ids)].argmax(-1)
         assert o.token_ids == want.tolist()
     seq = np.asarray([prompts[1]])
     exact = np.asarray(run(model, seq).logits, np.float64)
-    quant = np.asarray(run(fq, seq).logits, np.float64)
+    quant = np.asarray(fq_logits[1:, :len(prompts[1])], np.float64)
     scale = np.abs(exact).max()
     dev = np.abs(quant - exact)
     print(f"fp8 vs exact logits: max {dev.max() / scale:.2e}, mean {dev.mean() / scale:.2e} of max |logit|; "

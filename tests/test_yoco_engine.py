@@ -12,7 +12,7 @@ from dinfer_jax import LLM, SamplingParams
 from dinfer_jax.engine.runner import Buckets
 from dinfer_jax.models import forward_logits, load_config, random_model, run
 
-KEEP = 20          # tiny-v41's sliding window is 16: KEEP covers it, and prompts of 33–70 tokens are truncated
+KEEP = 20          # tiny-v41's sliding window is 16: KEEP covers it, and prompts of 45–100 tokens are truncated
 GEN = 6
 
 
@@ -31,7 +31,9 @@ def test_mask_engine_first_token_equals_forward_compact_and_short_prompts_are_ex
     cfg = model.config
     assert cfg.sliding_window <= KEEP
     rng = np.random.default_rng(5)
-    lengths = [12, 40, 70]   # 40 and 70 cross their floors (20, 50) inside a 32-token chunk
+    # 45 and 90 cross their floors (25, 70) inside a 32-token chunk; lengths of the compact test below (12, 45, 90):
+    # the forward's compact programs are compiled once for both tests
+    lengths = [12, 45, 90]
     prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, n)] for n in lengths]
     llm = LLM(model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, progress=False, max_logprobs=1,
               buckets=Buckets(decode_batch=(4,), prefill_batch=(4,), prefill_len=(32, 128), pages=(8,)),
@@ -50,6 +52,11 @@ def test_mask_engine_first_token_equals_forward_compact_and_short_prompts_are_ex
                          use_tqdm=False)
     assert llm.metrics()["compilations"] == compiled, "compiled outside warm-up"
 
+    # the exact (untruncated) forward, once over the 90-token prompt and the short prompt's final sequence
+    # right-padded to it (causal: a row's logits at t see only its tokens ≤ t)
+    short = lengths.index(12)
+    exact_rows = [prompts[lengths.index(90)], prompts[short] + results["async+chunked"][short].token_ids]
+    exact = forward_logits(model, np.asarray([r + [r[-1]] * (90 - len(r)) for r in exact_rows]))
     for i, p in enumerate(prompts):
         ids = np.asarray([p])
         compact = np.asarray(run(model, ids, yoco="compact", yoco_keep=KEEP).logits)[0, -1]
@@ -60,14 +67,15 @@ def test_mask_engine_first_token_equals_forward_compact_and_short_prompts_are_ex
         # one-shot forward: differences of a few fp32 ulps of the logits, far below 1e-4
         tok = drawn[i].token_ids[0]
         assert drawn[i].logprobs[0]["logprob"] == pytest.approx(float(_log_softmax(compact)[tok]), abs=1e-4)
-        if len(p) == 70:
+        if len(p) == 90:
             # the truncation must matter here, else this test shows nothing: fp32 noise is ~1e-7 of the logits'
-            # scale, the truncation moves them by ~7e-3 of it (and the logprob check above is to 1e-4)
-            off = np.asarray(run(model, ids).logits)[0, -1]
+            # scale, the truncation moves them by far more (~7e-3 of it for a 70-token prompt; the logprob check
+            # above is to 1e-4)
+            off = exact[0, -1]
             assert np.abs(compact - off).max() > 1e-4 * np.abs(off).max()
         if len(p) <= KEEP:  # nothing to truncate: the whole continuation equals the exact forward's greedy argmax
-            seq = p + results["async+chunked"][i].token_ids
-            ref = forward_logits(model, np.asarray([seq]))[0, len(p) - 1: len(seq) - 1].argmax(-1)
+            assert i == short
+            ref = exact[1, len(p) - 1: len(p) + GEN - 1].argmax(-1)
             assert results["async+chunked"][i].token_ids == [int(t) for t in ref]
     for name, outs in results.items():   # decode after the truncated prefill: the same under every schedule
         assert [o.token_ids for o in outs] == [o.token_ids for o in results["async+chunked"]], name
@@ -95,7 +103,10 @@ def test_compact_engine_skips_the_region_below_the_floor_and_equals_forward_comp
     assert m["compilations"] == compiled, "compiled outside warm-up"
     # every prompt longer than KEEP prefilled its kept-out part in region-skipping steps (3 long prompts, 3 runs)
     assert m["yoco_skipped_steps"] >= 9
-    mask = LLM(model, yoco="mask", **kw)
+    # the reference engine has the mask test's buckets (its programs are reused; a 64-token budget fills the 128
+    # bucket)
+    mask = LLM(model, yoco="mask", **{**kw, "buckets": Buckets(decode_batch=(4,), prefill_batch=(4,),
+                                                               prefill_len=(32, 128), pages=(8,))})
     want = mask.generate(prompts, sp, use_tqdm=False)
     for i, p in enumerate(prompts):
         ref = np.asarray(run(model, np.asarray([p]), yoco="compact", yoco_keep=KEEP).logits)[0, -1]
