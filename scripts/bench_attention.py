@@ -290,15 +290,18 @@ def kernel_table(rows: list[dict]) -> str:
              "| N | H × d | L | variant | call µs | kernel µs | GB/s (% copy) | TFLOP/s useful (executed) "
              "| max err / bound vs ref | max rel. err |",
              "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        head = f"| {r['batch']} | {r['heads']} × {r['d']} | {r['rows']} | {r['variant']} |"
-        if "error" in r:
-            lines.append(f"{head} FAILED: {r['error'][:160]} | | | | | |")
-            continue
-        lines.append(f"{head} {r['call_us']:.1f} | {r['kernel_us']:.1f} | {r['GBps']:.0f} ({r['pct_copy']:.0f}%) | "
-                     f"{r['TFLOPs_useful']:.0f} ({r['TFLOPs_executed']:.0f}) | {r['err_over_bound']:.2f} | "
-                     f"{r['rel_err']:.1e} |")
-    return "\n".join(lines)
+    return "\n".join(lines + _variant_lines(
+        rows, lambda r: f"| {r['batch']} | {r['heads']} × {r['d']} | {r['rows']} | {r['variant']} |",
+        lambda r: f"{r['call_us']:.1f} | {r['kernel_us']:.1f} | {r['GBps']:.0f} ({r['pct_copy']:.0f}%) | "
+                  f"{r['TFLOPs_useful']:.0f} ({r['TFLOPs_executed']:.0f}) | {r['err_over_bound']:.2f} | "
+                  f"{r['rel_err']:.1e} |", 6))
+
+
+def _variant_lines(rows: list[dict], head, cells, n_cells: int) -> list[str]:
+    """Table lines of benchmark rows: ``head(r)`` then ``cells(r)``, or FAILED with the row's error and
+    ``n_cells`` empty cells for a variant that did not run."""
+    return [f"{head(r)} FAILED: {r['error'][:160]} |" + " |" * (n_cells - 1) if "error" in r
+            else f"{head(r)} {cells(r)}" for r in rows]
 
 
 # One prefill chunk (``bench_kernels.py prefill-attention``): V4.1-Flash attention of S query tokens starting at
@@ -387,14 +390,10 @@ def prefill_table(rows: list[dict]) -> str:
     lines = [f"bf16 matmul peak measured in this run: {rows[0]['bf16_TFLOPs']:.0f} TFLOP/s" if rows else "", "",
              "| chunk tokens | start | compressed rows | variant | ms | query tokens/s | TFLOP/s minimal (% peak) "
              "| max rel. err vs dense shared |", "|---:|---:|---:|---|---:|---:|---:|---:|"]
-    for r in rows:
-        head = f"| {r['S']} | {r['start']} | {r['rows']} | {r['variant']} |"
-        if "error" in r:
-            lines.append(f"{head} FAILED: {r['error'][:160]} | | | |")
-            continue
-        lines.append(f"{head} {r['ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['TFLOPs_minimal']:.0f} "
-                     f"({100 * r['TFLOPs_minimal'] / r['bf16_TFLOPs']:.0f}%) | {r['rel_err']:.1e} |")
-    return "\n".join(lines)
+    return "\n".join(lines + _variant_lines(
+        rows, lambda r: f"| {r['S']} | {r['start']} | {r['rows']} | {r['variant']} |",
+        lambda r: f"{r['ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['TFLOPs_minimal']:.0f} "
+                  f"({100 * r['TFLOPs_minimal'] / r['bf16_TFLOPs']:.0f}%) | {r['rel_err']:.1e} |", 4))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
