@@ -131,7 +131,8 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
         cfg = cfg.replace(engram_num_embeddings=engram_table_sizes(cfg))
     t0 = time.perf_counter()
     model = random_model(cfg, dtype="bfloat16", include_mtp=False, weights="native")
-    model = dataclasses.replace(model, mhc_impl=args.mhc_impl, linear_impl=args.linear_impl)
+    model = dataclasses.replace(model, mhc_impl=args.mhc_impl, linear_impl=args.linear_impl,
+                                attention_impl=args.attention_impl)
     jax.block_until_ready(model.params)
     init_s = time.perf_counter() - t0
     buckets = None
@@ -304,6 +305,8 @@ def main() -> None:
     ap.add_argument("--mhc-impl", default="auto", choices=["auto", "jnp", "pallas"],
                     help="the mHC Sinkhorn: XLA (jnp), the Mosaic GPU kernel (pallas_kernels/mhc) or auto "
                          "(the kernel on a GPU)")
+    ap.add_argument("--attention-impl", default="auto", choices=["auto", "jnp", "pallas"],
+                    help="Model.attention_impl: 'pallas' also gives prefill chunks the decode-attention kernel")
     ap.add_argument("--linear-impl", default="xla", choices=["xla", "pallas"],
                     help="the FP8 linears: XLA's autotuned GEMM fusions or the Mosaic GPU kernel "
                          "(pallas_kernels/linear)")

@@ -18,13 +18,17 @@
 #                 top-k for long chunks: the pool-copy check, the kernel-vs-XLA test with per-query windows, one
 #                 prefill chunk's attention per variant (bench_kernels.py prefill-attention), and the V4.1 4-layer
 #                 slice's prefill tokens/s and batch-64 decode step;
+#   STAGE=prefill-kernel  issue 9: a 4-layer slice (PRESET=deepseek-v4.1-flash, the default, or deepseek-v4-flash)
+#                 with Model.attention_impl="pallas" (the decode kernel also attends prefill chunks' gathered rows;
+#                 1.25x faster than XLA per chunk in bench_kernels.py prefill-attention) against the default:
+#                 prefill tok/s, warm-up, decode (V4.1 runs need --engram-vocab on the 128 GB host);
 #   STAGE=index-sweep  the indexer kernel's tests without the engine cases, and its stages x splits x page-table
 #                 read placement sweep at V4.1-Flash batch 64, 128K context.
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=.95
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, attn, index or index-sweep}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, attn, index or index-sweep}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -45,7 +49,7 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, attn, i
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_step_pool_copies.py 2>&1 \
       | grep "^E \|passed\|failed" | head -10
     cd scripts && for b in 1 64; do timeout 215 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 \
-      --batch $b $C --out "$OUT/steps_b$b" 2>&1 | quiet | grep "^|"; done ;;
+      --engram-vocab 1000000 --batch $b $C --out "$OUT/steps_b$b" 2>&1 | quiet | grep "^|"; done ;;
   prefill)
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_step_pool_copies.py 2>&1 \
       | grep "^E \|passed\|failed" | head -10
@@ -53,8 +57,14 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, attn, i
       -k model_attend_selected 2>&1 | grep "^E \|passed\|failed\|bound" | head -10
     timeout 140 python3 scripts/bench_kernels.py prefill-attention --out "$OUT/prefill_attn" 2>&1 | quiet \
       | grep "^|\|peak"
-    cd scripts && timeout 220 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --batch 64 $C \
+    cd scripts && timeout 220 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
+      --batch 64 $C \
       --out "$OUT/serve_b64" 2>&1 | quiet | grep "^|" ;;
+  prefill-kernel)   # one call per preset: PRESET=deepseek-v4.1-flash (default) or deepseek-v4-flash
+    P=${PRESET:-deepseek-v4.1-flash}; E=""; [ "$P" = deepseek-v4.1-flash ] && E="--engram-vocab 1000000"
+    cd scripts && for impl in pallas auto; do timeout 280 python3 bench_serving.py --preset $P --layers 4 $E \
+      --batch 64 $C --attention-impl $impl --out "$OUT/${P}_$impl" 2>&1 | quiet | grep "^|"; \
+      echo "$P attention_impl=$impl"; done ;;
   attn)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py 2>&1 \
       | grep "^E \|passed\|failed" | head -20

@@ -72,6 +72,11 @@ def test_mode_rule_and_bad_mode():
     with pytest.raises(ValueError, match="attention must be"):
         LLM(random_model(load_config("tiny-v4"), seed=0, include_mtp=False), attention="fast", warmup=False,
             progress=False)
+    model = random_model(load_config("tiny-v4"), seed=0, include_mtp=False)
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        LLM(dataclasses.replace(model, attention_impl="fast"), warmup=False, progress=False)
+    with pytest.raises(ValueError, match="attention_impl='pallas'.*needs a GPU"):
+        LLM(dataclasses.replace(model, attention_impl="pallas"), warmup=False, progress=False)
 
 
 @pytest.mark.parametrize("preset,fake_quant", [("tiny-v4", None), ("tiny-v41", False), ("tiny-v41", True)])

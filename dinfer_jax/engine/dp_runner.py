@@ -236,7 +236,8 @@ class DPModelRunner:
         step_fn = functools.partial(_device_step, cfg=self.cfg, dtype=model.dtype, moe_impl=moe_impl,
                                     engram_fn=lookup, max_rows=self.max_rows, ep_manual=ep_manual,
                                     cp_manual=lay.cp if lay.cp > 1 else 0, copies_manual=lay.replicas,
-                                    count_experts=count, mhc_impl=model.mhc_impl, linear_impl=model.linear_impl)
+                                    count_experts=count, mhc_impl=model.mhc_impl, linear_impl=model.linear_impl,
+                                    attention_impl=model.attention_impl)
         self._step = jax.jit(functools.partial(_mesh_step, step_fn=step_fn, mesh=self.mesh,
                                                param_specs=self._param_specs, copies=self._copies_spec,
                                                replicas=lay.replicas, host_replicated=self.multi_process),

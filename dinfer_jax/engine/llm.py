@@ -157,6 +157,18 @@ def check_mhc_impl(impl: str) -> None:
                          f"{jax.default_backend()!r}")
 
 
+def check_attention_impl(impl: str) -> None:
+    """ValueError unless the model's ``attention_impl`` names an implementation that can run here (``"pallas"``:
+    the Mosaic GPU attention kernels need a GPU)."""
+    from dinfer_jax.models.attention import ATTENTION_IMPLS
+
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if impl == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(f"attention_impl='pallas' (the Mosaic GPU attention kernels) needs a GPU; the backend is "
+                         f"{jax.default_backend()!r}")
+
+
 def check_linear_impl(impl: str, batch_invariant: bool) -> None:
     """ValueError unless the model's ``linear_impl`` can run here: the Mosaic GPU kernel needs a GPU, and the
     batch-invariant mode keeps XLA's tiled products."""
@@ -376,6 +388,7 @@ class LLM:
         self.speculative = _check_speculative(self.model, speculative, num_speculative_tokens)
         check_mhc_impl(self.model.mhc_impl)
         check_linear_impl(self.model.linear_impl, bool(batch_invariant))
+        check_attention_impl(self.model.attention_impl)
         if num_redundant_experts is not None and ep_size < 2:
             raise ValueError(f"num_redundant_experts (EPLB) needs expert parallelism: ep_size > 1, got {ep_size}")
         if eplb_interval is not None and (num_redundant_experts is None or int(eplb_interval) < 1):

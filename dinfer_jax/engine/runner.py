@@ -365,7 +365,7 @@ def step_statics(model: Model, attention: str = "auto", engram_tables: str = "de
         state = model.engram.state(engram_tables)
         lookup = EngramLookup(cfg, placement=engram_tables)
     statics = dict(cfg=cfg, dtype=model.dtype, moe_impl=model.moe_impl, engram_fn=lookup, attention=attention,
-                   mhc_impl=model.mhc_impl, linear_impl=model.linear_impl)
+                   mhc_impl=model.mhc_impl, linear_impl=model.linear_impl, attention_impl=model.attention_impl)
     if batch_invariant:   # only the one-device forward takes it (LLM refuses it with speculative decoding or DP)
         statics["batch_invariant"] = batch_invariant
     return statics, state
@@ -423,7 +423,7 @@ def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, pre
                     cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, ep_manual: int = 0, cp_manual: int = 0,
                     copies_manual: int = 1, attention: str = "auto", count_experts: bool = False,
                     batch_invariant: int = 0, yoco_skip: bool = False, mhc_impl: str = "auto",
-                    linear_impl: str = "xla") -> tuple[Any, ...]:
+                    linear_impl: str = "xla", attention_impl: str = "auto") -> tuple[Any, ...]:
     """Traced model part of a step: resolve in-flight inputs on device, run the model. Returns ``(logits [B, V]
     fp32 at each row's last token, cache)``, plus the expert loads ``[L, E]`` with ``count_experts``.
     ``batch_invariant``: token rows per fixed-shape product (0: off; :mod:`dinfer_jax.models.invariant`).
@@ -433,7 +433,7 @@ def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, pre
     return model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn, engram=engram,
                       ep_manual=ep_manual, cp_manual=cp_manual, copies_manual=copies_manual, attention=attention,
                       count_experts=count_experts, batch_invariant=batch_invariant, yoco_skip=yoco_skip,
-                      mhc_impl=mhc_impl, linear_impl=linear_impl)
+                      mhc_impl=mhc_impl, linear_impl=linear_impl, attention_impl=attention_impl)
 
 
 def _sample_rows(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Array | None) -> tuple[jax.Array, Any]:
@@ -471,13 +471,14 @@ def _device_sample(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Arr
 def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
                  engram: Any, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int,
                  ep_manual: int = 0, cp_manual: int = 0, copies_manual: int = 1, attention: str = "auto",
-                 count_experts: bool = False, mhc_impl: str = "auto", linear_impl: str = "xla"):
+                 count_experts: bool = False, mhc_impl: str = "auto", linear_impl: str = "xla",
+                 attention_impl: str = "auto"):
     """Forward and sampling traced as one program (the DP engines' per-device step). Returns ``(tokens
     [max_rows], logprobs, cache, expert loads [L, E] int32 or None)`` (loads with ``count_experts``)."""
     out = _device_forward(params, cache, inp, feed, prev_tokens, engram, cfg=cfg, dtype=dtype, moe_impl=moe_impl,
                           engram_fn=engram_fn, ep_manual=ep_manual, cp_manual=cp_manual,
                           copies_manual=copies_manual, attention=attention, count_experts=count_experts,
-                          mhc_impl=mhc_impl, linear_impl=linear_impl)
+                          mhc_impl=mhc_impl, linear_impl=linear_impl, attention_impl=attention_impl)
     logits, cache = out[:2]
     toks, logprobs = _device_sample(logits, samp, max_rows=max_rows)
     return toks, logprobs, cache, out[2] if count_experts else None
@@ -488,21 +489,21 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
                       sample_mask: jax.Array, token_masks: jax.Array, *, cfg: Any, dtype: str, moe_impl: str,
                       engram_fn: Any, attention: str,
                       max_rows: int, k: int, decode: bool, method: str, mhc_impl: str = "auto",
-                      linear_impl: str = "xla"):
+                      linear_impl: str = "xla", attention_impl: str = "auto"):
     """:func:`_step_spec` with the FP8 linears of the model and the drafter on ``linear_impl``
     (:mod:`dinfer_jax.models.linear_impl`)."""
     with linear_impl_scope(linear_impl):
         return _step_spec(params, cache, spec, inp, feed, prev_tokens, samp, engram, ndraft, next_tok, sample_mask,
                           token_masks, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn,
                           attention=attention, max_rows=max_rows, k=k, decode=decode, method=method,
-                          mhc_impl=mhc_impl)
+                          mhc_impl=mhc_impl, attention_impl=attention_impl)
 
 
 def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: InFlight,
                prev_tokens: jax.Array, samp: Any, engram: Any, ndraft: jax.Array, next_tok: jax.Array,
                sample_mask: jax.Array, token_masks: jax.Array, *, cfg: Any, dtype: str, moe_impl: str,
                engram_fn: Any, attention: str, max_rows: int, k: int, decode: bool, method: str,
-               mhc_impl: str = "auto"):
+               mhc_impl: str = "auto", attention_impl: str = "auto"):
     """Traced step with speculative decoding (V4 MTP drafter, ``engine/speculative.py``).
 
     decode: rows ``[t, d1..dk]`` (drafts read from the slot's draft pool, ``ndraft [B]`` of them valid) are verified
@@ -524,7 +525,8 @@ def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: I
     inp = dataclasses.replace(inp, tokens=tokens)
     hist0 = cache.ngram_hist
     logits, cache, carry = model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, attention=attention,
-                                      engram_fn=engram_fn, engram=engram, return_carry=True, mhc_impl=mhc_impl)
+                                      engram_fn=engram_fn, engram=engram, return_carry=True, mhc_impl=mhc_impl,
+                                      attention_impl=attention_impl)
     streams = carry["streams"]
     kw = dict(cfg=cfg, dtype=dtype, moe_impl=moe_impl, k=k)
     if decode:
@@ -559,14 +561,15 @@ def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: I
     return out, jnp.zeros((max_rows,), jnp.int32), logprobs, cache, spec
 
 
-_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "max_rows", "attention", "mhc_impl", "linear_impl")
+_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "max_rows", "attention", "mhc_impl", "linear_impl",
+           "attention_impl")
 # Module-level jits with the engine's configuration as static arguments: engines over the same model and shapes
 # share compiled steps within a process (what the on-disk compilation cache would otherwise provide).
 # The plain engine runs a step as two programs: the model (one per bucket) and the sampler (one per batch size and
 # host-decided variant: SamplingTensors.use_filters / all_greedy), so the sampler's variants cost small compiles
 # and the model step holds no data-dependent conditional (docs/perf/serving_h200.md).
 _FORWARD_STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "ep_manual", "cp_manual", "copies_manual", "attention",
-                   "batch_invariant", "yoco_skip", "mhc_impl", "linear_impl")
+                   "batch_invariant", "yoco_skip", "mhc_impl", "linear_impl", "attention_impl")
 # the sampler variants every warm-up compiles, (use_filters, all_greedy): all rows greedy (argmax only), or some row
 # draws (filters on, skipped on the device when no row filters: that variant syncs with the host for its draw anyway)
 SAMPLER_VARIANTS = ((False, True), (True, False))

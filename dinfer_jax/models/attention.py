@@ -116,10 +116,13 @@ def index_kernel_unsupported(cfg: ModelConfig, num_queries: int) -> str | None:
 def index_impl(requested: str, cfg: ModelConfig, num_queries: int) -> str:
     """``"jnp"`` or ``"pallas"`` for the indexer's scores (:func:`index_scores_stored`), under the same switch as
     the decode-attention kernel (``LayerOptions.attention_impl``): ``"auto"`` takes the kernel where it can run
-    (:func:`index_kernel_unsupported`) outside batch-invariant mode, ``"pallas"`` raises where it cannot."""
+    (:func:`index_kernel_unsupported`) outside batch-invariant mode; ``"pallas"`` takes it too, leaves steps with
+    more query tokens than it holds (prefill) to XLA, and raises where it cannot run at all."""
     if requested not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {requested!r}")
     why = index_kernel_unsupported(cfg, num_queries)
+    if requested == "pallas" and why is not None and index_kernel_unsupported(cfg, 1) is None:
+        return "jnp"   # only the step's query count is out of the kernel's reach (prefill): XLA scores it
     if requested == "pallas" and why is not None:
         raise ValueError(f"attention_impl='pallas' cannot run the indexer kernel here: {why}")
     if requested == "auto":
