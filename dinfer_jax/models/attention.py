@@ -273,8 +273,9 @@ def selected_kernel_unsupported(q: jax.Array) -> str | None:
 
 def selected_attention_impl(requested: str, q: jax.Array) -> str:
     """``"jnp"`` or ``"pallas"`` for :func:`attend_selected`: ``"auto"`` takes the kernel where it can run and the
-    step has few queries per row (decode; the kernel's rows are per query, so a long prefill chunk would copy the
-    window once per query); ``"pallas"`` raises where it cannot."""
+    step has few queries per row (decode); prefill chunks keep XLA's path until the kernel's gain on them (1.25x
+    per chunk in ``bench_kernels.py prefill-attention``) is measured in the serving step. ``"pallas"`` takes the
+    kernel for every step and raises where it cannot run."""
     if requested not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {requested!r}")
     why = selected_kernel_unsupported(q)
