@@ -214,6 +214,20 @@ def _window_term(q: jax.Array, kv: jax.Array, wm: jax.Array) -> tuple[jax.Array,
     return logits, lambda p: matmul("bhst,btd->bshd", p, rows)
 
 
+def _sink_softmax_sum(dt: jnp.dtype, sink: jax.Array,
+                      *terms: tuple[jax.Array, Callable[[jax.Array], jax.Array]]) -> jax.Array:
+    """One softmax over the logits of every ``(logits [B,H,S,L_i], values)`` term and the sink column, then
+    ``Σ_i values_i(probabilities_i)`` with the probabilities rounded to ``dt``; returns ``[B,S,H,d]`` in ``dt``."""
+    B, H, S = terms[0][0].shape[:3]
+    sink_col = jnp.broadcast_to(sink.astype(F32)[None, :, None, None], (B, H, S, 1))
+    probs = jax.nn.softmax(jnp.concatenate([t[0] for t in terms] + [sink_col], axis=-1), axis=-1)
+    o, start = None, 0
+    for logits, values in terms:
+        part = values(probs[..., start:start + logits.shape[-1]].astype(dt))
+        o, start = part if o is None else o + part, start + logits.shape[-1]
+    return o.astype(dt)
+
+
 def attend(q: jax.Array, kv: jax.Array, win_mask: jax.Array, ckv: jax.Array | None, cmask: jax.Array | None,
            sink: jax.Array) -> jax.Array:
     """Sink softmax attention over window rows plus compressed rows, K = V.
@@ -227,19 +241,14 @@ def attend(q: jax.Array, kv: jax.Array, win_mask: jax.Array, ckv: jax.Array | No
     dt = q.dtype
     scale = d ** -0.5
     wm = win_mask if win_mask.ndim == 3 else win_mask[None]
-    sink_col = jnp.broadcast_to(sink.astype(F32)[None, :, None, None], (B, H, S, 1))
     if kv.ndim == 4:   # per-query windows: the window and the compressed rows in two products
-        w_logits, w_values = _window_term(q, kv, wm)
-        logits = [w_logits]
+        terms = [_window_term(q, kv, wm)]
         if ckv is not None and ckv.shape[1] > 0:
             crows = _visible_rows(ckv.astype(dt), cmask)
-            logits.append(jnp.where(cmask[:, None], matmul("bshd,btd->bhst", q, crows) * scale, -jnp.inf))
-        probs = jax.nn.softmax(jnp.concatenate([*logits, sink_col], axis=-1), axis=-1)
-        lw = w_logits.shape[-1]
-        o = w_values(probs[..., :lw].astype(dt))
-        if len(logits) > 1:
-            o = o + matmul("bhst,btd->bshd", probs[..., lw:-1].astype(dt), crows)
-        return o.astype(dt)
+            terms.append((jnp.where(cmask[:, None], matmul("bshd,btd->bhst", q, crows) * scale, -jnp.inf),
+                          lambda p: matmul("bhst,btd->bshd", p, crows)))
+        return _sink_softmax_sum(dt, sink, *terms)
+    sink_col = jnp.broadcast_to(sink.astype(F32)[None, :, None, None], (B, H, S, 1))
     logits = matmul("bshd,btd->bhst", q, kv) * scale
     logits = jnp.where(wm[:, None], logits, -jnp.inf)
     values = [_visible_rows(kv, wm)]
@@ -333,14 +342,9 @@ def attend_selected(q: jax.Array, kv: jax.Array, win_mask: jax.Array, rows: jax.
     if impl == "pallas":
         return _attend_selected_pallas(q, kv, wm, rows, row_mask, sink)
     rows = jnp.where(row_mask[..., None], rows.astype(dt), jnp.zeros((), dt))  # select: see _visible_rows
-    w_logits, w_values = _window_term(q, kv, wm)
     c_logits = jnp.where(row_mask[:, None], matmul("bshd,bskd->bhsk", q, rows) * scale, -jnp.inf)
-    sink_col = jnp.broadcast_to(sink.astype(F32)[None, :, None, None], (B, H, S, 1))
-    probs = jax.nn.softmax(jnp.concatenate([w_logits, c_logits, sink_col], axis=-1), axis=-1)
-    sw = w_logits.shape[-1]
-    pw, pc = probs[..., :sw].astype(dt), probs[..., sw:-1].astype(dt)
-    o = w_values(pw) + matmul("bhsk,bskd->bshd", pc, rows)
-    return o.astype(dt)
+    return _sink_softmax_sum(dt, sink, _window_term(q, kv, wm),
+                             (c_logits, lambda p: matmul("bhsk,bskd->bshd", p, rows)))
 
 
 def use_selected_rows(mode: str, queries: int, topk: int, rows: int) -> bool:

@@ -240,7 +240,7 @@ def _cp_selection(index_select: Callable[..., dict[str, jax.Array]], iq: jax.Arr
     def local(*a: Any) -> dict[str, jax.Array]:
         return {k: v for k, v in index_select(*a).items() if k != "scores"}
 
-    sel = cp_tokenwise(local, iq, extras, inp.n, opts.cp_manual)
+    sel = _on_queries(local, iq, extras, inp, opts)
     real = _real_queries(inp, iq.shape[1])
     return {**sel, idx_key: jnp.where(real[..., None], sel[idx_key], -1)}
 
@@ -249,6 +249,15 @@ def _split_over_cp(q: jax.Array, opts: LayerOptions) -> bool:
     """Whether this step's attention runs on each CP rank's mirrored query rows (prefill rows inside the DP
     engines' per-device step; DeepInfer uses CP for prefill only)."""
     return opts.cp_manual > 1 and q.shape[1] > 1 and not opts.collect and not active_tile()
+
+
+def _on_queries(fn: Callable[..., Any], q: jax.Array, extras: tuple[Any, ...], inp: StepInput,
+                opts: LayerOptions) -> Any:
+    """``fn(q, *extras)`` for a function of each query row separately (``[B,Q,...]`` in and out): on this CP
+    rank's mirrored rows, all-gathered, when the step is split over CP (:func:`_split_over_cp`), else directly."""
+    if _split_over_cp(q, opts):
+        return cp_tokenwise(fn, q, extras, inp.n, opts.cp_manual)
+    return fn(q, *extras)
 
 
 def _attend_rows(q: jax.Array, keys: jax.Array, wmask: jax.Array, rows_of: Callable[[jax.Array], jax.Array],
@@ -269,9 +278,7 @@ def _attend_rows(q: jax.Array, keys: jax.Array, wmask: jax.Array, rows_of: Calla
         wkeys, wm = _query_windows(keys, wmask, ctx.inp.start, pos, chunk, cfg, per_query=impl == "pallas")
         return attend_selected(q, wkeys, wm, rows_of(idx), idx >= 0, sink, impl=impl)
 
-    if _split_over_cp(q, opts):
-        return cp_tokenwise(core, q, (ctx.pos, wmask, idx), ctx.inp.n, opts.cp_manual)
-    return core(q, ctx.pos, wmask, idx)
+    return _on_queries(core, q, (ctx.pos, wmask, idx), ctx.inp, opts)
 
 
 def _attend_all(q: jax.Array, keys: jax.Array, wmask: jax.Array, ckv: jax.Array | None, cmask: jax.Array | None,
@@ -287,9 +294,7 @@ def _attend_all(q: jax.Array, keys: jax.Array, wmask: jax.Array, ckv: jax.Array 
         wkeys, wm = _query_windows(keys, wmask, ctx.inp.start, pos, chunk, cfg, per_query=False)
         return attend(q, wkeys, wm, ckv, cmask, sink)
 
-    if _split_over_cp(q, opts):
-        return cp_tokenwise(core, q, (ctx.pos, wmask, cmask), ctx.inp.n, opts.cp_manual)
-    return core(q, ctx.pos, wmask, cmask)
+    return _on_queries(core, q, (ctx.pos, wmask, cmask), ctx.inp, opts)
 
 
 def _compress_into_cache(params: Any, h: jax.Array, kv_ring: jax.Array, gate_ring: jax.Array,
