@@ -142,8 +142,12 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
               max_num_batched_tokens=args.prefill_tokens,
               kv_cache_memory_bytes=(args.kv_gib << 30) if args.kv_gib > 0 else None,
               progress=False, buckets=buckets, compile_threads=args.compile_threads, engram_tables=engram_tables,
-              launch_thread=launch_thread, compiler_options=args.compiler_options)
+              launch_thread=launch_thread, compiler_options=args.compiler_options,
+              decode_compiler_options=args.decode_compiler_options)
     warm = llm.metrics()["warmup_seconds"]
+    timings = llm.runner.warmup_timings
+    if timings:
+        print_warmup_timings(timings, warm)
     compiled_in_warmup = llm.metrics()["compilations"]
     plan = llm.memory_plan
     if plan is not None:
@@ -197,6 +201,7 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
                decode_step_ms=step_ms, decode_read_GB=read_bytes / 1e9, experts_touched=expert_frac,
                roofline_step_ms=roofline_ms, roofline_fraction=roofline_ms / step_ms,
                roofline_all_weights_ms=roofline_all_ms,
+               warmup_programs=[dataclasses.asdict(t) for t in timings],
                # over the timed decode run: how long the host sat waiting for results, and the engine's estimate
                # of how long the device sat idle waiting for the host
                host_waited_s=m1["host_waited_for_device_seconds"] - m0["host_waited_for_device_seconds"],
@@ -221,6 +226,20 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
     print(json.dumps(row, default=str), flush=True)
     del llm, model
     return row
+
+
+def print_warmup_timings(timings, warm_s: float) -> None:
+    """Where the warm-up went, per program (``ModelRunner.warmup_timings``, lowering order): the lowerings run one
+    after another (Python's lock), each program's backend compile starts when it is lowered (or, staged, when the
+    first program of its shape is compiled)."""
+    print("| program | lower from s | lower s | compile from s | compile s | done at s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for t in timings:
+        print(f"| {t.program} | {t.lower_start_s:.1f} | {t.lower_s:.1f} | {t.compile_start_s:.1f} | "
+              f"{t.compile_s:.1f} | {t.end_s:.1f} |")
+    print(f"warm-up {warm_s:.1f} s: lowering {sum(t.lower_s for t in timings):.1f} s in all, backend compiles "
+          f"{sum(t.compile_s for t in timings):.1f} s in all, last compile done at "
+          f"{max(t.end_s for t in timings):.1f} s (the rest: one run of each bucket)", flush=True)
 
 
 def decode_read_bytes(params, cfg, batch: int) -> tuple[float, float]:
@@ -307,12 +326,19 @@ def main() -> None:
                          "(the kernel on a GPU)")
     ap.add_argument("--attention-impl", default="auto", choices=["auto", "jnp", "pallas"],
                     help="Model.attention_impl: 'pallas' also gives prefill chunks the decode-attention kernel")
-    ap.add_argument("--linear-impl", default="xla", choices=["xla", "pallas"],
-                    help="the FP8 linears: XLA's autotuned GEMM fusions or the Mosaic GPU kernel "
-                         "(pallas_kernels/linear)")
+    ap.add_argument("--linear-impl", default="auto", choices=["auto", "xla", "pallas"],
+                    help="the FP8 linears: XLA's autotuned GEMM fusions, the Mosaic GPU kernel (pallas_kernels/linear) "
+                         "for calls of up to 64 tokens, or auto (the engine's default: the kernel on a GPU)")
+    ap.add_argument("--decode-compiler-option", action="append", default=None, metavar="NAME=VALUE",
+                    help="XLA option added for the decode programs only (LLM decode_compiler_options); 'none': no "
+                         "extra options; default: the engine's (Triton GEMMs off when the linear kernel serves "
+                         "decode)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.compiler_options = dict(parse_option(o) for o in args.compiler_option)
+    decode_opts = args.decode_compiler_option
+    args.decode_compiler_options = (None if decode_opts is None else {} if decode_opts == ["none"]
+                                    else dict(parse_option(o) for o in decode_opts))
     cache = tempfile.mkdtemp(prefix="dinfer_jax_cold_cache_")
     jax.config.update("jax_compilation_cache_dir", cache)     # cold: nothing compiled before this run
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -327,7 +353,9 @@ def main() -> None:
     bw_src = "given (--copy-gbps)" if args.copy_gbps else "measured in this run"
     lines = [f"{args.preset} slices, random native weights (FP4 experts, FP8 linears), bf16 compute; "
              f"copy bandwidth {bw / 1e9:.0f} GB/s {bw_src}; jax {jax.__version__}; "
-             f"compiler options {args.compiler_options or 'XLA defaults'}; FP8 linears: {args.linear_impl}", "",
+             f"compiler options {args.compiler_options or 'XLA defaults'}, decode programs "
+             f"{'engine default' if args.decode_compiler_options is None else args.decode_compiler_options or 'same'}"
+             f"; FP8 linears: {args.linear_impl}", "",
              "| layers | weights GB | Engram tables (GB) | warm-up s (shapes) | prefill tokens | prefill s "
              "| prefill tok/s | batch | decode tok/s | decode step ms | GB read (experts touched) | roofline ms "
              "| % roofline | device idle % (engine) | kernel ms ÷ step ms (CUPTI) |",

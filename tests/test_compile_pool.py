@@ -1,16 +1,24 @@
-"""The warm-up's parallel compilation (engine/compile_pool.py): every job runs, errors surface, and programs compiled
-ahead of time on threads are the ones jit then runs (no second compilation)."""
+"""The warm-up's parallel compilation (engine/compile_pool.py): every job runs, errors surface, programs are lowered
+in turn on the calling thread and compiled on the pool (staged: a repeated shape after its first), and programs
+compiled ahead of time on threads are the ones jit then runs (no second compilation)."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dinfer_jax.engine.compile_pool import compile_all, compiler_options_key, default_compile_threads
+from dinfer_jax.engine.compile_pool import (
+    LoweringJob,
+    compile_all,
+    compiler_options_key,
+    default_compile_threads,
+    lower_then_compile,
+)
 
 
 def test_every_job_runs_once_and_progress_counts_them():
@@ -34,6 +42,83 @@ def test_first_error_is_raised_after_the_rest_finish():
     with pytest.raises(ValueError, match=r"bucket \(4, 64, 32\)"):
         compile_all(jobs, threads=2)
     assert sorted(finished) == [1, 2]
+
+
+class _FakeLowered:
+    """Stands for a ``jax.stages.Lowered``: ``compile()`` sleeps ``secs`` and records its thread and interval."""
+
+    def __init__(self, name: str, secs: float, log: dict, fail: bool = False):
+        self.name, self.secs, self.log, self.fail = name, secs, log, fail
+
+    def compile(self):
+        t0 = time.perf_counter()
+        time.sleep(self.secs)
+        if self.fail:
+            raise RuntimeError(f"program {self.name} does not compile")
+        self.log[self.name] = (threading.get_ident(), t0, time.perf_counter())
+        return self.name
+
+
+def _job(name: str, key, lower_log: list, compile_log: dict, lower_s: float = 0.02, compile_s: float = 0.05,
+         fail_lower: bool = False, fail_compile: bool = False) -> LoweringJob:
+    def lower():
+        t0 = time.perf_counter()
+        time.sleep(lower_s)
+        if fail_lower:
+            raise ValueError(f"program {name} does not lower")
+        lower_log.append((name, threading.get_ident(), t0, time.perf_counter()))
+        return _FakeLowered(name, compile_s, compile_log, fail_compile)
+
+    return LoweringJob(name, lower, key)
+
+
+def test_lower_then_compile_lowers_in_turn_and_compiles_on_the_pool():
+    """Lowering runs on the calling thread in the order given, never two at once; each compile runs on a pool
+    thread and starts once its program is lowered (not after all lowerings); timings come back in job order."""
+    lowers, compiles, done = [], {}, []
+    names = ["d16", "p16", "d64", "p64", "s1"]
+    jobs = [_job(n, n, lowers, compiles, lower_s=0.05, compile_s=0.3) for n in names]
+    timings = lower_then_compile(jobs, threads=4, on_done=lambda: done.append(1))
+    assert [t.program for t in timings] == names and len(done) == 5
+    assert [name for name, *_ in lowers] == names
+    assert {tid for _, tid, _, _ in lowers} == {threading.get_ident()}
+    assert all(a[3] <= b[2] for a, b in zip(lowers[:-1], lowers[1:], strict=True))   # one lowering at a time
+    assert threading.get_ident() not in {tid for tid, _, _ in compiles.values()}
+    # the first program's compile (0.3 s) overlaps the next lowerings: it started before the last lowering ended
+    assert compiles["d16"][1] < lowers[-1][3]
+    for t in timings:
+        assert t.lower_s >= 0.05 and t.compile_s >= 0.3 and t.compile_start_s >= t.lower_start_s + t.lower_s
+        assert t.end_s == pytest.approx(t.compile_start_s + t.compile_s)
+
+
+def test_staged_repeats_compile_after_their_first():
+    """Staged: a job whose key came earlier compiles only after that earlier job's compile has finished; other
+    keys do not wait for it (no barrier between waves)."""
+    lowers, compiles = [], {}
+    jobs = [_job("d16", "decode", lowers, compiles, compile_s=0.4),
+            _job("p16", "prefill", lowers, compiles, compile_s=0.05),
+            _job("d64", "decode", lowers, compiles, compile_s=0.05),
+            _job("s1", "sampler", lowers, compiles, compile_s=0.05)]
+    timings = {t.program: t for t in lower_then_compile(jobs, threads=2, staged=True)}
+    assert timings["d64"].compile_start_s >= timings["d16"].end_s - 1e-3
+    assert timings["p16"].end_s < timings["d16"].end_s                     # another key ran meanwhile
+    unstaged = {t.program: t for t in lower_then_compile(jobs, threads=4, staged=False)}
+    assert unstaged["d64"].compile_start_s < unstaged["d16"].end_s          # without staging it does not wait
+
+
+def test_lower_then_compile_errors_are_raised_after_started_compiles():
+    lowers, compiles = [], {}
+    jobs = [_job("a", 1, lowers, compiles, compile_s=0.2), _job("b", 2, lowers, compiles, fail_lower=True),
+            _job("c", 3, lowers, compiles)]
+    with pytest.raises(ValueError, match="program b does not lower"):
+        lower_then_compile(jobs, threads=2)
+    assert "a" in compiles and "c" not in compiles    # a's compile finished; nothing after b was lowered
+    jobs = [_job("a", 1, lowers, compiles, fail_compile=True), _job("d", 1, lowers, compiles)]
+    with pytest.raises(RuntimeError, match="program a does not compile"):
+        lower_then_compile(jobs, threads=2, staged=True)
+    assert "d" in compiles                             # its staged wait ended with a's failure
+    with pytest.raises(ValueError, match="compile threads must be >= 1"):
+        lower_then_compile(jobs, threads=0)
 
 
 def test_thread_count_validation(monkeypatch):
@@ -126,31 +211,58 @@ def test_staged_warmup_setting(monkeypatch):
     assert default_staged() is (jax.default_backend() == "gpu")
 
 
-def test_staged_warmup_compiles_every_bucket_once(monkeypatch):
-    """A staged warm-up (forced on this CPU) compiles one program per (rows, tokens) shape and the samplers first,
-    the other page-table widths second, and serving then compiles nothing."""
+def test_staged_warmup_compiles_every_bucket_once():
+    """A staged warm-up (forced on this CPU) lowers one program per (rows, tokens) shape first, the other page-table
+    widths next and the samplers last; a shape's other widths compile after its first; serving then compiles
+    nothing."""
     from dinfer_jax import LLM, SamplingParams
-    from dinfer_jax.engine import runner as runner_mod
     from dinfer_jax.engine.buckets import Buckets
     from dinfer_jax.models import random_model
     from dinfer_jax.models.config import load_config
 
-    waves = []
-    real = runner_mod.compile_all
-
-    def recording(jobs, threads, on_done=None):
-        waves.append(len(jobs))
-        real(jobs, threads, on_done)
-
-    monkeypatch.setattr(runner_mod, "compile_all", recording)
     model = random_model(load_config("tiny-v4"), seed=0, include_mtp=False)
     buckets = Buckets(decode_batch=(2,), prefill_batch=(1,), prefill_len=(16,), pages=(1, 2))
     llm = LLM(model, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, buckets=buckets, warmup=False,
               progress=False, kv_cache_memory_bytes=8 << 20)
     llm.runner.warmup(compile_threads=2, staged=True)
+    timings = llm.runner.warmup_timings
     # programs [2,1] and [1,16] at 1 and 2 pages; samplers for batches 1 and 2, two variants each
-    assert waves == [2 + 4, 2]
+    assert [t.program for t in timings[:4]] == ["decode [2, 1] pages 1", "prefill [1, 16] pages 1",
+                                                "decode [2, 1] pages 2", "prefill [1, 16] pages 2"]
+    assert len(timings) == 8 and all(t.program.startswith("sampler") for t in timings[4:])
+    for first, repeat in ((timings[0], timings[2]), (timings[1], timings[3])):
+        assert repeat.compile_start_s >= first.end_s - 1e-3
     compiled = llm.runner.num_compilations
     llm.generate([[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]],
                  SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     assert llm.runner.num_compilations == compiled, "compiled outside the staged warm-up"
+
+
+def test_decode_options_reach_the_decode_programs_only():
+    """``LLM(decode_compiler_options=...)``: the decode bucket compiles with them (fusion disabled: many more
+    ``wrapped_*`` ops), the prefill bucket and the sampler without; serving a decode step runs the program the
+    warm-up compiled. By default on CPU (no FP8 kernel) the decode programs take ``compiler_options`` alone."""
+    from dinfer_jax import LLM, SamplingParams
+    from dinfer_jax.engine.buckets import Buckets
+    from dinfer_jax.engine.llm import _decode_options
+    from dinfer_jax.models import random_model
+    from dinfer_jax.models.config import load_config
+
+    model = random_model(load_config("tiny-v4"), seed=0, include_mtp=False)
+    buckets = Buckets(decode_batch=(2,), prefill_batch=(1,), prefill_len=(16,), pages=(2,))
+    kw = dict(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, buckets=buckets, progress=False,
+              kv_cache_memory_bytes=8 << 20)
+    plain = LLM(model, warmup=False, **kw).runner
+    assert plain._decode_programs is plain._programs
+    llm = LLM(model, decode_compiler_options={"xla_disable_hlo_passes": "fusion"}, compile_threads=2, **kw)
+    r = llm.runner
+    decode = r._lower_step((2, 1, 2), True).compile().as_text()
+    prefill = r._lower_step((1, 16, 2), False).compile().as_text()
+    assert decode.count("wrapped_") > 2 * plain._lower_step((2, 1, 2), True).compile().as_text().count("wrapped_") + 10
+    assert prefill.count("wrapped_") == plain._lower_step((1, 16, 2), False).compile().as_text().count("wrapped_")
+    compiled = r.num_compilations
+    out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    assert [len(o.token_ids) for o in out] == [3, 3]
+    assert r.num_compilations == compiled, "serving compiled a program the warm-up had not"
+    assert _decode_options(None, "pallas") == {"xla_gpu_enable_triton_gemm": False}
+    assert _decode_options(None, "xla") == {} == _decode_options({}, "pallas")

@@ -105,3 +105,21 @@ def test_serving_step_routes_its_fp8_linears_to_the_kernel():
             "stablehlo.custom_call @mosaic_gpu")
 
     assert calls("pallas") > calls("xla")
+
+
+def test_auto_is_the_kernel_on_a_gpu_for_the_one_device_engine(monkeypatch):
+    """``linear_impl="auto"`` (the default) resolves to the kernel only on a GPU, outside the batch-invariant mode
+    and the mesh engines; on this CPU the LLM's model holds ``"xla"``."""
+    from dinfer_jax import LLM
+    from dinfer_jax.models import Model, random_model
+    from dinfer_jax.models.linear_impl import resolve_linear_impl
+
+    assert Model.__dataclass_fields__["linear_impl"].default == "auto"
+    assert resolve_linear_impl("xla") == "xla" and resolve_linear_impl("pallas", batch_invariant=True) == "pallas"
+    if jax.default_backend() != "gpu":
+        assert resolve_linear_impl("auto") == "xla"
+        assert LLM(random_model("tiny-v4"), warmup=False, progress=False).model.linear_impl == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_linear_impl("auto") == "pallas"
+    assert resolve_linear_impl("auto", batch_invariant=True) == "xla"
+    assert resolve_linear_impl("auto", one_device=False) == "xla"

@@ -92,10 +92,13 @@ class Buckets:
         return self.pages
 
     def shapes(self) -> list[tuple[int, int, int]]:
-        """Every compiled ``(B, Q, P)``: decode ones first, then prefill."""
+        """Every compiled ``(B, Q, P)``: decode ones first (:meth:`decode_shapes`), then prefill."""
         pages = self._pages()
-        return ([(b, self.decode_len, p) for b in self.decode_batch for p in pages]
-                + [(b, q, p) for b in self.prefill_batch for q in self.prefill_len for p in pages])
+        return self.decode_shapes() + [(b, q, p) for b in self.prefill_batch for q in self.prefill_len for p in pages]
+
+    def decode_shapes(self) -> list[tuple[int, int, int]]:
+        """The decode steps' ``(B, Q, P)``: every decode batch size with ``Q = decode_len`` at every page bucket."""
+        return [(b, self.decode_len, p) for b in self.decode_batch for p in self._pages()]
 
     def pick_pages(self, n: int) -> int:
         """The smallest page bucket ≥ ``n`` pages."""

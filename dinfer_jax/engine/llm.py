@@ -31,6 +31,7 @@ from dinfer_jax.engine.structured_rows import StructuredOutputs
 from dinfer_jax.models import Model, load_config, load_model, random_model
 from dinfer_jax.models.engram_lookup import ENGRAM_PLACEMENTS
 from dinfer_jax.models.invariant import CPU_INVARIANT_OPTIONS, DEFAULT_TILE
+from dinfer_jax.models.linear_impl import resolve_linear_impl
 from dinfer_jax.sampling import SamplingParams
 
 DEFAULT_KV_BYTES = 256 * 1024 * 1024
@@ -169,12 +170,21 @@ def check_attention_impl(impl: str) -> None:
                          f"{jax.default_backend()!r}")
 
 
+def _decode_options(given: Mapping[str, str | int | float | bool] | None,
+                    linear_impl: str) -> dict[str, str | int | float | bool]:
+    """The decode programs' extra XLA options (``LLM(decode_compiler_options=...)``): ``given``, or by default
+    Triton's GEMMs off when the FP8 linear kernel (``linear_impl``, resolved) takes the decode steps' linears."""
+    if given is not None:
+        return dict(given)
+    return {"xla_gpu_enable_triton_gemm": False} if linear_impl == "pallas" else {}
+
+
 def check_linear_impl(impl: str, batch_invariant: bool) -> None:
     """ValueError unless the model's ``linear_impl`` can run here: the Mosaic GPU kernel needs a GPU, and the
     batch-invariant mode keeps XLA's tiled products."""
     from dinfer_jax.models.linear_impl import check_linear_impl as check_name
 
-    if check_name(impl) == "pallas":
+    if check_name(impl) == "pallas":   # "auto" resolves to what can run (resolve_linear_impl)
         if jax.default_backend() != "gpu":
             raise ValueError(f"linear_impl='pallas' (the Mosaic GPU FP8 linear kernel) needs a GPU; the backend is "
                              f"{jax.default_backend()!r}")
@@ -340,6 +350,12 @@ class LLM:
             slower on the H200; level 1 (no result checks) saved 30 s of 182 at equal speed
             (``docs/perf/serving_h200.md``). Checked at start (ValueError naming an option XLA rejects); default:
             XLA's own.
+        decode_compiler_options: options added to ``compiler_options`` for the decode steps' programs only. Default
+            (None): ``{"xla_gpu_enable_triton_gemm": False}`` when the FP8 linear kernel serves decode (a GPU, the
+            one-device engine, ``Model.linear_impl`` "auto" or "pallas"): the GEMMs left to XLA in a decode step
+            are then cuBLAS calls, faster there than Triton's and not autotuned, which shortens the warm-up; prefill
+            keeps Triton (measured: ``docs/perf/serving_h200.md``). ``{}``: the decode steps use
+            ``compiler_options`` alone.
         yoco / yoco_keep: V4.1 SWA bounded replay (DeepInfer's YOCO prefill truncation, ``docs/yoco.md``):
             ``"off"`` (default, exact), ``"mask"``: from the first YOCO layer on, the window keys a prefill sees
             are cut to the last ``yoco_keep`` tokens of the sequence's prefill (chunked or not), so a request's
@@ -369,7 +385,8 @@ class LLM:
                  eplb_interval: int | None = None, tokenizer: str | Path | Any | None = None,
                  structured_timeout_s: float = 20.0, engram_tables: str = "device",
                  compiler_options: Mapping[str, str | int | float | bool] | None = None, yoco: str = "off",
-                 yoco_keep: int = 140, batch_invariant: bool = False, launch_thread: bool | None = None):
+                 yoco_keep: int = 140, batch_invariant: bool = False, launch_thread: bool | None = None,
+                 decode_compiler_options: Mapping[str, str | int | float | bool] | None = None):
         _enable_compilation_cache()
         options = compiler_options_key(compiler_options)
         if attention not in ("auto", "sparse", "dense"):
@@ -388,6 +405,10 @@ class LLM:
         self.speculative = _check_speculative(self.model, speculative, num_speculative_tokens)
         check_mhc_impl(self.model.mhc_impl)
         check_linear_impl(self.model.linear_impl, bool(batch_invariant))
+        self.model = dataclasses.replace(self.model, linear_impl=resolve_linear_impl(
+            self.model.linear_impl, bool(batch_invariant), one_device))
+        decode_options = compiler_options_key({**dict(options), **_decode_options(
+            decode_compiler_options, self.model.linear_impl)})
         check_attention_impl(self.model.attention_impl)
         if num_redundant_experts is not None and ep_size < 2:
             raise ValueError(f"num_redundant_experts (EPLB) needs expert parallelism: ep_size > 1, got {ep_size}")
@@ -405,6 +426,7 @@ class LLM:
         self.yoco = yoco
         if self.batch_invariant_tile and jax.default_backend() == "cpu":
             options = compiler_options_key({**dict(options), **CPU_INVARIANT_OPTIONS})
+            decode_options = compiler_options_key({**dict(decode_options), **CPU_INVARIANT_OPTIONS})
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 4096))
         ratios = [r for r in cfg.compress_ratios if r] or [1]
         lcm = int(np.lcm.reduce(ratios))
@@ -452,6 +474,7 @@ class LLM:
                                                                    num_speculative_tokens=k, attention=attention,
                                                                    engram_tables=engram_tables,
                                                                    compiler_options=options,
+                                                                   decode_compiler_options=decode_options,
                                                                    yoco_keep=self.yoco_keep,
                                                                    batch_invariant=self.batch_invariant_tile,
                                                                    yoco_compact=yoco == "compact")

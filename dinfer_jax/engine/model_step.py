@@ -22,6 +22,7 @@ from dinfer_jax.models.engram_lookup import EngramLookup, EngramState
 from dinfer_jax.models.invariant import batch_invariant as invariant_tracing
 from dinfer_jax.models.layers import LayerOptions
 from dinfer_jax.models.linear_impl import linear_impl as linear_impl_scope
+from dinfer_jax.models.linear_impl import resolve_linear_impl
 from dinfer_jax.models.step_state import ModelCache, StepInput
 
 
@@ -77,7 +78,7 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
     ``linear_impl``: the FP8 linears' implementation (:mod:`dinfer_jax.models.linear_impl`: ``"xla"`` or the
     Mosaic GPU kernel, ``"pallas"``).
     """
-    with invariant_tracing(batch_invariant), linear_impl_scope(linear_impl):
+    with invariant_tracing(batch_invariant), linear_impl_scope(resolve_linear_impl(linear_impl, bool(batch_invariant))):
         return _model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn,
                            engram=engram, ep_manual=ep_manual, cp_manual=cp_manual, copies_manual=copies_manual,
                            return_carry=return_carry, attention=attention, attention_impl=attention_impl,

@@ -27,10 +27,12 @@ import numpy as np
 from dinfer_jax.engine.buckets import Buckets, pages_needed
 from dinfer_jax.engine.compile_pool import (
     CompilerOptions,
-    compile_all,
+    CompileTiming,
+    LoweringJob,
     default_compile_threads,
     default_staged,
     first_of_each,
+    lower_then_compile,
 )
 from dinfer_jax.engine.kv_cache import CacheConfig, init_cache
 from dinfer_jax.engine.model_step import _engram_rows_device, model_step
@@ -86,7 +88,8 @@ class ModelRunner:
     def __init__(self, model: Model, cache_config: CacheConfig, max_model_len: int, buckets: Buckets,
                  max_logprobs: int = 0, speculative: str | None = None, num_speculative_tokens: int = 0,
                  attention: str = "auto", engram_tables: str = "device", compiler_options: CompilerOptions = (),
-                 yoco_keep: int | None = None, batch_invariant: int = 0, yoco_compact: bool = False):
+                 yoco_keep: int | None = None, batch_invariant: int = 0, yoco_compact: bool = False,
+                 decode_compiler_options: CompilerOptions | None = None):
         self.cfg = model.config
         self.yoco_keep = yoco_keep  # V4.1 yoco="mask"/"compact": rows carry their window floor (fill_step_inputs)
         if yoco_compact and yoco_keep is None:
@@ -95,9 +98,13 @@ class ModelRunner:
         self.yoco_compact = yoco_compact
         self.yoco_skip_steps = 0  # prefill steps that ran so (LLM.metrics()["yoco_skipped_steps"])
         self._programs = step_programs(compiler_options)
+        # decode buckets may compile with other XLA options (LLM decode_compiler_options; None: the same)
+        self._decode_programs = step_programs(compiler_options if decode_compiler_options is None
+                                              else decode_compiler_options)
         self.cache_config = cache_config
         self.max_pages = math.ceil(max_model_len / cache_config.block_size)
         self.buckets = buckets.resolve(self.max_pages, cache_config.block_size)
+        self._decode_shapes = set(self.buckets.decode_shapes())
         self.max_rows = max(max(buckets.decode_batch), max(buckets.prefill_batch))
         self.max_logprobs = max_logprobs
         self.cache = init_cache(self.cfg, cache_config, model.dtype)
@@ -110,6 +117,7 @@ class ModelRunner:
         self.compiled_samplers: set[tuple[int, bool, bool]] = set()  # (batch, use_filters, all_greedy)
         self.num_compilations = 0  # compilations this runner's calls caused (shared steps: see _CompileCounter)
         self.launch_seconds = 0.0  # host time inside the jitted step calls of dispatch (argument transfer, launch)
+        self.warmup_timings: tuple[CompileTiming, ...] = ()  # per program of the last threaded warm-up, lowering order
         self._forward_static, self._engram = step_statics(model, attention, engram_tables, batch_invariant)
         self._sample_static = {"max_rows": self.max_rows, "batch_invariant": batch_invariant}
         self._static = {**self._forward_static, "max_rows": self.max_rows}  # the speculative step also samples
@@ -138,13 +146,14 @@ class ModelRunner:
         """Compile every bucket, then run each once on an all-padding batch (writes nothing). Returns seconds
         spent. The programs are compiled ahead of time on ``compile_threads`` threads (default
         :func:`default_compile_threads`; 1 compiles each bucket by running it, one after another), so the runs
-        find them in jax's compilation cache. ``staged`` (default :func:`default_staged`: on a GPU) compiles one
-        program of each ``(rows, tokens)`` shape first and the other page-table widths after
-        (:func:`first_of_each`: XLA's autotuning results are then reused instead of recomputed). ``progress`` draws
-        a bar over the programs."""
+        find them in jax's compilation cache: lowered one after another, each compiled as soon as it is lowered
+        (:func:`lower_then_compile`), one program of each ``(rows, tokens)`` shape first. ``staged`` (default
+        :func:`default_staged`: on a GPU) makes the other page-table widths of a shape compile after its first
+        (XLA's autotuning results are then reused instead of recomputed). Per-program times:
+        :attr:`warmup_timings`. ``progress`` draws a bar over the programs."""
         t0 = time.perf_counter()
         shapes = list(self.buckets.shapes())
-        n_decode = len(self.buckets.decode_batch) * len(self.buckets.pages)  # shapes() lists decode first
+        n_decode = len(self.buckets.decode_shapes())  # shapes() lists decode first
         # (shape, decode, yoco_skip) of every model program: yoco="compact" adds each prefill shape's skip variant
         programs = [(shape, idx < n_decode, False) for idx, shape in enumerate(shapes)]
         programs += [(shape, False, True) for shape in shapes[n_decode:] if self.yoco_compact]
@@ -153,16 +162,14 @@ class ModelRunner:
         threads = default_compile_threads() if compile_threads is None else compile_threads
         with PhaseProgress("compile buckets", len(programs) + len(samplers), enabled=progress) as bar:
             if threads > 1:
-                jobs = [functools.partial(self._lower_step, *prog) for prog in programs]
-                jobs += [functools.partial(self._lower_sampler, *s) for s in samplers]
-                compiles = [lambda j=j: j().compile() for j in jobs]
-                if default_staged() if staged is None else staged:
-                    keys = [(b, q, decode, skip) for (b, q, _), decode, skip in programs] + samplers
-                    waves = first_of_each(keys)
-                else:
-                    waves = (list(range(len(compiles))), [])
-                for wave in waves:
-                    compile_all([compiles[i] for i in wave], threads, on_done=bar.advance)
+                jobs = [LoweringJob(_program_name(*prog), functools.partial(self._lower_step, *prog),
+                                    (prog[0][:2], prog[1], prog[2])) for prog in programs]
+                first, rest = first_of_each([job.key for job in jobs])   # the autotuning compiles start first
+                jobs = [jobs[i] for i in first + rest]
+                jobs += [LoweringJob(_sampler_name(*smp), functools.partial(self._lower_sampler, *smp), smp)
+                         for smp in samplers]   # last: short compiles
+                staged = default_staged() if staged is None else staged
+                self.warmup_timings = tuple(lower_then_compile(jobs, threads, staged, on_done=bar.advance))
             for (b, q, p), decode, skip in programs:
                 if self.spec is not None:
                     inp, feed = self._empty_inputs(b, q, p)
@@ -186,8 +193,12 @@ class ModelRunner:
         inp, feed = self._empty_inputs(b, q, p)
         if self.spec is not None:
             args, kw = self._spec_args(inp, feed, self._sampling([], [], [], b), decode, *self._spec_extra(b))
-            return self._programs.step_spec.lower(*args, **kw)
-        return self._programs.forward.lower(*self._forward_args(inp, feed), **self._forward_kw(yoco_skip))
+            return self._programs_for(decode).step_spec.lower(*args, **kw)
+        forward = self._programs_for(shape in self._decode_shapes).forward   # as _forward picks it
+        return forward.lower(*self._forward_args(inp, feed), **self._forward_kw(yoco_skip))
+
+    def _programs_for(self, decode: bool) -> StepPrograms:
+        return self._decode_programs if decode else self._programs
 
     def _forward_kw(self, yoco_skip: bool) -> dict[str, Any]:
         return {**self._forward_static, "yoco_skip": True} if yoco_skip else self._forward_static
@@ -242,8 +253,9 @@ class ModelRunner:
     def _forward(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray],
                  shape: tuple[int, int, int], yoco_skip: bool = False) -> tuple[jax.Array, Any]:
         key = (*shape, "yoco_skip") if yoco_skip else shape
-        with _CompileCounter(self, self._programs.forward, key):
-            return self._programs.forward(*self._forward_args(inp, feed), **self._forward_kw(yoco_skip))
+        forward = self._programs_for(shape in self._decode_shapes).forward
+        with _CompileCounter(self, forward, key):
+            return forward(*self._forward_args(inp, feed), **self._forward_kw(yoco_skip))
 
     def _sample(self, logits: jax.Array, samp: SamplingTensors, token_mask: Any) -> tuple[jax.Array, Any]:
         key = (logits.shape[0], samp.use_filters, samp.all_greedy)
@@ -259,8 +271,9 @@ class ModelRunner:
                    shape: tuple[int, int, int], decode: bool, ndraft: np.ndarray, next_tok: np.ndarray,
                    sample_mask: np.ndarray, token_masks: Any):
         args, kw = self._spec_args(inp, feed, samp, decode, ndraft, next_tok, sample_mask, token_masks)
-        with _CompileCounter(self, self._programs.step_spec, (*shape, decode)):
-            toks, nacc, logprobs, self.cache, self.spec = self._programs.step_spec(*args, **kw)
+        step_spec = self._programs_for(decode).step_spec
+        with _CompileCounter(self, step_spec, (*shape, decode)):
+            toks, nacc, logprobs, self.cache, self.spec = step_spec(*args, **kw)
         return toks, nacc, logprobs
 
     def _empty_inputs(self, b: int, q: int, p: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -613,3 +626,13 @@ class _CompileCounter:
     def __exit__(self, *exc: Any) -> None:
         grown = (self.size() - self.before) if callable(self.size) else int(self.new)
         self.runner.num_compilations += grown
+
+
+def _program_name(shape: tuple[int, int, int], decode: bool, yoco_skip: bool) -> str:
+    b, q, p = shape
+    kind = "decode" if decode else "prefill"
+    return f"{kind} [{b}, {q}] pages {p}" + (" yoco-skip" if yoco_skip else "")
+
+
+def _sampler_name(b: int, use_filters: bool, all_greedy: bool) -> str:
+    return f"sampler [{b}] " + ("greedy" if all_greedy else "filters" if use_filters else "draw")

@@ -59,8 +59,9 @@ class Model:
     Sinkhorn's implementation in every forward and serving step (:func:`~dinfer_jax.models.mhc.sinkhorn`:
     ``"auto"``: the Mosaic GPU kernel on a GPU, XLA elsewhere; ``"jnp"``; or ``"pallas"``, the kernel; set it with
     ``dataclasses.replace``). ``linear_impl``: the FP8 linears in the serving steps
-    (:mod:`~dinfer_jax.models.linear_impl`: ``"xla"``, the default, or ``"pallas"``, the Mosaic GPU kernel for calls
-    of up to 64 tokens, XLA's GEMM above; ``docs/perf/linear_kernel_h200.md``). ``attention_impl``: what attends to
+    (:mod:`~dinfer_jax.models.linear_impl`: ``"auto"``, the default: the kernel on a GPU in the one-device engine,
+    else XLA; ``"xla"``; or ``"pallas"``, the Mosaic GPU kernel for calls of up to 64 tokens, XLA's GEMM above;
+    ``docs/perf/linear_kernel_h200.md``). ``attention_impl``: what attends to
     the gathered rows in the serving steps (:func:`~dinfer_jax.models.attention.selected_attention_impl`:
     ``"auto"``, the Mosaic GPU decode-attention kernel for steps of up to 8 queries a row on a GPU and XLA
     elsewhere; ``"jnp"``; or ``"pallas"``, the kernel for every step that gathers rows, prefill chunks included),
@@ -74,7 +75,7 @@ class Model:
     moe_impl: str = "auto"
     engram: EngramRuntime | None = None
     mhc_impl: str = "auto"
-    linear_impl: str = "xla"
+    linear_impl: str = "auto"
     attention_impl: str = "auto"
 
     def options(self, collect: bool = False, yoco: str = "off", yoco_keep: int = 140,

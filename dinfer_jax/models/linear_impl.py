@@ -1,5 +1,6 @@
-"""Which implementation the model's FP8 linears use while a step is traced: XLA's GEMM fusion (``"xla"``, the
-default) or the Mosaic GPU kernel (``"pallas"``, :mod:`pallas_kernels.linear`).
+"""Which implementation the model's FP8 linears use while a step is traced: XLA's GEMM fusion (``"xla"``) or the
+Mosaic GPU kernel (``"pallas"``, :mod:`pallas_kernels.linear`); ``"auto"`` (the engine's default) is the kernel on a
+GPU and XLA elsewhere (:func:`resolve_linear_impl`).
 
 The setting is held in a context variable for the duration of tracing (as the batch-invariant tile is,
 :mod:`dinfer_jax.models.invariant`), so :func:`dinfer_jax.models.ops.linear` reads it without every projection's
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 
 from dinfer_jax.models.qweights import QuantizedWeight
 
-LINEAR_IMPLS = ("xla", "pallas")
+LINEAR_IMPLS = ("auto", "xla", "pallas")
 _IMPL: contextvars.ContextVar[str] = contextvars.ContextVar("dinfer_jax_linear_impl", default="xla")
 
 
@@ -34,10 +35,21 @@ def check_linear_impl(impl: str) -> str:
     return impl
 
 
+def resolve_linear_impl(impl: str, batch_invariant: bool = False, one_device: bool = True) -> str:
+    """``"xla"`` or ``"pallas"`` for a setting: ``"auto"`` is the kernel on a GPU, for the one-device engine and
+    outside the batch-invariant mode (whose products XLA tiles at fixed shapes), else XLA. On the H200 the kernel
+    makes a real-dimension decode step 3-7% faster and prefill (XLA's GEMM above 64 tokens) is unchanged
+    (``docs/perf/linear_kernel_h200.md``); it has not been run under the mesh engines' ``shard_map``."""
+    if check_linear_impl(impl) != "auto":
+        return impl
+    return "pallas" if jax.default_backend() == "gpu" and one_device and not batch_invariant else "xla"
+
+
 @contextlib.contextmanager
 def linear_impl(impl: str) -> Iterator[None]:
-    """Trace the enclosed model code with the FP8 linears on ``impl``."""
-    token = _IMPL.set(check_linear_impl(impl))
+    """Trace the enclosed model code with the FP8 linears on ``impl`` (``"auto"``: :func:`resolve_linear_impl`
+    for a one-device, not batch-invariant step)."""
+    token = _IMPL.set(resolve_linear_impl(impl))
     try:
         yield
     finally:
@@ -72,4 +84,5 @@ def kernel_linear(x: jax.Array, w: QuantizedWeight, config) -> jax.Array:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-__all__ = ["LINEAR_IMPLS", "check_linear_impl", "kernel_config", "kernel_linear", "linear_impl"]
+__all__ = ["LINEAR_IMPLS", "check_linear_impl", "kernel_config", "kernel_linear", "linear_impl",
+           "resolve_linear_impl"]
