@@ -22,13 +22,16 @@
 #                 with Model.attention_impl="pallas" (the decode kernel also attends prefill chunks' gathered rows;
 #                 1.25x faster than XLA per chunk in bench_kernels.py prefill-attention) against the default:
 #                 prefill tok/s, warm-up, decode (V4.1 runs need --engram-vocab on the 128 GB host);
+#   STAGE=warmup  issue 8: the 4-layer V4-Flash slice with this session's defaults (FP8 linear kernel for decode,
+#                 Triton kept for V4's decode; pipelined warm-up), then V4.1 twice (its prefill tok/s spread), each a
+#                 cold warm-up with the per-program lowering/compile table;
 #   STAGE=index-sweep  the indexer kernel's tests without the engine cases, and its stages x splits x page-table
 #                 read placement sweep at V4.1-Flash batch 64, 128K context.
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=.95
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, attn, index or index-sweep}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, attn, index or index-sweep}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -65,6 +68,11 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
     cd scripts && for impl in pallas auto; do timeout 280 python3 bench_serving.py --preset $P --layers 4 $E \
       --batch 64 $C --attention-impl $impl --out "$OUT/${P}_$impl" 2>&1 | quiet | grep "^|"; \
       echo "$P attention_impl=$impl"; done ;;
+  warmup)
+    cd scripts && timeout 200 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C \
+      --out "$OUT/v4" 2>&1 | quiet | grep "^|\|^warm-up"
+    for i in 1 2; do timeout 180 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --batch 64 \
+      --engram-vocab 1000000 $C --out "$OUT/v41_$i" 2>&1 | quiet | grep "^|\|^warm-up"; done ;;
   attn)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py 2>&1 \
       | grep "^E \|passed\|failed" | head -20

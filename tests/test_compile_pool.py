@@ -264,5 +264,8 @@ def test_decode_options_reach_the_decode_programs_only():
     out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert [len(o.token_ids) for o in out] == [3, 3]
     assert r.num_compilations == compiled, "serving compiled a program the warm-up had not"
-    assert _decode_options(None, "pallas") == {"xla_gpu_enable_triton_gemm": False}
-    assert _decode_options(None, "xla") == {} == _decode_options({}, "pallas")
+    v41, v4 = ("sliding", "shared", "shared"), ("sliding", "csa", "hca")
+    assert _decode_options(None, "pallas", v41) == {"xla_gpu_enable_triton_gemm": False}
+    assert _decode_options(None, "xla", v41) == {} == _decode_options({}, "pallas", v41)
+    assert _decode_options(None, "pallas", v4) == {}
+    assert _decode_options({"xla_gpu_autotune_level": 1}, "pallas", v4) == {"xla_gpu_autotune_level": 1}

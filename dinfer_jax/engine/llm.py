@@ -170,13 +170,22 @@ def check_attention_impl(impl: str) -> None:
                          f"{jax.default_backend()!r}")
 
 
-def _decode_options(given: Mapping[str, str | int | float | bool] | None,
-                    linear_impl: str) -> dict[str, str | int | float | bool]:
+# layer kinds whose decode steps were measured faster with Triton's GEMMs off once the FP8 kernel takes the linears
+# (V4.1-Flash slice: sliding + shared, 8.1 vs 8.6 ms); a V4-Flash slice (sliding, CSA, HCA) was slower (8.1 vs
+# 6.5 ms), so models with other kinds keep Triton (docs/perf/serving_h200.md, 2026-12-04 third session)
+TRITON_OFF_DECODE_KINDS = frozenset({"sliding", "shared"})
+
+
+def _decode_options(given: Mapping[str, str | int | float | bool] | None, linear_impl: str,
+                    attn_kinds: tuple[str, ...]) -> dict[str, str | int | float | bool]:
     """The decode programs' extra XLA options (``LLM(decode_compiler_options=...)``): ``given``, or by default
-    Triton's GEMMs off when the FP8 linear kernel (``linear_impl``, resolved) takes the decode steps' linears."""
+    Triton's GEMMs off when the FP8 linear kernel (``linear_impl``, resolved) takes the decode steps' linears and
+    every layer kind is one measured to gain from it (:data:`TRITON_OFF_DECODE_KINDS`)."""
     if given is not None:
         return dict(given)
-    return {"xla_gpu_enable_triton_gemm": False} if linear_impl == "pallas" else {}
+    if linear_impl == "pallas" and set(attn_kinds) <= TRITON_OFF_DECODE_KINDS:
+        return {"xla_gpu_enable_triton_gemm": False}
+    return {}
 
 
 def check_linear_impl(impl: str, batch_invariant: bool) -> None:
@@ -352,10 +361,11 @@ class LLM:
             XLA's own.
         decode_compiler_options: options added to ``compiler_options`` for the decode steps' programs only. Default
             (None): ``{"xla_gpu_enable_triton_gemm": False}`` when the FP8 linear kernel serves decode (a GPU, the
-            one-device engine, ``Model.linear_impl`` "auto" or "pallas"): the GEMMs left to XLA in a decode step
-            are then cuBLAS calls, faster there than Triton's and not autotuned, which shortens the warm-up; prefill
-            keeps Triton (measured: ``docs/perf/serving_h200.md``). ``{}``: the decode steps use
-            ``compiler_options`` alone.
+            one-device engine, ``Model.linear_impl`` "auto" or "pallas") and the model's layers are sliding-window
+            or shared-KV ones (V4.1): its decode GEMMs left to XLA then run as cuBLAS calls, faster there than
+            Triton's and not autotuned, which shortens the warm-up; V4's CSA/HCA layers measured slower so, and
+            prefill keeps Triton (``docs/perf/serving_h200.md``). ``{}``: the decode steps use ``compiler_options``
+            alone.
         yoco / yoco_keep: V4.1 SWA bounded replay (DeepInfer's YOCO prefill truncation, ``docs/yoco.md``):
             ``"off"`` (default, exact), ``"mask"``: from the first YOCO layer on, the window keys a prefill sees
             are cut to the last ``yoco_keep`` tokens of the sequence's prefill (chunked or not), so a request's
@@ -408,7 +418,7 @@ class LLM:
         self.model = dataclasses.replace(self.model, linear_impl=resolve_linear_impl(
             self.model.linear_impl, bool(batch_invariant), one_device))
         decode_options = compiler_options_key({**dict(options), **_decode_options(
-            decode_compiler_options, self.model.linear_impl)})
+            decode_compiler_options, self.model.linear_impl, self.model.config.attn_kinds)})
         check_attention_impl(self.model.attention_impl)
         if num_redundant_experts is not None and ep_size < 2:
             raise ValueError(f"num_redundant_experts (EPLB) needs expert parallelism: ep_size > 1, got {ep_size}")
