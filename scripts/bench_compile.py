@@ -15,6 +15,7 @@ import argparse
 import functools
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,6 +50,20 @@ def first_layers(base: ModelConfig, n: int, layout: ModelConfig | None = None) -
             engram_layer_ids=eng, engram_num_embeddings=cfg.engram_num_embeddings[:len(eng)],
             dspark_target_layer_ids=keep(cfg.dspark_target_layer_ids))
     return base.replace(**changes)
+
+
+def pick_layers(base: ModelConfig, ids: Sequence[int]) -> ModelConfig:
+    """``base``'s dimensions with the layers ``ids`` of its own structure, in that order (attention kind, compression
+    ratio, hash routing each as in the preset; no MTP / DSpark blocks), e.g. V4-Flash ``(2,)`` for one CSA layer:
+    to time one layer kind's share of a compile. V4.1 (layers that read other layers' caches) is refused."""
+    if base.is_v41:
+        raise ValueError("pick_layers takes V4 presets only: V4.1 layers read KV / index sources of other layers")
+    if not ids or any(not 0 <= i < base.num_layers for i in ids):
+        raise ValueError(f"layer ids {tuple(ids)} must be non-empty and within 0..{base.num_layers - 1}")
+    pick = lambda xs: tuple(xs[i] for i in ids)  # noqa: E731
+    return base.replace(num_layers=len(ids), attn_kinds=pick(base.attn_kinds),
+                        compress_ratios=pick(base.compress_ratios), hash_layers=pick(base.hash_layers),
+                        n_mtp_layers=0, mtp_compress_ratios=())
 
 
 def compile_seconds(cfg: ModelConfig, dtype: str, batch: int, q: int, seq: int, block_size: int,

@@ -25,13 +25,16 @@
 #   STAGE=warmup  issue 8: the 4-layer V4-Flash slice with this session's defaults (FP8 linear kernel for decode,
 #                 Triton kept for V4's decode; pipelined warm-up), then V4.1 twice (its prefill tok/s spread), each a
 #                 cold warm-up with the per-program lowering/compile table;
+#   STAGE=compile-kinds  issue 8: decode + prefill compile time of one-kind V4-Flash slices (layer 0 sliding, 2 CSA,
+#                 3 HCA; probe_compile.py --layer-sets), with and without GEMM autotuning: which kind makes V4's
+#                 first programs take ~60 s to compile (V4.1's: ~24 s);
 #   STAGE=index-sweep  the indexer kernel's tests without the engine cases, and its stages x splits x page-table
 #                 read placement sweep at V4.1-Flash batch 64, 128K context.
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=.95
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, attn, index or index-sweep}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index or index-sweep}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -73,6 +76,9 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       --out "$OUT/v4" 2>&1 | quiet | grep "^|\|^warm-up"
     for i in 1 2; do timeout 180 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --batch 64 \
       --engram-vocab 1000000 $C --out "$OUT/v41_$i" 2>&1 | quiet | grep "^|\|^warm-up"; done ;;
+  compile-kinds)
+    for flags in "" "--xla_gpu_autotune_level=0"; do XLA_FLAGS="$flags" timeout 280 python3 scripts/probe_compile.py \
+      --preset deepseek-v4-flash --layer-sets 0 2 3 --no-sinkhorn 2>&1 | quiet | grep "layers\|bucket"; done ;;
   attn)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py 2>&1 \
       | grep "^E \|passed\|failed" | head -20

@@ -9,6 +9,7 @@ times the mHC Sinkhorn normalisation, unrolled (the model's form) against a ``la
 8 sites (a V4-Flash decode step has ~90 mHC sites) on ``[64, 1, 4, 4]`` and on ``[8192, 4, 4]``.
 
     python3 scripts/probe_compile.py --preset deepseek-v4-flash --layers 2 4
+    python3 scripts/probe_compile.py --preset deepseek-v4-flash --layer-sets 0 0,2 0,3 --no-sinkhorn   # per kind
 
 """
 
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.monitoring  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from bench_compile import first_layers  # noqa: E402
+from bench_compile import first_layers, pick_layers  # noqa: E402
 
 from dinfer_jax.engine.model_step import model_step  # noqa: E402
 from dinfer_jax.models import mhc  # noqa: E402
@@ -124,6 +125,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="deepseek-v4-flash")
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--layer-sets", nargs="+", default=None, metavar="IDS",
+                    help="instead of --layers: slices of chosen layers, each a comma list of the preset's layer ids "
+                         "(V4 presets; e.g. 0 0,2 0,3 for sliding only, with a CSA layer, with an HCA layer)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=8192, help="prefill bucket length (0: decode bucket only)")
     ap.add_argument("--block", type=int, default=128)
@@ -157,8 +161,9 @@ def main() -> None:
         base = base.replace(**{field: int(value)})
     pages = -(-max(args.prefill, 4096) // args.block) + 1
     buckets = [(args.batch, 1)] + ([(1, args.prefill)] if args.prefill else [])
-    for n in args.layers:
-        cfg = first_layers(base, n)
+    slices = ([(f"layers {ids}", pick_layers(base, [int(i) for i in ids.split(",")])) for ids in args.layer_sets]
+              if args.layer_sets else [(f"layers {n}", first_layers(base, n)) for n in args.layers])
+    for name, cfg in slices:
         DURATIONS.clear()
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(len(buckets)) as pool:
@@ -167,7 +172,8 @@ def main() -> None:
             results = {bq: f.result() for bq, f in futs.items()}
         wall = time.perf_counter() - t0
         phases = {k: round(v, 1) for k, v in DURATIONS.items()}
-        print(f"layers {n}: wall {wall:.1f} s for {len(buckets)} programs; jax phases (summed) {phases}", flush=True)
+        print(f"{name} ({', '.join(cfg.attn_kinds)}): wall {wall:.1f} s for {len(buckets)} programs; jax phases "
+              f"(summed) {phases}", flush=True)
         for (b, q), r in results.items():
             print(f"  bucket [{b}, {q}]: {r}", flush=True)
 
