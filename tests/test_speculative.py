@@ -124,10 +124,14 @@ def test_greedy_speculative_equals_non_speculative(engines):
     want = [o.token_ids for o in ref_llm.generate(prompts, greedy, use_tqdm=False)]
     for async_ in (False, True):
         spec.configure(async_scheduling=async_)
+        chained = spec.metrics()["spec_chained_rows"]
         outs = spec.generate(prompts, greedy, use_tqdm=False)
         for i, o in enumerate(outs):
             assert o.finish_reason == "length" and len(o.token_ids) == GEN
             assert o.token_ids == want[i], f"{name} async={async_}: prompt {i} (len {len(prompts[i])}) diverges"
+        chained = spec.metrics()["spec_chained_rows"] - chained
+        # the asynchronous loop schedules a request's next row behind its verify row in flight; the sync one never
+        assert (chained > 0) if async_ else (chained == 0), (async_, chained)
     m = spec.metrics()
     assert m["compilations"] == compiled, "compiled outside warm-up"
     assert m["spec_verify_steps"] > 0 and 0 <= m["spec_accepted_tokens"] <= m["spec_draft_tokens"]
@@ -220,3 +224,37 @@ def test_scheduler_runs_reserve_blocks_truncate_at_eos_and_clamp_drafts():
         bad = sched.schedule()
         sched.process_step(bad, [7])
     assert c.num_computed_tokens >= 2
+
+
+def test_scheduler_chains_a_row_behind_a_verify_row_in_flight():
+    """Host bookkeeping of the asynchronous loop (no device): with a verify row in flight in the step just
+    scheduled, the request's next row is chained (start = what the host knows, blocks for the furthest position
+    the device may move it to); processing the verify row moves its start by the accepted drafts and cuts its
+    drafts to the room left, as a row scheduled afterwards would get; no chaining behind an older step."""
+    from dinfer_jax.engine.block_manager import BlockManager, StateSlots
+    from dinfer_jax.engine.scheduler import Scheduler, SchedulerConfig
+
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=4,
+                          num_speculative_tokens=3)
+    sched = Scheduler(cfg, BlockManager(32, 4), StateSlots(3), vocab_size=100)
+    a = sched.add_request("a", [1, 2, 3], SamplingParams(max_tokens=9), eos_token_ids=[99])
+    pre = sched.schedule()
+    chained_pre = sched.schedule()              # behind the prefill row (no drafts to accept: not chained)
+    assert chained_pre.rows[0].input_src == (pre.step_id, 0) and not chained_pre.rows[0].chained
+    assert chained_pre.rows[0].num_drafts == 3  # the prefill step's drafter publishes for the slot
+    assert sched.schedule() is None             # two rows in flight: no third
+    sched.process_step(pre, [10])
+    v1 = chained_pre                            # verify row at position 3 with 3 drafts, in flight
+    row = sched.schedule().rows[0]              # chained behind v1
+    assert row.chained and row.start_pos == 4 and row.draft_room == 9 - 2 - 1 and row.num_drafts == 3
+    assert row.slack == 3 and len(a.block_ids) == -(-(4 + 1 + 3 + 3) // 4)   # reach: position 10
+    sched.process_step(v1, [[11, 12, 13]])      # 2 drafts accepted
+    assert not row.chained and row.start_pos == 6 and a.num_computed_tokens == 7
+    assert row.num_drafts == 3 and row.num_tokens == 4   # room 6 - 2 = 4 ≥ 3 drafts
+    nxt = sched.schedule().rows[0]              # outputs 4 known + 1 in flight: room 9 - 5 - 1 = 3
+    assert nxt.chained and nxt.draft_room == 3 and nxt.num_drafts == 3 and nxt.slack == 0
+    sched.process_step(sched._inflight[0], [[14, 15, 16, 17]])   # row accepts all 3: shift 3, room 3 - 3 = 0
+    assert nxt.start_pos == 10 and nxt.num_drafts == 0 and nxt.num_tokens == 1
+    assert a.output_token_ids == [10, 11, 12, 13, 14, 15, 16, 17]
+    sched.process_step(sched._inflight[0], [18])
+    assert a.finish_reason == "length" and a.output_token_ids[-1] == 18 and len(a.output_token_ids) == 9

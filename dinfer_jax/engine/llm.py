@@ -75,6 +75,9 @@ class EngineMetrics:
     spec_draft_tokens: int = 0  # drafts verified (sum of the verify rows' draft counts)
     spec_accepted_tokens: int = 0  # of those, accepted by the target
     spec_verify_steps: int = 0  # verify rows: (request, decode step) pairs that verified at least one draft
+    # decode rows scheduled behind their request's verify row still in flight (asynchronous loop): the device
+    # moved their start by the drafts that row accepted (ScheduledRow.chained)
+    spec_chained_rows: int = 0
     # host time of the generate loop by phase (the device runs meanwhile under async scheduling): choosing the
     # next step, building its inputs and launching it (of which the jitted call itself: the runner's
     # launch_seconds), and folding a finished step's tokens back into the requests
@@ -703,6 +706,7 @@ class LLM:
             if step is not None:
                 if idle_since is not None:  # the device had finished everything queued; it waited until now
                     m.device_waited_for_host_seconds += t_disp - idle_since
+                m.spec_chained_rows += sum(r.chained for r in step.rows)
                 structured = any_structured and so.needs_masks(step, by_id)
                 spec_masks = None
                 if structured and self.speculative:

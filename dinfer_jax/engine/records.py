@@ -88,6 +88,10 @@ class Sequence:
     last_sample_src: tuple[int, int] | None = None
     # speculative decoding: the drafter has published drafts for this admission in the sequence's state slot
     has_drafts: bool = False
+    # speculative decoding: drafts verified by the newest in-flight sampling row (0 for a prefill row), and the row
+    # scheduled behind an in-flight verify row whose start waits for that row's accepted count (see ScheduledRow)
+    inflight_drafts: int = 0
+    chained_row: ScheduledRow | None = None
     # False: a preemption ends the request ("preempted") even under preemption_mode="recompute" (structured
     # outputs: their grammar state is not replayed, as in DeepInfer)
     recomputable: bool = True
@@ -166,6 +170,15 @@ class ScheduledRow:
     num_drafts: int = 0
     next_token: int = 0
     accepted_tokens: list[int] | None = None
+    # speculative decoding, asynchronous loop: a decode row scheduled while the sequence's verify row (in the step
+    # just before) is in flight. Its true start is ``start_pos`` plus the drafts that row accepts (s), and it
+    # verifies ``min(num_drafts, draft_room − s)`` drafts, as it would once the host knew s: the device applies both
+    # (engine.md §4, DeepInfer's ZOS correction). ``slack``: how far past ``end_pos`` its positions may reach (the
+    # blocks and page table cover it). Processing the earlier row fixes ``start_pos`` / ``num_drafts`` on the host
+    # and clears ``chained``.
+    chained: bool = False
+    slack: int = 0
+    draft_room: int = 0
 
     @property
     def request_id(self) -> Any:

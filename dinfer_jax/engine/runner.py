@@ -129,14 +129,15 @@ class ModelRunner:
                 raise ValueError(f"speculative decode buckets need decode_len = 1 + {self.k}")
             self.spec = init_spec_state(self.cfg, cache_config, self.k, model.dtype, speculative)
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
+        self._prev_nacc = jnp.zeros((self.max_rows,), jnp.int32)  # speculative: the last step's accepted drafts
         # Host-placed Engram tables are committed to a device (a memory kind needs a sharding), which commits every
         # output of the steps that read them; the state fed back (cache, previous tokens, drafter state) and the
         # sampler's warm-up logits are committed from the start, so warm-up compiles what serving runs.
         self._commit = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
                         if self.cfg.engram_layer_ids and engram_tables != "device" else None)
         if self._commit is not None:
-            self.cache, self._prev_tokens, self.spec = jax.device_put((self.cache, self._prev_tokens, self.spec),
-                                                                      self._commit)
+            self.cache, self._prev_tokens, self._prev_nacc, self.spec = jax.device_put(
+                (self.cache, self._prev_tokens, self._prev_nacc, self.spec), self._commit)
         self._prev_step_id: int | None = None
         self.mask_words = mask_words(self.cfg.vocab_size)
         self._full_masks: dict[Any, jax.Array] = {}  # b or (b, "spec") -> all-allowed masks kept on the device
@@ -209,10 +210,11 @@ class ModelRunner:
 
     def _spec_args(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any, decode: bool,
                    ndraft: np.ndarray, next_tok: np.ndarray, sample_mask: np.ndarray,
-                   token_masks: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                   token_masks: Any, chain_row: np.ndarray,
+                   chain_room: np.ndarray) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Arguments of the speculative program (``StepPrograms.step_spec``): ``(positional, keyword)``."""
         return ((self.params, self.cache, self.spec, StepInput(**inp), InFlight(**feed), self._prev_tokens, samp,
-                 self._engram, ndraft, next_tok, sample_mask, token_masks),
+                 self._engram, ndraft, next_tok, sample_mask, token_masks, self._prev_nacc, chain_row, chain_room),
                 dict(k=self.k, method=self.speculative, decode=decode, **self._static))
 
     def _sampler_args(self, b: int, use_filters: bool,
@@ -262,15 +264,18 @@ class ModelRunner:
         with _CompileCounter(self, self._programs.sample, key, self.compiled_samplers):
             return self._programs.sample(logits, samp, token_mask, **self._sample_static)
 
-    def _spec_extra(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, jax.Array]:
-        """Speculative per-row inputs: drafts to verify, next token of a prefill chunk, rows that sample, and the
-        token masks of the verified positions (all allowed)."""
-        return np.zeros((b,), np.int32), np.zeros((b,), np.int32), np.zeros((b,), bool), self.full_spec_masks(b)
+    def _spec_extra(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, jax.Array, np.ndarray, np.ndarray]:
+        """Speculative per-row inputs: drafts to verify, next token of a prefill chunk, rows that sample, the
+        token masks of the verified positions (all allowed), and for chained rows the previous step's row whose
+        accepted drafts move their start (-1: none) and their draft room (``ScheduledRow.draft_room``)."""
+        return (np.zeros((b,), np.int32), np.zeros((b,), np.int32), np.zeros((b,), bool), self.full_spec_masks(b),
+                np.full((b,), -1, np.int32), np.zeros((b,), np.int32))
 
     def _call_spec(self, inp: dict[str, np.ndarray], feed: dict[str, np.ndarray], samp: Any,
                    shape: tuple[int, int, int], decode: bool, ndraft: np.ndarray, next_tok: np.ndarray,
-                   sample_mask: np.ndarray, token_masks: Any):
-        args, kw = self._spec_args(inp, feed, samp, decode, ndraft, next_tok, sample_mask, token_masks)
+                   sample_mask: np.ndarray, token_masks: Any, chain_row: np.ndarray, chain_room: np.ndarray):
+        args, kw = self._spec_args(inp, feed, samp, decode, ndraft, next_tok, sample_mask, token_masks, chain_row,
+                                   chain_room)
         step_spec = self._programs_for(decode).step_spec
         with _CompileCounter(self, step_spec, (*shape, decode)):
             toks, nacc, logprobs, self.cache, self.spec = step_spec(*args, **kw)
@@ -311,23 +316,27 @@ class ModelRunner:
             b = Buckets.pick(self.buckets.prefill_batch, len(rows), "prefill batch")
             q = Buckets.pick(self.buckets.prefill_len, max(r.num_tokens for r in rows), "prefill chunk")
         bs = self.cache_config.block_size
-        p = self.buckets.pick_pages(pages_needed((r.start_pos + r.num_tokens for r in rows), bs))
+        p = self.buckets.pick_pages(pages_needed((r.start_pos + r.num_tokens + (r.slack if r.chained else 0)
+                                                  for r in rows), bs))
         inp, feed = fill_step_inputs(step, b, q, p, bs, self._prev_step_id, self.yoco_keep)
         sampling = self._sampling(params, seeds, [r.end_pos for r in rows], b)
         if self.spec is not None:
             extra = self._spec_extra(b)
             for i, r in enumerate(rows):
                 extra[0][i], extra[1][i], extra[2][i] = r.num_drafts, r.next_token, r.sample
+                if r.chained:
+                    extra[4][i], extra[5][i] = r.input_src[1], r.draft_room
             if spec_masks is not None:
                 masks = np.full((b, 1 + self.k, self.mask_words), -1, np.int32)
                 masks[: len(rows)] = spec_masks
-                extra = (*extra[:3], jax.device_put(masks))  # a device array like the warm-up's: same program
+                extra = (*extra[:3], jax.device_put(masks), *extra[4:])  # a device array like the warm-up's
             decode = step.kind == "decode"
             t0 = time.perf_counter()
             toks, nacc, logprobs = self._call_spec(inp, feed, sampling, (b, q, p), decode, *extra)
             self.launch_seconds += time.perf_counter() - t0
-            first = toks[:, 0] if decode else toks
-            self._prev_tokens, self._prev_step_id = first, step.step_id
+            # what the next step's in-flight rows read: each row's last emitted token and its accepted drafts
+            first = jnp.take_along_axis(toks, nacc[:, None], axis=1)[:, 0] if decode else toks
+            self._prev_tokens, self._prev_nacc, self._prev_step_id = first, nacc, step.step_id
             return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p), nacc if decode else None)
         # yoco="compact": no row reaches its kept suffix [prefill_len − keep, prefill_len) (the scheduler cuts a
         # prompt's chunks at that floor), so the YOCO region only writes its sources' rows
@@ -415,10 +424,12 @@ def fill_step_inputs(step: ScheduledStep, b: int, q: int, p: int, block_size: in
     inp["last"][:n] = count - 1
     if yoco_keep is not None:
         inp["window_floor"][:n] = np.fromiter((max(0, r.seq.prefill_len - yoco_keep) for r in rows), np.int32, n)
-    need = -(-(start.astype(np.int64) + count) // block_size)
+    # a chained row's start may move up by its slack on the device: its page table covers that
+    reach = start.astype(np.int64) + count + np.fromiter((r.slack if r.chained else 0 for r in rows), np.int64, n)
+    need = -(-reach // block_size)
     for i, r in enumerate(rows):
         if len(r.block_ids) < need[i]:
-            raise RuntimeError(f"row of request {r.request_id} covers positions < {r.start_pos + r.num_tokens} "
+            raise RuntimeError(f"row of request {r.request_id} covers positions < {reach[i]} "
                                f"but has {len(r.block_ids)} blocks of {block_size} tokens")
         inp["pages"][i, : need[i]] = r.block_ids[: need[i]]
         if r.token_ids is None:
@@ -499,22 +510,23 @@ def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_t
 
 def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: InFlight,
                       prev_tokens: jax.Array, samp: Any, engram: Any, ndraft: jax.Array, next_tok: jax.Array,
-                      sample_mask: jax.Array, token_masks: jax.Array, *, cfg: Any, dtype: str, moe_impl: str,
-                      engram_fn: Any, attention: str,
+                      sample_mask: jax.Array, token_masks: jax.Array, prev_nacc: jax.Array, chain_row: jax.Array,
+                      chain_room: jax.Array, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, attention: str,
                       max_rows: int, k: int, decode: bool, method: str, mhc_impl: str = "auto",
                       linear_impl: str = "xla", attention_impl: str = "auto"):
     """:func:`_step_spec` with the FP8 linears of the model and the drafter on ``linear_impl``
     (:mod:`dinfer_jax.models.linear_impl`)."""
     with linear_impl_scope(linear_impl):
         return _step_spec(params, cache, spec, inp, feed, prev_tokens, samp, engram, ndraft, next_tok, sample_mask,
-                          token_masks, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn,
-                          attention=attention, max_rows=max_rows, k=k, decode=decode, method=method,
-                          mhc_impl=mhc_impl, attention_impl=attention_impl)
+                          token_masks, prev_nacc, chain_row, chain_room, cfg=cfg, dtype=dtype, moe_impl=moe_impl,
+                          engram_fn=engram_fn, attention=attention, max_rows=max_rows, k=k, decode=decode,
+                          method=method, mhc_impl=mhc_impl, attention_impl=attention_impl)
 
 
 def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: InFlight,
                prev_tokens: jax.Array, samp: Any, engram: Any, ndraft: jax.Array, next_tok: jax.Array,
-               sample_mask: jax.Array, token_masks: jax.Array, *, cfg: Any, dtype: str, moe_impl: str,
+               sample_mask: jax.Array, token_masks: jax.Array, prev_nacc: jax.Array, chain_row: jax.Array,
+               chain_room: jax.Array, *, cfg: Any, dtype: str, moe_impl: str,
                engram_fn: Any, attention: str, max_rows: int, k: int, decode: bool, method: str,
                mhc_impl: str = "auto", attention_impl: str = "auto"):
     """Traced step with speculative decoding (V4 MTP drafter, ``engine/speculative.py``).
@@ -527,7 +539,17 @@ def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: I
     publish drafts. Returns ``(tokens [max_rows], zeros, logprobs, cache, spec)``.
     ``token_masks [B, 1+k, ceil(V/32)]`` int32 (structured outputs): the target's logits at verified position j
     are masked before verification (a draft the grammar forbids is rejected); prefill rows use position 0.
+    ``chain_row [B]`` (-1: none): a decode row scheduled behind the previous step's verify row ``chain_row`` starts
+    ``shift = prev_nacc[chain_row]`` positions later than the host knew (the drafts that row accepted; its input
+    token, read through ``feed``, is that row's last emitted one) and verifies ``min(ndraft, chain_room − shift)``
+    drafts (``chain_room [B]``: its room for emitted tokens before the shift), as it would have once the host knew.
     """
+    chained = chain_row >= 0
+    shift = jnp.where(chained, prev_nacc[jnp.maximum(chain_row, 0)], 0)
+    ndraft = jnp.where(chained, jnp.clip(chain_room - shift, 0, ndraft), ndraft)
+    n = jnp.where(chained & (inp.n > 0), 1 + ndraft, inp.n)
+    inp = dataclasses.replace(inp, start=inp.start + shift, n=n, last=jnp.where(chained, jnp.maximum(n - 1, 0),
+                                                                                   inp.last))
     first = jnp.where(feed.use_prev, prev_tokens[feed.prev_row], inp.tokens[:, 0])
     tokens = inp.tokens.at[:, 0].set(first)
     B, Q = tokens.shape

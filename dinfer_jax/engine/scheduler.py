@@ -317,8 +317,8 @@ class Scheduler:
         decodable = [s for s in self.running if self._can_decode(s)]
         if self.config.num_speculative_tokens:
             # a sequence whose row is in flight does not know its next position (the row may accept drafts): it
-            # waits for that row to be processed (under async scheduling it verifies every other step)
-            decodable = [s for s in decodable if not s.num_inflight]
+            # continues only behind a row of the step just scheduled, its start corrected on the device
+            decodable = [s for s in decodable if not s.num_inflight or self._can_chain(s)]
         step: ScheduledStep | None = None
         tried_prefill = False
         if self.prefilling or self.waiting:
@@ -356,6 +356,19 @@ class Scheduler:
         if seq.max_tokens is not None and seq.num_output_tokens_total >= seq.max_tokens:
             return False
         return seq.num_tokens_total < self.config.max_model_len
+
+    def _can_chain(self, seq: Sequence) -> bool:
+        """Whether ``seq``, with a sampling row in flight, may get a decode row now (speculative decoding): only
+        behind one row, of the step scheduled last (the device reads that step's outputs), and only if every
+        position the new row can reach — its start moves up by the drafts the in-flight row accepts — stays inside
+        ``max_model_len`` and the in-flight row cannot end the request by length."""
+        src = seq.last_sample_src
+        if seq.num_inflight != 1 or src is None or src[0] != self._next_step_id - 1:
+            return False
+        worst = seq.num_tokens_total + seq.inflight_drafts      # tokens known once the in-flight run is all accepted
+        if worst >= self.config.max_model_len:
+            return False
+        return seq.max_tokens is None or seq.num_output_tokens_total + seq.inflight_drafts < seq.max_tokens
 
     def _new_step(self, kind: str, rows: list[ScheduledRow]) -> ScheduledStep:
         step = ScheduledStep(self._next_step_id, kind, rows)  # type: ignore[arg-type]
@@ -457,6 +470,7 @@ class Scheduler:
         seq.num_computed_tokens = end
         if sample:
             seq.num_inflight += 1
+            seq.inflight_drafts = 0
         return row
 
     # ----------------------------------------------------------------- decode
@@ -474,8 +488,8 @@ class Scheduler:
         while lo < hi:
             seq = order[lo]
             lo += 1
-            need = bm.blocks_for(seq.num_computed_tokens + 1 + self._num_drafts(seq)) - len(seq.block_ids)
-            assert 0 <= need <= 1 + self.config.num_speculative_tokens, need
+            need = bm.blocks_for(seq.num_computed_tokens + 1 + self._reach(seq)) - len(seq.block_ids)
+            assert 0 <= need <= 2 + 2 * self.config.num_speculative_tokens, need
             if need:
                 if bm.num_free < need and soon_free >= need:
                     soon_free -= need  # wait one step for the lagging release
@@ -503,24 +517,50 @@ class Scheduler:
             else:
                 assert pos == seq.num_tokens_total - 1 and seq.last_sample_src is not None
                 tokens, src = None, seq.last_sample_src
-            nd = self._num_drafts(seq)
-            rows.append(ScheduledRow(seq=seq, start_pos=pos, num_tokens=1 + nd, token_ids=tokens, sample=True,
-                                     block_ids=list(seq.block_ids), state_slot=seq.state_slot, input_src=src,
-                                     epoch=seq.num_preemptions, num_drafts=nd))
+            nd, shift = self._num_drafts(seq), self._max_shift(seq)
+            row = ScheduledRow(seq=seq, start_pos=pos, num_tokens=1 + nd, token_ids=tokens, sample=True,
+                               block_ids=list(seq.block_ids), state_slot=seq.state_slot, input_src=src,
+                               epoch=seq.num_preemptions, num_drafts=nd, chained=shift > 0,
+                               slack=self._reach(seq) - nd, draft_room=self._draft_room(seq))
+            rows.append(row)
+            if shift:
+                seq.chained_row = row
             seq.num_computed_tokens = pos + 1
             seq.num_inflight += 1
+            seq.inflight_drafts = nd
         return self._new_step("decode", rows)
 
-    def _num_drafts(self, seq: Sequence) -> int:
-        """Drafts a decode row of ``seq`` verifies now: k once the drafter has published drafts for it, fewer
-        where its emitted run (drafts + 1) would pass max_model_len or max_tokens (the positions margin)."""
-        k = self.config.num_speculative_tokens
-        if not k or not seq.has_drafts or seq.num_inflight:
-            return 0
-        room = self.config.max_model_len - 1 - seq.num_tokens_total  # emitted tokens that still fit, minus 1
+    @staticmethod
+    def _max_shift(seq: Sequence) -> int:
+        """How far the device may move a new decode row's start: the drafts its in-flight verify row may accept."""
+        return seq.inflight_drafts if seq.num_inflight else 0
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """Emitted tokens (minus one) that still fit max_model_len and max_tokens after what the host knows of
+        ``seq``, counting an in-flight row as one token (its accepted drafts, up to :meth:`_max_shift`, come off on
+        the device)."""
+        room = self.config.max_model_len - 1 - seq.num_tokens_total
         if seq.max_tokens is not None:
             room = min(room, seq.max_tokens - seq.num_output_tokens_total - 1)
-        return max(0, min(k, room))
+        return room
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        """Drafts a decode row of ``seq`` verifies now (at most: a chained row verifies fewer when the row it
+        follows accepts drafts): k once the drafter has published drafts for it (or will have, in the in-flight
+        step the row follows), fewer where its emitted run (drafts + 1) would pass max_model_len or max_tokens."""
+        k = self.config.num_speculative_tokens
+        if not k or not (seq.has_drafts or seq.num_inflight):
+            return 0
+        return max(0, min(k, self._draft_room(seq)))
+
+    def _reach(self, seq: Sequence) -> int:
+        """The furthest position a new decode row of ``seq`` can write, minus its start: its drafts, or for a
+        chained row the largest ``shift + min(drafts, room − shift)`` (at least the full shift: _can_chain keeps
+        that inside max_model_len)."""
+        nd, shift = self._num_drafts(seq), self._max_shift(seq)
+        if not shift:
+            return nd
+        return max(min(shift + nd, self._draft_room(seq)), shift)
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt a RUNNING sequence: release its blocks/slot now, then stop it or requeue it for recompute.
@@ -541,6 +581,8 @@ class Scheduler:
         seq.prefill_len = 0
         seq.last_sample_src = None
         seq.has_drafts = False
+        seq.inflight_drafts = 0
+        seq.chained_row = None
         if cfg.preemption_mode == "stop" or not can_progress or not seq.recomputable:
             why = ("" if cfg.preemption_mode == "stop" else
                    " (structured-output requests are not recomputed)" if not seq.recomputable else
@@ -607,6 +649,14 @@ class Scheduler:
                         break
                 else:
                     seq.num_computed_tokens += len(run) - 1  # accepted drafts' KV is committed
+                    nxt = seq.chained_row
+                    if nxt is not None:   # the row behind this one now knows its start (the device did the same)
+                        shift = len(run) - 1
+                        nxt.start_pos += shift
+                        nxt.num_drafts = max(0, min(nxt.num_drafts, nxt.draft_room - shift))
+                        nxt.slack += nxt.num_tokens - 1 - nxt.num_drafts - shift
+                        nxt.num_tokens = 1 + nxt.num_drafts
+                        nxt.chained, seq.chained_row = False, None
             elif row.sample:
                 assert row.end_pos == seq.num_tokens, (row.end_pos, seq.num_tokens)
                 seq.num_inflight -= 1
