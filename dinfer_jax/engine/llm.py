@@ -706,7 +706,8 @@ class LLM:
             if step is not None:
                 if idle_since is not None:  # the device had finished everything queued; it waited until now
                     m.device_waited_for_host_seconds += t_disp - idle_since
-                m.spec_chained_rows += sum(r.chained for r in step.rows)
+                if self.speculative:
+                    m.spec_chained_rows += sum(r.chained for r in step.rows)
                 structured = any_structured and so.needs_masks(step, by_id)
                 spec_masks = None
                 if structured and self.speculative:

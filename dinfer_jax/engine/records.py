@@ -174,8 +174,8 @@ class ScheduledRow:
     # just before) is in flight. Its true start is ``start_pos`` plus the drafts that row accepts (s), and it
     # verifies ``min(num_drafts, draft_room − s)`` drafts, as it would once the host knew s: the device applies both
     # (docs/spec/engine.md §4, DeepInfer's ZOS correction). ``slack``: how far past ``end_pos`` its positions may
-    # reach (the blocks and page table cover it). Processing the earlier row fixes ``start_pos`` / ``num_drafts`` on
-    # the host and clears ``chained``.
+    # reach while chained (the blocks and page table cover it). Processing the earlier row fixes ``start_pos`` /
+    # ``num_drafts`` on the host and clears ``chained`` (``slack`` is then unused).
     chained: bool = False
     slack: int = 0
     draft_room: int = 0

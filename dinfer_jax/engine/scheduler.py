@@ -654,7 +654,6 @@ class Scheduler:
                         shift = len(run) - 1
                         nxt.start_pos += shift
                         nxt.num_drafts = max(0, min(nxt.num_drafts, nxt.draft_room - shift))
-                        nxt.slack += nxt.num_tokens - 1 - nxt.num_drafts - shift
                         nxt.num_tokens = 1 + nxt.num_drafts
                         nxt.chained, seq.chained_row = False, None
             elif row.sample:
