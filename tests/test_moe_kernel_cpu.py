@@ -177,3 +177,52 @@ def test_packed_pair_decode_is_two_bit_placement_decodes():
         want = [int(fp4.signed_codes_to_scaled_bf16_bits(jnp.int16(c - 16 if c >= 8 else c))) & 0xFFFF
                 for c in (lo, hi)]
         assert (got & 0xFFFF, got >> 16) == tuple(want), x
+
+
+def test_dropped_pairs_take_no_tile_and_combine_to_zero():
+    """Expert-parallel view (id ``G``: the pair is computed on another rank): such pairs get row ``rows`` (past
+    the buffer), no tile and no column of the gathered activations, and their weighted outputs are exact zeros;
+    the kept pairs are laid out exactly as the same routing without the dropped ones."""
+    rng = np.random.default_rng(5)
+    n, k, g, bm, d = 23, 4, 8, 8, 16
+    ids = np.stack([rng.choice(g, k, replace=False) for _ in range(n)]).astype(np.int32)
+    drop = rng.random((n, k)) < 0.5
+    marked = np.where(drop, g, ids).astype(np.int32)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    w = rng.random((n, k)).astype(np.float32)
+    lay = layout.grouped_layout(jnp.asarray(marked), g, bm)
+    rows = layout.num_rows(n * k, g, bm)
+    row = np.asarray(lay.row)
+    assert (row[drop] == rows).all() and (row[~drop] < rows).all()
+    assert len(set(row[~drop].tolist())) == int((~drop).sum())
+    np.testing.assert_array_equal(np.asarray(lay.group_sizes), np.bincount(ids[~drop], minlength=g))
+    tg = np.asarray(lay.tile_group)
+    np.testing.assert_array_equal(tg[row[~drop] // bm], ids[~drop])
+    assert int(lay.num_tiles) == int(sum(-(-c // bm) for c in np.bincount(ids[~drop], minlength=g)))
+    xt = np.asarray(layout.gather_rows_t(jnp.asarray(x), lay, rows))
+    used = np.zeros(rows, bool)
+    used[row[~drop]] = True
+    assert not xt[:, ~used].any()                       # no column for a dropped pair
+    # padding columns filled with garbage (the kernel leaves unused tiles unwritten): dropped pairs stay zero
+    yt = np.where(used[None, :], xt, np.nan).astype(np.float32)
+    r = np.asarray(layout.choice_rows_t(jnp.asarray(yt), lay, jnp.asarray(w)))
+    np.testing.assert_array_equal(r[drop], 0.0)
+    np.testing.assert_allclose(r[~drop], x[np.nonzero(~drop)[0]] * w[~drop][:, None], rtol=1e-6)
+    y = np.asarray(layout.combine_rows_t(jnp.asarray(yt), lay, jnp.asarray(w)))
+    np.testing.assert_allclose(y, x * np.where(drop, 0, w).sum(1, keepdims=True), rtol=1e-5)
+
+
+def test_expert_choices_kernel_lowers_for_cuda():
+    """The expert-parallel entry point (pairs marked ``G`` skipped, per-pair outputs) lowers for CUDA."""
+    from pallas_kernels.moe.kernel_sm90 import expert_choices_sm90
+    from pallas_kernels.moe.tuning import configs_for
+
+    g, d, i, k, n = 16, 1024, 512, 6, 64
+    s = jax.ShapeDtypeStruct
+    def fp4w(o, inn):
+        return reference.ExpertWeight(s((g, o, inn // 2), jnp.uint8), s((g, o, inn // 32), jnp.uint8), "fp4")
+    up, down = configs_for(n * k)
+    traced = expert_choices_sm90.trace(s((n, d), jnp.bfloat16), s((n, k), jnp.int32), s((n, k), jnp.float32),
+                                       fp4w(i, d), fp4w(i, d), fp4w(d, i), swiglu_limit=10.0, up_config=up,
+                                       down_config=down)
+    assert traced.lower(lowering_platforms=("cuda",)).as_text().count("mosaic_gpu") >= 2

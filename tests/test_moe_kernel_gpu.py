@@ -109,3 +109,43 @@ def test_model_keeps_experts_in_kernel_layout():
         same_kernel = forward_logits(Model(cfg, released, "bfloat16", None, "pallas"), ids)
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got, same_kernel)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("tokens", [16, 1024])
+def test_expert_choices_split_over_ranks_give_the_combined_bits(ep, tokens):
+    """Expert parallelism with the kernel (``expert_choices_sm90``): the experts cut into ``ep`` blocks, each
+    "rank" computes only its own pairs (the others marked ``L``, taking no tile); the ranks' rows added (one
+    non-zero term per pair) and summed in choice order equal the one-device ``experts_sm90`` bit for bit, at
+    the same tile configuration. Bits, not a tolerance: the engine's EP runs must give one device's tokens."""
+    from pallas_kernels.moe.kernel_sm90 import expert_choices_sm90
+    from pallas_kernels.moe.tuning import configs_for
+
+    dev = gpu_device()
+    g, d, i, k = 32, 1024, 512, 6
+    with jax.default_device(dev):
+        keys = jax.random.split(jax.random.key(7), 6)
+        w1, w3, w2 = _fp4(keys[0], g, i, d), _fp4(keys[1], g, i, d), _fp4(keys[2], g, d, i)
+        x = jax.random.normal(keys[3], (tokens, d), jnp.bfloat16)
+        ids = jax.vmap(lambda kk: jax.random.choice(kk, g, (k,), replace=False))(jax.random.split(keys[4], tokens))
+        rw = jax.random.uniform(keys[5], (tokens, k), jnp.float32)
+        up, down = configs_for(tokens * k, hidden=d, inter=i)
+        want = np.asarray(experts_sm90(x, ids, rw, w1, w3, w2, swiglu_limit=10.0, up_config=up, down_config=down))
+        L = g // ep
+        parts = []
+        for r in range(ep):
+            local = jnp.where(ids // L == r, ids % L, L).astype(jnp.int32)
+            sl = [reference.ExpertWeight(w.data[r * L:(r + 1) * L], w.scale[r * L:(r + 1) * L], w.fmt)
+                  for w in (w1, w3, w2)]
+            parts.append(np.asarray(expert_choices_sm90(x, local, rw, *sl, swiglu_limit=10.0, up_config=up,
+                                                        down_config=down)))
+    rows = parts[0]
+    for p in parts[1:]:
+        rows = rows + p
+    for r, p in enumerate(parts):    # a rank's pairs of other ranks are exact zeros
+        assert not p[np.asarray(ids) // L != r].any()
+    got = rows[:, 0]
+    for j in range(1, k):
+        got = got + rows[:, j]
+    assert np.isfinite(want).all()
+    np.testing.assert_array_equal(got, want)

@@ -17,8 +17,9 @@ Each EP rank holds ``L = P / ep`` consecutive physical expert slots (``P = E`` w
      (``jax.lax.ragged_all_to_all`` would send only the real rows, but XLA:CPU does not implement it in jax 0.10.2:
      ``UNIMPLEMENTED: HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter``.)
 
-3. the local experts run :func:`~dinfer_jax.models.expert_ffn.expert_rows_ffn` (grouped GEMM) on the rows they
-   received;
+3. the local experts run on the rows they received: the Mosaic GPU expert kernel where it can run
+   (:func:`~dinfer_jax.models.expert_kernel.expert_choices_kernel`: pairs of other ranks marked ``L`` take no
+   tile), else :func:`~dinfer_jax.models.expert_ffn.expert_rows_ffn` (``ragged_dot``);
 4. *combine*: each token's ``k`` outputs are summed in choice order ``0..k−1``
    (:func:`~dinfer_jax.models.expert_ffn.combine_choices`) on the token's own rank, in fp32.
 
@@ -40,10 +41,12 @@ from jax.sharding import Mesh, PartitionSpec
 
 from dinfer_jax.models.eplb import ExpertMap, identity_map, physical_slots
 from dinfer_jax.models.expert_ffn import combine_choices, expert_rows_ffn
+from dinfer_jax.models.expert_kernel import expert_choices_kernel, kernel_unsupported
 from dinfer_jax.models.ops import F32
 from sharding.mesh import GROUP_AXES, MESH_AXES
 
 DISPATCHES = ("allgather", "alltoall")
+EXPERT_IMPLS = ("auto", "pallas", "jnp")
 
 
 def pick_dispatch(capacity: int | None) -> str:
@@ -55,22 +58,36 @@ def pick_dispatch(capacity: int | None) -> str:
     return "allgather" if capacity is None else "alltoall"
 
 
+def _local_rows(ex: Mapping[str, Any], x: jax.Array, slots: jax.Array, w: jax.Array, *, swiglu_limit: float,
+                ep: int, expert_impl: str) -> jax.Array:
+    """This rank's weighted expert outputs of every (token, choice) pair it received: ``x [N, D]``, ``slots
+    [N, k]`` in ``[0, L]`` (``L``: computed elsewhere), ``w [N, k]`` fp32 → ``[N, k, D]`` fp32, zero where
+    ``slots == L``. ``expert_impl``: ``"pallas"`` (the Mosaic GPU kernel, ``dinfer_jax/models/expert_kernel.py``),
+    ``"jnp"`` (the grouped GEMM of :func:`expert_rows_ffn`) or ``"auto"`` (the kernel where it can run)."""
+    if expert_impl not in EXPERT_IMPLS:
+        raise ValueError(f"unknown expert implementation {expert_impl!r}; choose one of {EXPERT_IMPLS}")
+    if expert_impl == "pallas" or (expert_impl == "auto" and kernel_unsupported(ex, x.dtype) is None):
+        return expert_choices_kernel(ex, x, slots, w, swiglu_limit=swiglu_limit, ep=ep)
+    n, k = slots.shape
+    rows = expert_rows_ffn(ex, jnp.repeat(x, k, axis=0), slots.reshape(-1), w.reshape(-1), swiglu_limit=swiglu_limit)
+    return rows.reshape(n, k, -1)
+
+
 def _allgather(ex: Mapping[str, Any], x: jax.Array, slot: jax.Array, w: jax.Array, *, axes: tuple[str, ...],
-               ep: int, swiglu_limit: float) -> tuple[jax.Array, jax.Array]:
+               ep: int, swiglu_limit: float, expert_impl: str) -> tuple[jax.Array, jax.Array]:
     n, k = slot.shape
     L = ex["w1"].shape[0]
     rank = jax.lax.axis_index(axes)
     gather = partial(jax.lax.all_gather, axis_name=axes, axis=0, tiled=True)
     xs, slots, ws = gather(x), gather(slot), gather(w)                      # [ep·n, D], [ep·n, k], [ep·n, k]
     local = jnp.where(slots // L == rank, slots % L, L)
-    rows = expert_rows_ffn(ex, jnp.repeat(xs, k, axis=0), local.reshape(-1), ws.reshape(-1),
-                           swiglu_limit=swiglu_limit)
-    y = jax.lax.psum_scatter(rows.reshape(ep * n, k, -1), axes, scatter_dimension=0, tiled=True)  # [n, k, D]
+    rows = _local_rows(ex, xs, local, ws, swiglu_limit=swiglu_limit, ep=ep, expert_impl=expert_impl)
+    y = jax.lax.psum_scatter(rows, axes, scatter_dimension=0, tiled=True)  # [n, k, D]
     return y, jnp.zeros((), jnp.int32)
 
 
 def _alltoall(ex: Mapping[str, Any], x: jax.Array, slot: jax.Array, w: jax.Array, *, axes: tuple[str, ...],
-              ep: int, swiglu_limit: float, capacity: int | None) -> tuple[jax.Array, jax.Array]:
+              ep: int, swiglu_limit: float, capacity: int | None, expert_impl: str) -> tuple[jax.Array, jax.Array]:
     n, k = slot.shape
     D = x.shape[-1]
     L = ex["w1"].shape[0]
@@ -87,15 +104,16 @@ def _alltoall(ex: Mapping[str, Any], x: jax.Array, slot: jax.Array, w: jax.Array
     send_w = jnp.zeros((ep, C), F32).at[at].set(w.reshape(-1), mode="drop")
     a2a = partial(jax.lax.all_to_all, axis_name=axes, split_axis=0, concat_axis=0, tiled=True)
     recv_x, recv_s, recv_w = a2a(send_x), a2a(send_s), a2a(send_w)         # block s = rows from rank s
-    rows = expert_rows_ffn(ex, recv_x.reshape(ep * C, D), recv_s.reshape(-1), recv_w.reshape(-1),
-                           swiglu_limit=swiglu_limit)
+    rows = _local_rows(ex, recv_x.reshape(ep * C, D), recv_s.reshape(-1, 1), recv_w.reshape(-1, 1),
+                       swiglu_limit=swiglu_limit, ep=ep, expert_impl=expert_impl)
     back = a2a(rows.reshape(ep, C, D))                                    # block d = my rows computed on rank d
     y = jnp.where(keep[:, None], back[dest, jnp.minimum(pos, C - 1)], 0.0)
     return y.reshape(n, k, D), jnp.sum(~keep).astype(jnp.int32)
 
 
 def _ep_local(ex: Mapping[str, Any], emap: ExpertMap, x: jax.Array, idx: jax.Array, w: jax.Array, *, ep: int,
-              dispatch: str, capacity: int | None, swiglu_limit: float) -> tuple[jax.Array, jax.Array]:
+              dispatch: str, capacity: int | None, swiglu_limit: float,
+              expert_impl: str = "auto") -> tuple[jax.Array, jax.Array]:
     """One rank's part of the EP layer (inside a ``shard_map`` whose EP axes are manual): its tokens ``[*T, D]``
     in, their combined expert outputs ``[*T, D]`` fp32 and the dropped-row count out."""
     axes = GROUP_AXES["ep"]
@@ -103,15 +121,16 @@ def _ep_local(ex: Mapping[str, Any], emap: ExpertMap, x: jax.Array, idx: jax.Arr
     x, idx, w = x.reshape(-1, D), idx.reshape(-1, k), w.reshape(-1, k).astype(F32)
     slot = physical_slots(emap, idx, jax.lax.axis_index(axes))
     if dispatch == "allgather":
-        y, dropped = _allgather(ex, x, slot, w, axes=axes, ep=ep, swiglu_limit=swiglu_limit)
+        y, dropped = _allgather(ex, x, slot, w, axes=axes, ep=ep, swiglu_limit=swiglu_limit, expert_impl=expert_impl)
     else:
-        y, dropped = _alltoall(ex, x, slot, w, axes=axes, ep=ep, swiglu_limit=swiglu_limit, capacity=capacity)
+        y, dropped = _alltoall(ex, x, slot, w, axes=axes, ep=ep, swiglu_limit=swiglu_limit, capacity=capacity,
+                               expert_impl=expert_impl)
     return combine_choices(y).reshape(*lead, D), dropped
 
 
 def ep_experts_manual(experts: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.Array, *, ep: int,
                       swiglu_limit: float, expert_map: ExpertMap | None = None, dispatch: str = "auto",
-                      capacity: int | None = None) -> jax.Array:
+                      capacity: int | None = None, expert_impl: str = "auto") -> jax.Array:
     """:func:`ep_experts` for code that already runs per device inside a ``shard_map`` over the whole mesh (the
     DP engines' step, :mod:`dinfer_jax.engine.dp_runner`): ``experts`` are this rank's ``L = P / ep`` slots,
     ``x``/``idx``/``w`` its own tokens; the collectives run over the EP axes directly. Returns ``y [*T, D]`` fp32.
@@ -126,13 +145,14 @@ def ep_experts_manual(experts: Mapping[str, Any], x: jax.Array, idx: jax.Array, 
     if dispatch not in DISPATCHES:
         raise ValueError(f"unknown EP dispatch {dispatch!r}; choose one of {DISPATCHES} or 'auto'")
     y, _ = _ep_local(experts, emap, x, idx, w, ep=ep, dispatch=dispatch, capacity=capacity,
-                     swiglu_limit=swiglu_limit)
+                     swiglu_limit=swiglu_limit, expert_impl=expert_impl)
     return y
 
 
 def ep_experts(experts: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.Array, *, mesh: Mesh,
                token_spec: PartitionSpec, swiglu_limit: float, expert_map: ExpertMap | None = None,
-               dispatch: str = "auto", capacity: int | None = None) -> tuple[jax.Array, jax.Array]:
+               dispatch: str = "auto", capacity: int | None = None,
+               expert_impl: str = "auto") -> tuple[jax.Array, jax.Array]:
     """Routed experts over the EP group of ``mesh`` (axes ``GROUP_AXES["ep"]``).
 
     experts: ``w1``/``w3`` ``[P, I, D]``, ``w2`` ``[P, D, I]`` in physical-slot order (dense or
@@ -141,7 +161,8 @@ def ep_experts(experts: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.
     token dims ``T`` laid out by ``token_spec`` (a PartitionSpec of ``len(T)`` entries). expert_map: the
     placement's tables (None: identity, ``P = E``). dispatch: ``"allgather"``, ``"alltoall"`` or ``"auto"``
     (:func:`pick_dispatch`). capacity: all-to-all rows per (source, destination)
-    pair (None: ``n·k``, lossless).
+    pair (None: ``n·k``, lossless). expert_impl: how a rank computes its rows — ``"pallas"`` (the Mosaic GPU
+    kernel), ``"jnp"`` (``ragged_dot``) or ``"auto"`` (the kernel where it can run: a GPU, bf16, MXFP4 experts).
 
     Returns ``(y [*T, D] fp32, dropped [devices] int32)``: dropped = rows each device could not send (always 0 for
     all-gather and the default capacity). Raises ValueError when ``ep`` does not divide ``P`` or the map and the
@@ -167,7 +188,7 @@ def ep_experts(experts: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.
     def body(ex: Mapping[str, Any], emap: ExpertMap, x: jax.Array, idx: jax.Array,
              w: jax.Array) -> tuple[jax.Array, jax.Array]:
         y, dropped = _ep_local(ex, emap, x, idx, w, ep=ep, dispatch=dispatch, capacity=capacity,
-                               swiglu_limit=swiglu_limit)
+                               swiglu_limit=swiglu_limit, expert_impl=expert_impl)
         return y, dropped[None]
 
     tok = PartitionSpec(*token_spec, None)

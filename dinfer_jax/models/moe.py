@@ -32,10 +32,11 @@ import jax.numpy as jnp
 from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.eplb import ExpertMap
 from dinfer_jax.models.expert_ffn import combine_choices, expert_rows_ffn, grouped_expert_ffn, swiglu
+from dinfer_jax.models.expert_kernel import experts_kernel, kernel_unsupported
 from dinfer_jax.models.expert_parallel import ep_experts, ep_experts_manual
 from dinfer_jax.models.invariant import active_tile, invariant_tracing, token_tiled
 from dinfer_jax.models.ops import F32, linear, matmul
-from dinfer_jax.models.qweights import QuantizedWeight, as_dense, is_quantized
+from dinfer_jax.models.qweights import QuantizedWeight, as_dense
 from sharding.rules import Sharder, constrain
 
 EP_IMPLS = {"ep": "auto", "ep_allgather": "allgather", "ep_alltoall": "alltoall"}
@@ -99,41 +100,9 @@ def shared_expert(p: Mapping[str, jax.Array], x: jax.Array, cfg: ModelConfig) ->
 
 
 def pallas_supported(ex: Mapping[str, Any], dtype: Any) -> str | None:
-    """Why the Mosaic GPU expert kernel cannot run these experts (None when it can): it needs a GPU backend,
-    bf16 activations, MXFP4 expert weights and widths that fit its tiles."""
-    if jax.default_backend() != "gpu":
-        return f"backend is {jax.default_backend()!r}, the kernel needs a GPU"
-    if jnp.dtype(dtype) != jnp.bfloat16:
-        return f"activations are {jnp.dtype(dtype).name}, the kernel computes in bfloat16"
-    for name in ("w1", "w3", "w2"):
-        w = ex[name]
-        if not (is_quantized(w) and w.fmt in ("fp4", "fp4_mma")):
-            return f"expert weight {name} is not MXFP4"
-        if w.shape[-2] % 64 or w.shape[-1] % 128:
-            return f"expert weight {name} of shape {w.shape} does not fit the kernel's 64×128 tiles"
-        if w.fmt == "fp4" and w.shape[-1] % 512:
-            # a row of released scales (in/32 bytes) must be a whole number of 16-byte TMA units
-            return (f"expert weight {name} of shape {w.shape}: released-layout scales need an input width that is "
-                    "a multiple of 512 (the fp4_mma layout has no such limit)")
-    return None
-
-
-def _experts_pallas(ex: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.Array, *,
-                    cfg: ModelConfig) -> jax.Array:
-    """Routed experts through the Mosaic GPU kernel (``pallas_kernels.moe``): FP4 weights (released layout, or the
-    ``fp4_mma`` layout models keep on a GPU — 2–3× faster to decode) dequantised in registers, SwiGLU fused after
-    the gate/up GEMM, the router weight applied in fp32 after the down projection (the ``jnp`` path applies it
-    before; the two differ only by rounding). fp32 ``[N, D]``."""
-    from pallas_kernels.moe.kernel_sm90 import experts_sm90
-    from pallas_kernels.moe.reference import ExpertWeight
-    from pallas_kernels.moe.tuning import configs_for
-
-    why = pallas_supported(ex, x.dtype)
-    if why is not None:
-        raise ValueError(f"moe_impl='pallas' cannot run here: {why}")
-    w1, w3, w2 = (ExpertWeight(ex[n].data, ex[n].scale, ex[n].fmt) for n in ("w1", "w3", "w2"))
-    up, down = configs_for(idx.shape[0] * idx.shape[1], hidden=w1.shape[2], inter=w1.shape[1])
-    return experts_sm90(x, idx, w, w1, w3, w2, swiglu_limit=float(cfg.swiglu_limit), up_config=up, down_config=down)
+    """Why the Mosaic GPU expert kernel cannot run these experts (None when it can):
+    :func:`~dinfer_jax.models.expert_kernel.kernel_unsupported`."""
+    return kernel_unsupported(ex, dtype)
 
 
 def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg: ModelConfig, hash_routed: bool,
@@ -180,7 +149,7 @@ def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg:
         # over fixed token tiles, unless already inside a tile's body (a layer's per-token segment)
         y = token_tiled(dense, xf, idx, w, lead=1) if active_tile() else dense(xf, idx, w)
     elif impl == "pallas":
-        y = _experts_pallas(p["experts"], xf, idx, w, cfg=cfg)
+        y = experts_kernel(p["experts"], xf, idx, w, swiglu_limit=cfg.swiglu_limit)
     elif impl == "ragged":
         y = _experts_ragged(p["experts"], xf, idx, w, cfg=cfg)
     else:

@@ -263,8 +263,35 @@ def grouped_matmul_t(x_t: jax.Array, w: ExpertWeight, tile_group: jax.Array, *, 
 def experts_sm90(x: jax.Array, expert_ids: jax.Array, route_weights: jax.Array, w1: ExpertWeight,
                  w3: ExpertWeight, w2: ExpertWeight, *, swiglu_limit: float, up_config: TileConfig,
                  down_config: TileConfig, decode: str = "bits", ablate: str = "") -> jax.Array:
-    """Routed experts on Hopper; same contract as :func:`pallas_kernels.moe.reference.experts` (bf16 compute)."""
-    from pallas_kernels.moe.layout import combine_rows_t, gather_rows_t, grouped_layout, num_rows
+    """Routed experts on Hopper; same contract as :func:`pallas_kernels.moe.reference.experts` (bf16 compute).
+    A token's ``k`` weighted outputs are summed in choice order (:func:`~pallas_kernels.moe.layout.combine_rows_t`).
+    """
+    from pallas_kernels.moe.layout import combine_rows_t
+
+    y_t, lay = _expert_outputs_t(x, expert_ids, w1, w3, w2, swiglu_limit=swiglu_limit, up_config=up_config,
+                                 down_config=down_config, decode=decode, ablate=ablate)
+    return combine_rows_t(y_t, lay, route_weights)
+
+
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "up_config", "down_config", "decode"))
+def expert_choices_sm90(x: jax.Array, expert_ids: jax.Array, route_weights: jax.Array, w1: ExpertWeight,
+                        w3: ExpertWeight, w2: ExpertWeight, *, swiglu_limit: float, up_config: TileConfig,
+                        down_config: TileConfig, decode: str = "bits") -> jax.Array:
+    """Each (token, choice) pair's weighted expert output, uncombined: the expert-parallel form of
+    :func:`experts_sm90`. ``x [N, D]``; ``expert_ids [N, k]`` int32 in ``[0, G]``, where ``G`` (the number of
+    experts in ``w1``) marks a pair this device does not compute; ``route_weights [N, k]`` fp32. Returns fp32
+    ``[N, k, D]``: ``w · expert(x)`` per pair, exactly zero for the pairs marked ``G`` (they take no tile, so they
+    cost nothing). Summing a row's pairs in choice order gives :func:`experts_sm90`'s bits."""
+    from pallas_kernels.moe.layout import choice_rows_t
+
+    y_t, lay = _expert_outputs_t(x, expert_ids, w1, w3, w2, swiglu_limit=swiglu_limit, up_config=up_config,
+                                 down_config=down_config, decode=decode, ablate="")
+    return choice_rows_t(y_t, lay, route_weights)
+
+
+def _expert_outputs_t(x, expert_ids, w1, w3, w2, *, swiglu_limit, up_config, down_config, decode, ablate):
+    """Both grouped GEMMs over the expert-sorted, tile-padded rows: ``(y_t [D, rows] fp32, layout)``."""
+    from pallas_kernels.moe.layout import gather_rows_t, grouped_layout, num_rows
 
     if up_config.block_m != down_config.block_m:
         raise ValueError("both GEMMs must share block_m (they share the token tiles)")
@@ -276,7 +303,7 @@ def experts_sm90(x: jax.Array, expert_ids: jax.Array, route_weights: jax.Array, 
     x_t = gather_rows_t(x.astype(jnp.bfloat16), lay, rows)
     a_t = _gemm(x_t, w1, lay, up_config, w_up=w3, swiglu_limit=swiglu_limit, decode=decode, ablate=ablate)
     y_t = _gemm(a_t, w2, lay, down_config, out_dtype=jnp.float32, decode=decode, ablate=ablate)
-    return combine_rows_t(y_t, lay, route_weights)
+    return y_t, lay
 
 
 def _gemm(x_t, w, lay, config: TileConfig, *, decode: str, **kw):

@@ -43,21 +43,26 @@ class GroupedLayout:
 
 
 def grouped_layout(expert_ids: jax.Array, num_experts: int, block_m: int) -> GroupedLayout:
-    """Layout for routing ``expert_ids [N, k]`` int32 (values in ``[0, G)``) with tiles of ``block_m`` rows.
+    """Layout for routing ``expert_ids [N, k]`` int32 with tiles of ``block_m`` rows.
 
+    Values are in ``[0, G]``; ``G`` means "no expert here" (an expert-parallel rank's view of a row another rank
+    computes): such a pair gets row ``rows`` (one past the buffer), occupies no tile and combines to zero.
     Within an expert, pairs keep their flat order ``n·k + j`` (stable), like a stable sort by expert.
     """
     n, k = expert_ids.shape
     flat = expert_ids.reshape(-1).astype(jnp.int32)
-    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    rows = num_rows(n * k, num_experts, block_m)
+    # length G + 1: the dropped pairs get a group of their own, past the last expert, that owns no tile
+    counts_all = jnp.bincount(flat, length=num_experts + 1).astype(jnp.int32)
+    counts = counts_all[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
-    start = jnp.cumsum(padded) - padded                       # padded start of each expert
-    first = jnp.cumsum(counts) - counts                       # unpadded start (rank base)
+    start = jnp.concatenate([jnp.cumsum(padded) - padded, jnp.full((1,), rows, jnp.int32)])  # padded starts
+    first = jnp.cumsum(counts_all) - counts_all               # unpadded start (rank base)
     order = jnp.argsort(flat, stable=True)
     sorted_e = flat[order]
     rank = jnp.arange(n * k, dtype=jnp.int32) - first[sorted_e]
-    row = jnp.zeros((n * k,), jnp.int32).at[order].set(start[sorted_e] + rank)
-    rows = num_rows(n * k, num_experts, block_m)
+    row = jnp.zeros((n * k,), jnp.int32).at[order].set(
+        jnp.where(sorted_e < num_experts, start[sorted_e] + rank, rows))
     tiles = rows // block_m
     tile_start = jnp.arange(tiles, dtype=jnp.int32) * block_m
     ends = jnp.cumsum(padded)
@@ -72,14 +77,32 @@ def gather_rows_t(x: jax.Array, layout: GroupedLayout, rows: int) -> jax.Array:
 
     A gather (each padded column reads its token, padding reads a zero column), not a scatter into zeros."""
     n, k = layout.row.shape
-    src = jnp.full((rows,), n, jnp.int32).at[layout.row.reshape(-1)].set(jnp.repeat(jnp.arange(n, dtype=jnp.int32), k))
+    # dropped pairs (row == rows) fall outside the buffer: mode="drop" leaves them out
+    src = jnp.full((rows,), n, jnp.int32).at[layout.row.reshape(-1)].set(
+        jnp.repeat(jnp.arange(n, dtype=jnp.int32), k), mode="drop")
     xz = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)], axis=0)
     return jnp.take(xz.T, src, axis=1)
+
+
+def choice_rows_t(y_t: jax.Array, layout: GroupedLayout, weights: jax.Array) -> jax.Array:
+    """Each (token, choice) pair's weighted expert output: ``y_t [D, rows]``, weights ``[N, k]`` → fp32
+    ``[N, k, D]``, exactly zero for dropped pairs (id ``G``; their padded columns may hold anything).
+
+    Transposes once (a contiguous pass) and then gathers whole rows."""
+    rows = y_t.shape[1]
+    valid = layout.row < rows
+    picked = jnp.take(y_t.T, jnp.minimum(layout.row, rows - 1), axis=0).astype(jnp.float32)   # [N, k, D]
+    return jnp.where(valid[..., None], picked * weights.astype(jnp.float32)[..., None], 0.0)
 
 
 def combine_rows_t(y_t: jax.Array, layout: GroupedLayout, weights: jax.Array) -> jax.Array:
     """Weighted sum over each token's k expert outputs: ``y_t [D, rows]``, weights ``[N, k]`` → fp32 ``[N, D]``.
 
-    Transposes once (a contiguous pass) and then gathers whole rows."""
-    picked = y_t.T[layout.row].astype(jnp.float32)   # [N, k, D]
-    return jnp.einsum("nkd,nk->nd", picked, weights.astype(jnp.float32))
+    The sum runs in choice order, ``((w₀y₀ + w₁y₁) + w₂y₂) + …`` with explicit adds: the order an expert-parallel
+    combine uses too (``dinfer_jax/models/expert_ffn.py``), so a token gets the same bits on one device and with
+    its choices computed on several."""
+    r = choice_rows_t(y_t, layout, weights)
+    acc = r[:, 0]
+    for j in range(1, r.shape[1]):
+        acc = acc + r[:, j]
+    return acc
