@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per engine (the fastest is reported)")
     ap.add_argument("--kv-gib", type=int, default=4)
     ap.add_argument("--linear-impl", default="xla", choices=["xla", "auto", "pallas"])
+    ap.add_argument("--compile-threads", type=int, default=None,
+                    help="threads compiling the buckets at warm-up (LLM compile_threads; default: the cores)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     layouts = [parse_layout(t) for t in args.layouts]
@@ -129,7 +131,7 @@ def main() -> None:
     buckets = Buckets(decode_batch=pow2_buckets(args.batch), prefill_batch=(1,), prefill_len=(args.prompt_len,))
     kw = dict(dtype="bfloat16", max_num_seqs=args.batch, max_model_len=args.prompt_len + args.max_tokens + 16,
               max_num_batched_tokens=args.prompt_len, kv_cache_memory_bytes=args.kv_gib << 30,
-              progress=False, buckets=buckets, decode_compiler_options={})
+              progress=False, buckets=buckets, decode_compiler_options={}, compile_threads=args.compile_threads)
     rows, out = [], Path(args.out) if args.out else None
 
     def record(row: dict) -> None:

@@ -460,6 +460,17 @@ def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, pre
                       mhc_impl=mhc_impl, linear_impl=linear_impl, attention_impl=attention_impl)
 
 
+def pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    """``x [B, ...]`` padded with zero rows to ``[rows, ...]`` (``rows >= B``).
+
+    A pad, not ``zeros(...).at[:B].set(x)``: under ``jax.shard_map`` (the DP engines' step) jax 0.11.2's Shardy
+    partitioner crashes the process (segmentation fault) on a scatter that overwrites a whole fresh array, as
+    that is when ``B == rows`` (reproduced on CPU and on two H200s, 2026-12-04; ``docs/dp_engines.md``)."""
+    if x.shape[0] == rows:
+        return x
+    return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
 def _sample_rows(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Array | None) -> tuple[jax.Array, Any]:
     """Tokens ``[N]`` int32 (:data:`NONFINITE_TOKEN` for rows whose logits are not all finite) and logprobs of
     ``N`` rows of logits ``[N, V]`` fp32."""
@@ -489,7 +500,7 @@ def _device_sample(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Arr
         toks, logprobs = token_tiled(tile, logits, *leaves, *masks, lead=1, tile=batch_invariant)
     else:
         toks, logprobs = _sample_rows(logits, samp, token_mask)
-    return jnp.zeros((max_rows,), jnp.int32).at[: toks.shape[0]].set(toks), logprobs
+    return pad_rows(toks, max_rows), logprobs
 
 
 def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
@@ -579,8 +590,7 @@ def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: I
             spec = draft_dspark(params, spec, carry["dspark_features"], golden, inp, nacc + 1, inp.n > 0, samp, **kw)
         else:
             spec = draft(params, spec, streams, toks, inp, nacc + 1, inp.n > 0, samp, **kw)
-        out = jnp.zeros((max_rows, Q), jnp.int32).at[:B].set(toks)
-        return out, jnp.zeros((max_rows,), jnp.int32).at[:B].set(nacc), logprobs, cache, spec
+        return pad_rows(toks, max_rows), pad_rows(nacc, max_rows), logprobs, cache, spec
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
     toks, logprobs = sample(apply_token_bitmask(logits, token_masks[:, 0]), samp)
     toks = jnp.where(finite, toks, NONFINITE_TOKEN)
@@ -592,8 +602,7 @@ def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: I
         spec = draft_dspark(params, spec, carry["dspark_features"], golden, inp, inp.n, sample_mask, samp, **kw)
     else:
         spec = draft(params, spec, streams, nxt, inp, inp.n, sample_mask, samp, **kw)
-    out = jnp.zeros((max_rows,), jnp.int32).at[:B].set(toks)
-    return out, jnp.zeros((max_rows,), jnp.int32), logprobs, cache, spec
+    return pad_rows(toks, max_rows), jnp.zeros((max_rows,), jnp.int32), logprobs, cache, spec
 
 
 _STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "max_rows", "attention", "mhc_impl", "linear_impl",
