@@ -187,7 +187,8 @@ def main() -> None:
             toks[e::dp], lps[e::dp] = t, lp
             if dp == 1:
                 record(dict(layout="1,1,1", devices=1, warmup_s=warm, **timing, rows_equal=args.batch,
-                            compared_with="itself", divergences=[]))
+                            compared_with="itself", divergences=[],
+                            warmup_programs=[dataclasses.asdict(t) for t in single.runner.warmup_timings]))
         refs[dp] = (toks, lps)
     del single
     gc.collect()
@@ -205,7 +206,8 @@ def main() -> None:
         record(dict(layout=f"{dp},{cp},{ep}", devices=max(dp * cp, ep), warmup_s=warm, **timing,
                     rows_equal=args.batch - len(div),
                     compared_with="one device" if dp == 1 else f"one device, each DP rank's {args.batch // dp} prompts",
-                    divergences=div, moe_impl=llm.runner.moe_impl, groups=groups, mesh=devices))
+                    divergences=div, moe_impl=llm.runner.moe_impl, groups=groups, mesh=devices,
+                    warmup_programs=[dataclasses.asdict(t) for t in llm.runner.warmup_timings]))
         del llm
         gc.collect()
     base = rows[0]

@@ -1,4 +1,4 @@
-"""The warm-up's parallel compilation (engine/compile_pool.py): every job runs, errors surface, programs are lowered
+"""The warm-up's parallel compilation (engine/compile_pool.py): programs are lowered
 in turn on the calling thread and compiled on the pool (staged: a repeated shape after its first), and programs
 compiled ahead of time on threads are the ones jit then runs (no second compilation)."""
 
@@ -14,34 +14,10 @@ import pytest
 
 from dinfer_jax.engine.compile_pool import (
     LoweringJob,
-    compile_all,
     compiler_options_key,
     default_compile_threads,
     lower_then_compile,
 )
-
-
-def test_every_job_runs_once_and_progress_counts_them():
-    seen, lock, done = [], threading.Lock(), []
-
-    def job(i):
-        with lock:
-            seen.append(i)
-
-    compile_all([lambda i=i: job(i) for i in range(7)], threads=3, on_done=lambda: done.append(1))
-    assert sorted(seen) == list(range(7)) and len(done) == 7
-
-
-def test_first_error_is_raised_after_the_rest_finish():
-    finished = []
-
-    def bad():
-        raise ValueError("bucket (4, 64, 32) does not lower")
-
-    jobs = [lambda: finished.append(1), bad, lambda: finished.append(2)]
-    with pytest.raises(ValueError, match=r"bucket \(4, 64, 32\)"):
-        compile_all(jobs, threads=2)
-    assert sorted(finished) == [1, 2]
 
 
 class _FakeLowered:
@@ -123,7 +99,7 @@ def test_lower_then_compile_errors_are_raised_after_started_compiles():
 
 def test_thread_count_validation(monkeypatch):
     with pytest.raises(ValueError, match="compile threads must be >= 1"):
-        compile_all([], threads=0)
+        lower_then_compile([], threads=0)
     monkeypatch.setenv("DINFER_JAX_COMPILE_THREADS", "0")
     with pytest.raises(ValueError, match="DINFER_JAX_COMPILE_THREADS"):
         default_compile_threads()
@@ -145,8 +121,8 @@ def test_ahead_of_time_compiles_are_reused_by_the_jitted_calls():
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
-        compile_all([lambda s=s: f.lower(jax.ShapeDtypeStruct(s, jnp.float32), w).compile() for s in shapes],
-                    threads=2)
+        lower_then_compile([LoweringJob(str(s), lambda s=s: f.lower(jax.ShapeDtypeStruct(s, jnp.float32), w), s)
+                            for s in shapes], threads=2)
         assert len(events) == len(shapes)
         for s in shapes:
             x = np.ones(s, np.float32)

@@ -19,13 +19,13 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["CompileTiming", "CompilerOptions", "LoweringJob", "compile_all", "compiler_options_key",
+__all__ = ["CompileTiming", "CompilerOptions", "LoweringJob", "compiler_options_key",
            "default_compile_threads", "default_staged", "first_of_each", "lower_then_compile"]
 
 
@@ -115,30 +115,6 @@ def lower_then_compile(jobs: Sequence[LoweringJob], threads: int, staged: bool =
     if errors:
         raise errors[0]
     return [timings[i] for i in range(len(jobs))]
-
-
-def compile_all(jobs: Sequence[Callable[[], Any]], threads: int, on_done: Callable[[], None] | None = None) -> None:
-    """Run ``jobs`` (each lowers and compiles one program, e.g. ``lambda: f.lower(*args).compile()``) on up to
-    ``threads`` threads; ``on_done`` is called once per finished job (progress). The first job's exception is
-    raised after the others have finished (a compile error names its program)."""
-    if threads < 1:
-        raise ValueError(f"compile threads must be >= 1, got {threads}")
-    if threads == 1 or len(jobs) <= 1:
-        for job in jobs:
-            job()
-            if on_done is not None:
-                on_done()
-        return
-    errors: list[BaseException] = []
-    with ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="compile") as pool:
-        for fut in as_completed([pool.submit(job) for job in jobs]):
-            exc = fut.exception()
-            if exc is not None:
-                errors.append(exc)
-            if on_done is not None:
-                on_done()
-    if errors:
-        raise errors[0]
 
 
 def default_staged() -> bool:

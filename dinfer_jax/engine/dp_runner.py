@@ -44,9 +44,17 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dinfer_jax.engine.buckets import Buckets, pages_needed
-from dinfer_jax.engine.compile_pool import CompilerOptions, compile_all, default_compile_threads
+from dinfer_jax.engine.compile_pool import (
+    CompilerOptions,
+    CompileTiming,
+    LoweringJob,
+    default_compile_threads,
+    default_staged,
+    first_of_each,
+    lower_then_compile,
+)
 from dinfer_jax.engine.kv_cache import CacheConfig
-from dinfer_jax.engine.runner import InFlight, _device_step, empty_inputs, fill_step_inputs
+from dinfer_jax.engine.runner import InFlight, _device_step, _program_name, empty_inputs, fill_step_inputs
 from dinfer_jax.engine.scheduler import ScheduledStep
 from dinfer_jax.models import Model
 from dinfer_jax.models.engram_lookup import EngramLookup
@@ -249,6 +257,7 @@ class DPModelRunner:
         self._prev_step_id: list[int | None] = [None] * lay.dp
         self.compiled_shapes: set[tuple[int, int, int]] = set()
         self.num_compilations = 0
+        self.warmup_timings: tuple[CompileTiming, ...] = ()  # per program of the last threaded warm-up
 
     def _set_params(self, stacked: Any) -> None:
         """Place stacked parameters on the mesh: routed experts (physical slots when placed) split over the EP
@@ -302,13 +311,17 @@ class DPModelRunner:
         return placements
 
     # ------------------------------------------------------------------ compile
-    def warmup(self, progress: bool = False, compile_threads: int | None = None) -> float:
+    def warmup(self, progress: bool = False, compile_threads: int | None = None, staged: bool | None = None) -> float:
         """Compile every bucket, then run each with all engines idle (writes nothing). Returns seconds spent. As
-        :meth:`ModelRunner.warmup <dinfer_jax.engine.runner.ModelRunner.warmup>`: the programs are compiled ahead
-        of time on ``compile_threads`` threads (default :func:`default_compile_threads`; 1: one after another by
-        running them; always 1 with several processes)."""
+        :meth:`ModelRunner.warmup <dinfer_jax.engine.runner.ModelRunner.warmup>`: on ``compile_threads`` threads
+        (default :func:`default_compile_threads`) the programs are lowered one after another and each compiled as
+        soon as it is lowered (:func:`lower_then_compile`), one program of each ``(rows, tokens)`` shape first,
+        ``staged`` (default :func:`default_staged`: on a GPU) holding a shape's other page widths behind its first
+        compile; per-program times in :attr:`warmup_timings`. 1 thread (always, with several processes) compiles
+        each bucket by running it, one after another."""
         t0 = time.perf_counter()
         shapes = list(self.buckets.shapes())
+        n_decode = len(self.buckets.decode_shapes())  # shapes() lists decode first
         idle = ([None] * self.layout.dp, [[]] * self.layout.dp, [[]] * self.layout.dp)
         threads = default_compile_threads() if compile_threads is None else compile_threads
         if self.multi_process:
@@ -317,8 +330,13 @@ class DPModelRunner:
             threads = 1
         with PhaseProgress("compile buckets", len(shapes), enabled=progress) as bar:
             if threads > 1:
-                compile_all([lambda s=s: self._step.lower(*self._step_args(*idle, s)).compile() for s in shapes],
-                            threads, on_done=bar.advance)
+                jobs = [LoweringJob(_program_name(s, i < n_decode, False),
+                                    functools.partial(lambda s: self._step.lower(*self._step_args(*idle, s)), s),
+                                    s[:2]) for i, s in enumerate(shapes)]
+                first, rest = first_of_each([job.key for job in jobs])   # the autotuning compiles start first
+                staged = default_staged() if staged is None else staged
+                self.warmup_timings = tuple(lower_then_compile([jobs[i] for i in first + rest], threads, staged,
+                                                               on_done=bar.advance))
             for shape in shapes:
                 self._run(*idle, shape).tokens.block_until_ready()
                 if threads <= 1:
