@@ -111,9 +111,9 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
   mesh)
     # the kernel split over EP ranks already passed on the H200 (2026-12-04); the engines crashed jax 0.11.2's
     # Shardy partitioner before runner.pad_rows (docs/dp_engines.md)
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mesh_gpu.py 2>&1 | tee "$OUT/mesh_tests.log" \
+    timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mesh_gpu.py 2>&1 | tee "$OUT/mesh_tests.log" \
       | grep "^E \|passed\|failed\|Fatal" | head -30
-    timeout 370 python3 scripts/bench_mesh.py --preset deepseek-v4-flash --layers "${LAYERS:-2}" \
+    timeout 340 python3 scripts/bench_mesh.py --preset deepseek-v4-flash --layers "${LAYERS:-2}" \
       --layouts 1,1,2 2,1,1 2,1,2 --out "$OUT/mesh" 2>&1 | tee "$OUT/mesh.log" | quiet | grep "^|\|^model\|^jax\|Error\|Fatal" ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
