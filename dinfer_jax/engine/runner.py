@@ -465,7 +465,8 @@ def pad_rows(x: jax.Array, rows: int) -> jax.Array:
 
     A pad, not ``zeros(...).at[:B].set(x)``: under ``jax.shard_map`` (the DP engines' step) jax 0.11.2's Shardy
     partitioner crashes the process (segmentation fault) on a scatter that overwrites a whole fresh array, as
-    that is when ``B == rows`` (reproduced on CPU and on two H200s, 2026-12-04; ``docs/dp_engines.md``)."""
+    that is when ``B == rows`` (bisected on CPU with jax 0.11.2; the two-H200 engines crashed in the same pass,
+    2026-12-04; ``docs/dp_engines.md``)."""
     if x.shape[0] == rows:
         return x
     return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
