@@ -139,6 +139,7 @@ def main() -> None:
     from bench_compile import first_layers  # scripts/ is on sys.path when run as a script
 
     from dinfer_jax import LLM
+    from dinfer_jax.engine.llm import default_block_size
 
     cfg = first_layers(load_config(args.preset), args.layers)
     if cfg.engram_layer_ids and args.engram_vocab:
@@ -158,10 +159,9 @@ def main() -> None:
     prompts = [rng.integers(10, cfg.vocab_size - 10, n).tolist() for n in lengths]
     budget = args.chunk if args.long_prompts else args.prompt_len
     max_len = max(lengths) + args.max_tokens + 16
-    # one page width for the short prompts' steps and one for the longest sequence; the engine's block size rule
-    # (LLM: a multiple of every compression ratio, at least 16 tokens), given explicitly so the widths are known
-    lcm = int(np.lcm.reduce([r for r in cfg.compress_ratios if r] or [1]))
-    block = lcm * max(1, -(-16 // lcm))
+    # one page width for the short prompts' steps and one for the longest sequence (the engine's block size, given
+    # explicitly so the widths are known)
+    block = default_block_size(cfg)
     pages = tuple(sorted({-(-(args.prompt_len + args.max_tokens) // block), -(-max_len // block)}))
     buckets = Buckets(decode_batch=tuple(sorted({args.batch // dp for dp in dps})), prefill_batch=(1,),
                       prefill_len=tuple(sorted({args.prompt_len, budget})), pages=pages)

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["CompileTiming", "CompilerOptions", "LoweringJob", "compiler_options_key",
+__all__ = ["CompileTiming", "CompilerOptions", "LoweringJob", "compile_programs", "compiler_options_key",
            "default_compile_threads", "default_staged", "first_of_each", "lower_then_compile"]
 
 
@@ -115,6 +115,18 @@ def lower_then_compile(jobs: Sequence[LoweringJob], threads: int, staged: bool =
     if errors:
         raise errors[0]
     return [timings[i] for i in range(len(jobs))]
+
+
+def compile_programs(jobs: Sequence[LoweringJob], threads: int, staged: bool | None = None,
+                     tail: Sequence[LoweringJob] = (),
+                     on_done: Callable[[], None] | None = None) -> list[CompileTiming]:
+    """The engines' warm-up compile: ``jobs`` reordered so the first program of each key goes first
+    (:func:`first_of_each`: their compiles autotune, the repeats then find the results cached), then ``tail`` as
+    given, through :func:`lower_then_compile` (``staged`` None: :func:`default_staged`). Timings in the compile
+    order."""
+    first, rest = first_of_each([job.key for job in jobs])
+    staged = default_staged() if staged is None else staged
+    return lower_then_compile([*(jobs[i] for i in first + rest), *tail], threads, staged, on_done=on_done)
 
 
 def default_staged() -> bool:

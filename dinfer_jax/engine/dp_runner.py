@@ -48,10 +48,8 @@ from dinfer_jax.engine.compile_pool import (
     CompilerOptions,
     CompileTiming,
     LoweringJob,
+    compile_programs,
     default_compile_threads,
-    default_staged,
-    first_of_each,
-    lower_then_compile,
 )
 from dinfer_jax.engine.kv_cache import CacheConfig
 from dinfer_jax.engine.runner import InFlight, _device_step, _program_name, empty_inputs, fill_step_inputs
@@ -333,10 +331,7 @@ class DPModelRunner:
                 jobs = [LoweringJob(_program_name(s, i < n_decode, False),
                                     functools.partial(lambda s: self._step.lower(*self._step_args(*idle, s)), s),
                                     s[:2]) for i, s in enumerate(shapes)]
-                first, rest = first_of_each([job.key for job in jobs])   # the autotuning compiles start first
-                staged = default_staged() if staged is None else staged
-                self.warmup_timings = tuple(lower_then_compile([jobs[i] for i in first + rest], threads, staged,
-                                                               on_done=bar.advance))
+                self.warmup_timings = tuple(compile_programs(jobs, threads, staged, on_done=bar.advance))
             for shape in shapes:
                 self._run(*idle, shape).tokens.block_until_ready()
                 if threads <= 1:

@@ -29,6 +29,7 @@ from dinfer_jax.engine.runner import Buckets, ModelRunner, StepOutput
 from dinfer_jax.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from dinfer_jax.engine.structured_rows import StructuredOutputs
 from dinfer_jax.models import Model, load_config, load_model, random_model
+from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.engram_lookup import ENGRAM_PLACEMENTS
 from dinfer_jax.models.invariant import CPU_INVARIANT_OPTIONS, DEFAULT_TILE
 from dinfer_jax.models.linear_impl import resolve_linear_impl
@@ -189,6 +190,13 @@ def _decode_options(given: Mapping[str, str | int | float | bool] | None, linear
     if linear_impl == "pallas" and set(attn_kinds) <= TRITON_OFF_DECODE_KINDS:
         return {"xla_gpu_enable_triton_gemm": False}
     return {}
+
+
+def default_block_size(cfg: ModelConfig) -> int:
+    """KV page size in tokens when ``LLM(block_size=None)``: the smallest multiple of every compression ratio of
+    the model's layers that holds at least 16 tokens."""
+    lcm = int(np.lcm.reduce([r for r in cfg.compress_ratios if r] or [1]))
+    return lcm * max(1, -(-16 // lcm))
 
 
 def check_linear_impl(impl: str, batch_invariant: bool) -> None:
@@ -441,9 +449,7 @@ class LLM:
             options = compiler_options_key({**dict(options), **CPU_INVARIANT_OPTIONS})
             decode_options = compiler_options_key({**dict(decode_options), **CPU_INVARIANT_OPTIONS})
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 4096))
-        ratios = [r for r in cfg.compress_ratios if r] or [1]
-        lcm = int(np.lcm.reduce(ratios))
-        self.block_size = int(block_size or lcm * max(1, -(-16 // lcm)))
+        self.block_size = int(block_size or default_block_size(cfg))
         buckets = buckets or Buckets.default(max_num_seqs, max_num_batched_tokens)
         buckets = dataclasses.replace(buckets, decode_len=1 + k)
         self.buckets = buckets.resolve(-(-self.max_model_len // self.block_size), self.block_size)

@@ -189,6 +189,12 @@ class ScheduledRow:
         return self.start_pos + self.num_tokens
 
     @property
+    def reach_pos(self) -> int:
+        """One past the furthest position the row may write: ``end_pos``, plus ``slack`` while chained (the device
+        may move its start up by that much)."""
+        return self.end_pos + (self.slack if self.chained else 0)
+
+    @property
     def is_first_chunk(self) -> bool:
         """start_pos == 0: the state slot must be (re)initialised, not read."""
         return self.start_pos == 0

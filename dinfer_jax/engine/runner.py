@@ -29,10 +29,8 @@ from dinfer_jax.engine.compile_pool import (
     CompilerOptions,
     CompileTiming,
     LoweringJob,
+    compile_programs,
     default_compile_threads,
-    default_staged,
-    first_of_each,
-    lower_then_compile,
 )
 from dinfer_jax.engine.kv_cache import CacheConfig, init_cache
 from dinfer_jax.engine.model_step import _engram_rows_device, model_step
@@ -165,12 +163,9 @@ class ModelRunner:
             if threads > 1:
                 jobs = [LoweringJob(_program_name(*prog), functools.partial(self._lower_step, *prog),
                                     (prog[0][:2], prog[1], prog[2])) for prog in programs]
-                first, rest = first_of_each([job.key for job in jobs])   # the autotuning compiles start first
-                jobs = [jobs[i] for i in first + rest]
-                jobs += [LoweringJob(_sampler_name(*smp), functools.partial(self._lower_sampler, *smp), smp)
-                         for smp in samplers]   # last: short compiles
-                staged = default_staged() if staged is None else staged
-                self.warmup_timings = tuple(lower_then_compile(jobs, threads, staged, on_done=bar.advance))
+                tail = [LoweringJob(_sampler_name(*smp), functools.partial(self._lower_sampler, *smp), smp)
+                        for smp in samplers]   # last: short compiles
+                self.warmup_timings = tuple(compile_programs(jobs, threads, staged, tail=tail, on_done=bar.advance))
             for (b, q, p), decode, skip in programs:
                 if self.spec is not None:
                     inp, feed = self._empty_inputs(b, q, p)
@@ -316,8 +311,7 @@ class ModelRunner:
             b = Buckets.pick(self.buckets.prefill_batch, len(rows), "prefill batch")
             q = Buckets.pick(self.buckets.prefill_len, max(r.num_tokens for r in rows), "prefill chunk")
         bs = self.cache_config.block_size
-        p = self.buckets.pick_pages(pages_needed((r.start_pos + r.num_tokens + (r.slack if r.chained else 0)
-                                                  for r in rows), bs))
+        p = self.buckets.pick_pages(pages_needed((r.reach_pos for r in rows), bs))
         inp, feed = fill_step_inputs(step, b, q, p, bs, self._prev_step_id, self.yoco_keep)
         sampling = self._sampling(params, seeds, [r.end_pos for r in rows], b)
         if self.spec is not None:
@@ -425,7 +419,7 @@ def fill_step_inputs(step: ScheduledStep, b: int, q: int, p: int, block_size: in
     if yoco_keep is not None:
         inp["window_floor"][:n] = np.fromiter((max(0, r.seq.prefill_len - yoco_keep) for r in rows), np.int32, n)
     # a chained row's start may move up by its slack on the device: its page table covers that
-    reach = start.astype(np.int64) + count + np.fromiter((r.slack if r.chained else 0 for r in rows), np.int64, n)
+    reach = np.fromiter((r.reach_pos for r in rows), np.int64, n)
     need = -(-reach // block_size)
     for i, r in enumerate(rows):
         if len(r.block_ids) < need[i]:

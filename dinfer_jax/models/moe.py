@@ -32,7 +32,10 @@ import jax.numpy as jnp
 from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.eplb import ExpertMap
 from dinfer_jax.models.expert_ffn import combine_choices, expert_rows_ffn, grouped_expert_ffn, swiglu
-from dinfer_jax.models.expert_kernel import experts_kernel, kernel_unsupported
+from dinfer_jax.models.expert_kernel import experts_kernel
+
+# why the expert kernel cannot run (None when it can); the name the MoE switch and its tests use
+from dinfer_jax.models.expert_kernel import kernel_unsupported as pallas_supported
 from dinfer_jax.models.expert_parallel import ep_experts, ep_experts_manual
 from dinfer_jax.models.invariant import active_tile, invariant_tracing, token_tiled
 from dinfer_jax.models.ops import F32, linear, matmul
@@ -97,12 +100,6 @@ def shared_expert(p: Mapping[str, jax.Array], x: jax.Array, cfg: ModelConfig) ->
     """Always-on expert with the same clamp; fp32 result ``[N,D]``."""
     a = swiglu(linear(x, p["w1"], F32), linear(x, p["w3"], F32), cfg.swiglu_limit).astype(x.dtype)
     return linear(a, p["w2"], F32)
-
-
-def pallas_supported(ex: Mapping[str, Any], dtype: Any) -> str | None:
-    """Why the Mosaic GPU expert kernel cannot run these experts (None when it can):
-    :func:`~dinfer_jax.models.expert_kernel.kernel_unsupported`."""
-    return kernel_unsupported(ex, dtype)
 
 
 def moe(p: Mapping[str, Any], x: jax.Array, token_ids: jax.Array | None, *, cfg: ModelConfig, hash_routed: bool,
