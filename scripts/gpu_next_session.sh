@@ -28,8 +28,8 @@
 #   STAGE=compile-kinds  issue 8: decode + prefill compile time of one-kind V4-Flash slices (layer 0 sliding, 2 CSA,
 #                 3 HCA; probe_compile.py --layer-sets), with and without GEMM autotuning: which kind makes V4's
 #                 first programs take ~60 s to compile (V4.1's: ~24 s);
-#   STAGE=index-sweep  the indexer kernel's tests without the engine cases, and its stages x splits x page-table
-#                 read placement sweep at V4.1-Flash batch 64, 128K context;
+#   STAGE=index-sweep  the indexer kernel's tests without the engine cases, and its tile rows x stages x splits
+#                 sweep at V4.1-Flash batch 64, 128K context;
 #   STAGE=mesh    issue 10, on nvidia-h200-x2: the two-GPU engines' tokens against one GPU (tests/test_mesh_gpu.py),
 #                 then scripts/bench_mesh.py on a V4-Flash slice (LAYERS, default 2): EP2, DP2 and DP2+EP2 against
 #                 one GPU, tokens and decode tokens/s;

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,7 @@ from pallas_kernels.indexer.scores_sm90 import (
     index_scores_rows,
     key_permutation,
     multiplier_bits,
+    padded_pages,
     query_operand,
     register_bits,
     smem_bytes,
@@ -105,9 +108,13 @@ def test_query_operand_is_permuted_scaled_transposed():
 def test_check_config():
     assert check_config(64, 1, 64, 128, 4096, stages=4, splits=None) == (8, 4)
     assert check_config(1, 1, 32, 128, 128, stages=4, splits=None) == (2, 1)
+    # 128-row tiles: half as many tiles to split over; stages capped by the tiles a CTA has
+    assert check_config(64, 1, 64, 128, 4096, stages=4, splits=None, tile_rows=128) == (8, 4)
+    assert check_config(1, 1, 32, 128, 256, stages=4, splits=None, tile_rows=256) == (1, 1)
     for kw, msg in [(dict(d=64), "head width"), (dict(h=48), "index heads"), (dict(s=9), "query tokens"),
-                    (dict(t=100), "multiple of 64"), (dict(splits=3), "splits=3"),
-                    (dict(s=8, h=128), "shared memory")]:
+                    (dict(t=100), "multiple of tile_rows=64"), (dict(splits=3), "splits=3"),
+                    (dict(s=8, h=128), "shared memory"), (dict(tile_rows=96), "tile_rows=96"),
+                    (dict(t=64 * 3, tile_rows=128), "multiple of tile_rows=128")]:
         args = dict(b=2, s=1, h=64, d=128, t=1024, stages=2, splits=None) | kw
         with pytest.raises(ValueError, match=msg):
             check_config(args.pop("b"), args.pop("s"), args.pop("h"), args.pop("d"), args.pop("t"), **args)
@@ -119,11 +126,20 @@ def test_smem_bytes_matches_mosaic(monkeypatch):
 
     monkeypatch.setattr(core, "_SMEM_SIZE_BOUND", 1)
     sds = jax.ShapeDtypeStruct
-    for b, s, h, t in [(2, 1, 64, 1024), (1, 3, 32, 256)]:
-        want = smem_bytes(s, h, min(4, t // 64 // check_config(b, s, h, 128, t, stages=4, splits=None)[0]))
+    for b, s, h, t, tr in [(2, 1, 64, 1024, 64), (1, 3, 32, 256, 64), (2, 2, 32, 1024, 128), (1, 1, 64, 512, 256)]:
+        splits = check_config(b, s, h, 128, t, stages=4, splits=None, tile_rows=tr)[0]
+        want = smem_bytes(s, h, min(4, t // tr // splits), tr)
+        fn = functools.partial(index_scores_rows, tile_rows=tr)
         with pytest.raises(ValueError, match=f"smem_bytes={want} "):
-            jax.jit(index_scores_rows).trace(sds((b, s, h, 128), jnp.float32), sds((b, s, h), jnp.float32),
-                                             sds((b, t, 68), jnp.uint8)).lower(lowering_platforms=("cuda",))
+            jax.jit(fn).trace(sds((b, s, h, 128), jnp.float32), sds((b, s, h), jnp.float32),
+                              sds((b, t, 68), jnp.uint8)).lower(lowering_platforms=("cuda",))
+
+
+def test_padded_pages():
+    assert padded_pages(5, 32, 64) == 6 and padded_pages(4, 32, 64) == 4
+    assert padded_pages(3, 64, 128) == 4 and padded_pages(1, 128, 128) == 1
+    assert padded_pages(1, 96, 64) == 2 and padded_pages(3, 96, 256) == 8   # 192 rows, 768 rows
+    assert padded_pages(2, 32, 256) == 8
 
 
 def test_traffic():
@@ -132,11 +148,12 @@ def test_traffic():
     assert t["bytes"] == t["bytes_read"] + 64 * 4096 * 4 and t["flops"] == 2 * 64 * 32 * 4096 * 128
 
 
-@pytest.mark.parametrize("b,s,h,t", [(64, 1, 32, 2048), (2, 5, 64, 1000), (1, 6, 128, 64), (3, 8, 64, 128)])
-def test_kernel_lowers_for_cuda(b, s, h, t):
+@pytest.mark.parametrize("b,s,h,t,tr", [(64, 1, 32, 2048, 64), (2, 5, 64, 1000, 64), (1, 6, 128, 64, 64),
+                                        (3, 8, 64, 128, 64), (64, 1, 32, 2048, 128), (2, 2, 64, 1000, 256)])
+def test_kernel_lowers_for_cuda(b, s, h, t, tr):
     sds = jax.ShapeDtypeStruct
-    traced = jax.jit(index_scores_rows).trace(sds((b, s, h, 128), jnp.float32), sds((b, s, h), jnp.float32),
-                                              sds((b, t, 68), jnp.uint8))
+    fn = jax.jit(functools.partial(index_scores_rows, tile_rows=tr))
+    traced = fn.trace(sds((b, s, h, 128), jnp.float32), sds((b, s, h), jnp.float32), sds((b, t, 68), jnp.uint8))
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 

@@ -71,12 +71,14 @@ def test_kernel_matches_reference(b, s, h, t):
     _check(b, s, h, t, seed=b + s + h + t)
 
 
-@pytest.mark.parametrize("b,s,h,rpb,n_pages", [
-    (64, 1, 32, 64, 32),    # V4.1-Flash: 128-token pages at ratio 2, 4K-token contexts
-    (8, 2, 64, 32, 9),      # V4-Flash (fp8 cache): ratio 4; 288 rows, padded to 320 with page 0
-    (3, 5, 32, 128, 3),
+@pytest.mark.parametrize("b,s,h,rpb,n_pages,tile_rows", [
+    (64, 1, 32, 64, 32, 64),    # V4.1-Flash: 128-token pages at ratio 2, 4K-token contexts
+    (8, 2, 64, 32, 9, 64),      # V4-Flash (fp8 cache): ratio 4; 288 rows, padded to 320 with page 0
+    (3, 5, 32, 128, 3, 64),
+    (64, 1, 32, 64, 33, 128),   # 128-row tiles; 33 pages padded to 34
+    (8, 2, 64, 32, 9, 256),     # 288 rows padded to 512
 ])
-def test_paged_kernel_matches_reference_on_gathered_rows(b, s, h, rpb, n_pages):
+def test_paged_kernel_matches_reference_on_gathered_rows(b, s, h, rpb, n_pages, tile_rows):
     """Through the page table (pages of each sequence scattered over a pool of two layers, layer 1 read) against
     the reference on the rows ``pages_read`` gathers."""
     from dinfer_jax.models.cache_io import pages_read
@@ -92,19 +94,27 @@ def test_paged_kernel_matches_reference_on_gathered_rows(b, s, h, rpb, n_pages):
     rows = pages_read(pool, jnp.int32(1), pages)
     with jax.default_device(gpu):
         got = np.asarray(index_scores_paged(*(jax.device_put(a, gpu) for a in (q, w, pool)), jnp.int32(1),
-                                            jax.device_put(pages, gpu)))
+                                            jax.device_put(pages, gpu), tile_rows=tile_rows))
     want = np.asarray(jax.jit(index_scores_rows_ref, backend="cpu")(q, w, rows))
     k = np.asarray(decode_rows(rows, 128), np.float64)
     a = np.einsum("bsh,bshd,btd->bst", np.abs(np.asarray(w, np.float64)), np.abs(np.asarray(q, np.float64)), np.abs(k))
     err = np.abs(got - want)
-    print(f"paged B={b} S={s} H={h} rpb={rpb} P={n_pages}: max err / bound "
+    print(f"paged B={b} S={s} H={h} rpb={rpb} P={n_pages} tile_rows={tile_rows}: max err / bound "
           f"{float((err / (2.0 ** -14 * a + 1e-300)).max()):.3g}")
     assert got.shape == want.shape and np.all(err <= 2.0 ** -14 * a)
 
 
-@pytest.mark.parametrize("kw", [dict(stages=1), dict(stages=2, splits=1), dict(splits=4), dict(stages=8)])
+@pytest.mark.parametrize("kw", [dict(stages=1), dict(stages=2, splits=1), dict(splits=4), dict(stages=8),
+                                dict(tile_rows=128), dict(tile_rows=128, stages=2, splits=2),
+                                dict(tile_rows=256, stages=3), dict(tile_rows=256, splits=1)])
 def test_kernel_configs(kw):
     _check(4, 2, 32, 1024, seed=7, **kw)
+
+
+@pytest.mark.parametrize("tile_rows", [128, 256])
+def test_kernel_tiles_of_several_wgmmas_on_padded_rows(tile_rows):
+    """Several 64-row sub-tiles per step, with T (1000) padded to a whole number of tiles."""
+    _check(2, 3, 64, 1000, seed=tile_rows, tile_rows=tile_rows)
 
 
 @pytest.mark.parametrize("block_size", [16, 64])

@@ -70,6 +70,7 @@ from pallas_kernels.mgpu_compat import load_whole
 DIM = 128                       # index head width the register decode is built for (four scale groups of 32)
 ROW_BYTES = DIM // 2 + DIM // 32    # 68
 TILE = 64                       # key rows per WGMMA (its M)
+TILE_ROWS = (64, 128, 256)      # key rows a CTA takes per pipeline step: 1, 2 or 4 WGMMA sub-tiles
 QUERY_SCALE = 2.0 ** 64         # queries are pre-multiplied by this; keys carry 2^-64 (module docstring)
 MAX_QUERIES = 8                 # query tokens per sequence a CTA holds in shared memory (decode and verify rows)
 TARGET_CTAS = 132 * 4           # several small CTAs per SM overlap their TMA streams
@@ -144,41 +145,45 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
-def smem_bytes(s: int, h: int, stages: int) -> int:
+def smem_bytes(s: int, h: int, stages: int, tile_rows: int = TILE) -> int:
     """Shared memory one CTA allocates, each buffer rounded up to 1 KiB as Pallas does: the queries ``[S, 128,
-    H]`` bf16, the head weights, the ring of ``stages`` key tiles, two score tiles ``[S, 64]`` fp32, mbarriers,
-    and the 2 KiB Pallas reserves for cross-warp reductions by default."""
-    return (REDUCTION_SCRATCH + _aligned(s * DIM * h * 2) + _aligned(s * h * 4) + _aligned(stages * TILE * ROW_BYTES)
-            + _aligned(2 * s * TILE * 4) + 8 * (1 + stages))
+    H]`` bf16, the head weights, the ring of ``stages`` key tiles of ``tile_rows`` rows, two score tiles ``[S,
+    tile_rows]`` fp32, mbarriers, and the 2 KiB Pallas reserves for cross-warp reductions by default."""
+    return (REDUCTION_SCRATCH + _aligned(s * DIM * h * 2) + _aligned(s * h * 4)
+            + _aligned(stages * tile_rows * ROW_BYTES) + _aligned(2 * s * tile_rows * 4) + 8 * (1 + stages))
 
 
-def check_config(b: int, s: int, h: int, d: int, t: int, *, stages: int, splits: int | None) -> tuple[int, int]:
-    """Validates the static configuration; returns ``(splits, stages)`` actually used."""
+def check_config(b: int, s: int, h: int, d: int, t: int, *, stages: int, splits: int | None,
+                 tile_rows: int = TILE) -> tuple[int, int]:
+    """Validates the static configuration; returns ``(splits, stages)`` actually used (``splits`` CTAs per sequence
+    over the ``T / tile_rows`` tiles)."""
     if d != DIM:
         raise ValueError(f"the kernel's register decode needs index head width {DIM}, got {d}")
     if h % 32 or not 32 <= h <= 128:
         raise ValueError(f"number of index heads H={h} must be 32, 64, 96 or 128 (the WGMMA N side)")
     if not 1 <= s <= MAX_QUERIES:
         raise ValueError(f"query tokens per sequence S={s} must be between 1 and {MAX_QUERIES}")
-    if t <= 0 or t % TILE:
-        raise ValueError(f"number of key rows T={t} must be a positive multiple of {TILE}")
+    if tile_rows not in TILE_ROWS:
+        raise ValueError(f"tile_rows={tile_rows} must be one of {TILE_ROWS}")
+    if t <= 0 or t % tile_rows:
+        raise ValueError(f"number of key rows T={t} must be a positive multiple of tile_rows={tile_rows}")
     if stages < 1:
         raise ValueError(f"stages={stages} must be at least 1")
-    tiles = t // TILE
-    need = smem_bytes(s, h, min(stages, tiles))
+    tiles = t // tile_rows
+    need = smem_bytes(s, h, min(stages, tiles), tile_rows)
     if need > SMEM_BYTES:
         raise ValueError(f"shared memory {need} B (S={s} query tokens of H={h} heads, stages={stages}) exceeds "
                          f"{SMEM_BYTES} B per CTA; fewer query tokens per call")
     if splits is None:
         splits = max(p for p in range(1, tiles + 1) if tiles % p == 0 and (b * p <= TARGET_CTAS or p == 1))
     if splits < 1 or tiles % splits:
-        raise ValueError(f"splits={splits} must divide the number of 64-row tiles T / 64 = {tiles}")
+        raise ValueError(f"splits={splits} must divide the number of tiles T / tile_rows = {tiles}")
     return splits, min(stages, tiles // splits)
 
 
-def _decode_keys(plgpu, k_ref):
-    """The tile ``k_ref`` (uint8 smem ``[2, 136, 16]``: 64 rows of 68 bytes, contiguous) → bf16 ``[64, 128]`` in
-    the WGMMA register layout (module docstring)."""
+def _decode_keys(plgpu, k_ref, first_row: int = 0):
+    """Rows ``first_row … first_row + 63`` of the tile ``k_ref`` (uint8 smem ``[copies, 136, 16]``: rows of 68
+    bytes, contiguous) → bf16 ``[64, 128]`` in the WGMMA register layout (module docstring)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -214,7 +219,7 @@ def _decode_keys(plgpu, k_ref):
 
         words, muls = {}, {}
         for q0 in range(2):
-            r = arith.addi(arith.addi(arith.muli(warp, c(16)), g), c(8 * q0))
+            r = arith.addi(arith.addi(arith.muli(warp, c(16)), g), c(first_row + 8 * q0))
             row0 = arith.muli(r, c(ROW_BYTES))
             first = arith.addi(row0, arith.muli(cc, c(16)))
             words[q0] = [load_word(arith.addi(first, c(4 * i))) for i in range(4)]
@@ -254,15 +259,18 @@ def copy_rows(rows_per_page: int) -> int:
 
 
 def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array, pages: jax.Array, *,
-                 splits: int, stages: int, early_page_reads: bool = True) -> jax.Array:
+                 splits: int, stages: int, early_page_reads: bool = True, tile_rows: int = TILE) -> jax.Array:
     """The Mosaic GPU kernel.
 
     Args:
       qt: ``bf16 [B, S, 128, H]`` (:func:`query_operand`); w: ``fp32 [B, S, H]``.
       pool: ``uint8 [L, N, rpb, 68]`` paged index-key rows (``rpb`` rows per page).
-      layer: ``int32 []``, the layer of ``pool`` to read; pages: ``int32 [B, P]``, ``P · rpb`` a multiple of 64.
+      layer: ``int32 []``, the layer of ``pool`` to read; pages: ``int32 [B, P]``, ``P · rpb`` a multiple of
+        ``tile_rows``.
       early_page_reads: read the next refill's page ids before waiting for the current tile (benchmark switch;
         False reads them after the decode, right before the copies).
+      tile_rows: key rows per pipeline step, ``tile_rows / 64`` WGMMA sub-tiles decoded together and their products
+        issued back to back, so a step's fixed costs (barriers, the score store) are paid once per ``tile_rows``.
     Returns:
       ``fp32 [B, S, P · rpb]``.
     """
@@ -274,10 +282,11 @@ def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array,
     t = n_table * rpb
     rc = copy_rows(rpb)
     pieces = rpb // rc                      # copies per page
-    copies = TILE // rc                     # copies per tile
+    copies = tile_rows // rc                # copies per tile
+    subtiles = tile_rows // TILE
     box = (rc * ROW_BYTES // 16, 16)
     pool4 = pool.reshape(n_layers, n_pages * pieces, *box)    # a free reshape: rows are contiguous in a page
-    tiles_per_cta = t // TILE // splits
+    tiles_per_cta = t // tile_rows // splits
     swizzle = min(128, 2 * h)
     q_transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
@@ -295,7 +304,7 @@ def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array,
             table, so a load for a tile that does not exist is harmless)."""
             out = []
             for j in range(copies):
-                row = (tile0 + i) * TILE + j * rc
+                row = (tile0 + i) * tile_rows + j * rc
                 page = pages_ref[seq, jnp.minimum(row // rpb, n_table - 1)]
                 out.append(page * pieces + (row % rpb) // rc if pieces > 1 else page)
             return out
@@ -315,7 +324,7 @@ def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array,
             # the refill's page-table reads (GMEM) go out before the waits below, so their latency hides behind them
             refill = pieces_of(i + stages) if early_page_reads else None
             plgpu.barrier_wait(loaded_barriers.at[slot])
-            keys = _decode_keys(plgpu, k_smem.at[slot])
+            keys = [_decode_keys(plgpu, k_smem.at[slot], TILE * j) for j in range(subtiles)]
             plgpu.commit_smem()              # every thread has read the slot: it may be refilled
 
             @pl.when(i + stages < tiles_per_cta)
@@ -325,24 +334,27 @@ def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array,
             o_slot = lax.rem(i, jnp.array(2, i.dtype))
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)    # the store from this o_slot two tiles ago is out
             for qi in range(s):
-                def qk(acc_ref, qi=qi):
-                    plgpu.wgmma(acc_ref, keys, q_smem.at[qi])
-                    return acc_ref[...]
+                def qk(*acc_refs, qi=qi):
+                    for j, acc_ref in enumerate(acc_refs):     # all sub-tiles' products in flight, then one wait
+                        plgpu.wgmma(acc_ref, keys[j], q_smem.at[qi])
+                    return [acc_ref[...] for acc_ref in acc_refs]
 
-                acc = pl.run_scoped(qk, plgpu.ACC((TILE, h), jnp.float32))
-                weighted = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(head_weights[qi], acc.shape, [1])
-                o_smem.at[o_slot, qi][...] = weighted.sum(axis=1)
+                accs = pl.run_scoped(qk, *[plgpu.ACC((TILE, h), jnp.float32) for _ in range(subtiles)])
+                for j, acc in enumerate(accs):
+                    weighted = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(head_weights[qi], acc.shape, [1])
+                    o_smem.at[o_slot, qi, pl.ds(TILE * j, TILE)][...] = weighted.sum(axis=1)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[o_slot], out_ref.at[seq, pl.ds(0, s), pl.ds((tile0 + i) * TILE, TILE)])
+            plgpu.copy_smem_to_gmem(o_smem.at[o_slot],
+                                    out_ref.at[seq, pl.ds(0, s), pl.ds((tile0 + i) * tile_rows, tile_rows)])
 
         plgpu.wait_smem_to_gmem(0)
 
-    body.__name__ = f"index_scores_fp4_h{h}_s{s}_rpb{rpb}"
+    body.__name__ = f"index_scores_fp4_h{h}_s{s}_rpb{rpb}_t{tile_rows}"
     scratch = [
         plgpu.SMEM((s, d, h), jnp.bfloat16, transforms=q_transforms),
         plgpu.SMEM((s, h), jnp.float32),
         plgpu.SMEM((stages, copies, *box), jnp.uint8),
-        plgpu.SMEM((2, s, TILE), jnp.float32),
+        plgpu.SMEM((2, s, tile_rows), jnp.float32),
         plgpu.Barrier(num_arrivals=s + 1),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
     ]
@@ -358,15 +370,24 @@ def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array,
     return kernel(meta, pages.astype(jnp.int32), qt, w, pool4)
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "splits", "early_page_reads"))
+def padded_pages(n_pages: int, rows_per_page: int, tile_rows: int) -> int:
+    """The fewest pages ``≥ n_pages`` whose rows are a multiple of ``tile_rows``."""
+    extra = 0
+    while ((n_pages + extra) * rows_per_page) % tile_rows:
+        extra += 1
+    return n_pages + extra
+
+
+@functools.partial(jax.jit, static_argnames=("stages", "splits", "early_page_reads", "tile_rows"))
 def index_scores_paged(q: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array, pages: jax.Array, *,
-                       stages: int = 4, splits: int | None = None, early_page_reads: bool = True) -> jax.Array:
+                       stages: int = 4, splits: int | None = None, early_page_reads: bool = True,
+                       tile_rows: int = TILE) -> jax.Array:
     """Indexer scores ``fp32 [B, S, P · rpb]`` of queries ``q [B, S, H, 128]`` (FP4 values) with head weights ``w
     [B, S, H]`` over each sequence's pages ``pages [B, P]`` of layer ``layer`` of the paged rows ``pool uint8 [L, N,
     rpb, 68]`` — the rows :func:`dinfer_jax.models.cache_io.pages_read` would gather, read by the kernel through
-    the page table. A page count whose rows are not a multiple of 64 is padded with page 0 (those scores are cut
-    off again). ``stages``: tiles in flight per CTA; ``splits``: CTAs per sequence (default: as many as keep ≤ ~4
-    CTAs per SM busy)."""
+    the page table. A page count whose rows are not a multiple of ``tile_rows`` is padded with page 0 (those scores
+    are cut off again). ``stages``: tiles in flight per CTA; ``splits``: CTAs per sequence (default: as many as keep
+    ≤ ~4 CTAs per SM busy); ``tile_rows``: key rows per pipeline step (64, 128 or 256)."""
     if q.ndim != 4 or w.shape != q.shape[:3]:
         raise ValueError(f"q must be [B, S, H, D] and w [B, S, H], got {q.shape} and {w.shape}")
     b, s, h, d = q.shape
@@ -376,30 +397,33 @@ def index_scores_paged(q: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.A
     if pages.ndim != 2 or pages.shape[0] != b:
         raise ValueError(f"pages must be [B={b}, P], got {pages.shape}")
     copy_rows(rpb)
+    if tile_rows not in TILE_ROWS:
+        raise ValueError(f"tile_rows={tile_rows} must be one of {TILE_ROWS}")
     t = pages.shape[1] * rpb
-    pad = (-t) % TILE
-    if pad:
-        pages = jnp.pad(pages, ((0, 0), (0, pad // rpb)))
-    splits, stages = check_config(b, s, h, d, t + pad, stages=stages, splits=splits)
+    n_pages = padded_pages(pages.shape[1], rpb, tile_rows)
+    if n_pages != pages.shape[1]:
+        pages = jnp.pad(pages, ((0, 0), (0, n_pages - pages.shape[1])))
+    splits, stages = check_config(b, s, h, d, n_pages * rpb, stages=stages, splits=splits, tile_rows=tile_rows)
     out = _kernel_call(query_operand(q), w.astype(jnp.float32), pool, jnp.asarray(layer, jnp.int32), pages,
-                       splits=splits, stages=stages, early_page_reads=early_page_reads)
-    return out[:, :, :t] if pad else out
+                       splits=splits, stages=stages, early_page_reads=early_page_reads, tile_rows=tile_rows)
+    return out[:, :, :t] if n_pages * rpb != t else out
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "splits"))
+@functools.partial(jax.jit, static_argnames=("stages", "splits", "tile_rows"))
 def index_scores_rows(q: jax.Array, w: jax.Array, rows: jax.Array, *, stages: int = 4,
-                      splits: int | None = None) -> jax.Array:
+                      splits: int | None = None, tile_rows: int = TILE) -> jax.Array:
     """Indexer scores ``fp32 [B, S, T]`` of queries ``q [B, S, H, 128]`` (FP4 values) with head weights ``w [B, S,
     H]`` over rows already laid out per sequence, ``uint8 [B, T, 68]`` (module docstring): the paged kernel with
-    32-row pages in order. ``T`` that is not a multiple of 64 is padded with zero rows (their scores are cut off)."""
+    32-row pages in order. ``T`` that is not a multiple of ``tile_rows`` is padded with zero rows (their scores are
+    cut off)."""
     b, s, h, d, t = check_shapes(q, w, rows)
-    t_pad = -(-t // TILE) * TILE
+    t_pad = -(-t // tile_rows) * tile_rows
     if t_pad != t:
         rows = jnp.pad(rows, ((0, 0), (0, t_pad - t), (0, 0)))
     per_seq = t_pad // 32
     pool = rows.reshape(1, b * per_seq, 32, ROW_BYTES)
     pages = jnp.arange(b * per_seq, dtype=jnp.int32).reshape(b, per_seq)
-    out = index_scores_paged(q, w, pool, jnp.int32(0), pages, stages=stages, splits=splits)
+    out = index_scores_paged(q, w, pool, jnp.int32(0), pages, stages=stages, splits=splits, tile_rows=tile_rows)
     return out[:, :, :t] if t_pad != t else out
 
 
