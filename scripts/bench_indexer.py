@@ -24,6 +24,7 @@ measured in the same run. ``differ``: top-k sets of the bf16 path that are not t
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -96,7 +97,7 @@ def _compare(topk, got, want) -> tuple[float, int]:
 
 
 def sweep_paged(device_times, copy_bw: float, batch: int = 64, context: int = 131072,
-                tile_rows: tuple[int, ...] = (64, 128, 256)) -> str:
+                tile_rows: tuple[int, ...] = (64, 128), box_bytes: tuple[int, ...] = (16, 128)) -> str:
     """The paged kernel's ``tile_rows`` × ``stages`` × ``splits`` at V4.1-Flash's size: a table of ms and % of
     copy bandwidth on the stored key bytes (page-table reads early, the default; the other placement was measured
     on 2026-12-04 and is within noise)."""
@@ -107,17 +108,19 @@ def sweep_paged(device_times, copy_bw: float, batch: int = 64, context: int = 13
     c = _case(cfg, codec, 2, batch, context, jax.random.key(1))
     key_bytes = batch * c["T"] * 68
     lines = [f"paged kernel alone, V4.1-Flash, batch {batch}, context {context} ({c['T']} rows)", "",
-             "| tile rows | stages | splits | ms | GB/s | % copy |", "|---:|---:|---:|---:|---:|---:|"]
-    for tr in tile_rows:
+             "| TMA box bytes | tile rows | stages | splits | ms | GB/s | % copy |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for bb, tr in itertools.product(box_bytes, tile_rows):
         default, _ = check_config(batch, 1, cfg.index_n_heads, 128, c["T"], stages=4, splits=None, tile_rows=tr)
         for stages in (2, 4):
-            for splits in sorted({max(1, default // 2), default, default * 2}):
+            for splits in (default, default * 2):
                 if (c["T"] // tr) % splits:
                     continue
-                fn = jax.jit(functools.partial(index_scores_paged, stages=stages, splits=splits, tile_rows=tr))
+                fn = jax.jit(functools.partial(index_scores_paged, stages=stages, splits=splits, tile_rows=tr,
+                                               box_bytes=bb))
                 t, _ = device_times(fn, c["q"], c["w"], c["pool"], jnp.int32(0), c["pages"])
                 gbps = key_bytes / t / 1e6
-                lines.append(f"| {tr} | {stages} | {splits} | {t:.3f} | {gbps:.0f} | "
+                lines.append(f"| {bb} | {tr} | {stages} | {splits} | {t:.3f} | {gbps:.0f} | "
                              f"{100 * gbps / (copy_bw / 1e9):.0f}% |")
                 print(lines[-1], flush=True)
     return "\n".join(lines)

@@ -106,8 +106,8 @@ def test_query_operand_is_permuted_scaled_transposed():
 
 
 def test_check_config():
-    assert check_config(64, 1, 64, 128, 4096, stages=4, splits=None) == (8, 4)
-    assert check_config(1, 1, 32, 128, 128, stages=4, splits=None) == (2, 1)
+    assert check_config(64, 1, 64, 128, 4096, stages=4, splits=None, tile_rows=64) == (8, 4)
+    assert check_config(1, 1, 32, 128, 128, stages=4, splits=None, tile_rows=64) == (2, 1)
     # 128-row tiles: half as many tiles to split over; stages capped by the tiles a CTA has
     assert check_config(64, 1, 64, 128, 4096, stages=4, splits=None, tile_rows=128) == (8, 4)
     assert check_config(1, 1, 32, 128, 256, stages=4, splits=None, tile_rows=256) == (1, 1)
@@ -115,7 +115,7 @@ def test_check_config():
                     (dict(t=100), "multiple of tile_rows=64"), (dict(splits=3), "splits=3"),
                     (dict(s=8, h=128), "shared memory"), (dict(tile_rows=96), "tile_rows=96"),
                     (dict(t=64 * 3, tile_rows=128), "multiple of tile_rows=128")]:
-        args = dict(b=2, s=1, h=64, d=128, t=1024, stages=2, splits=None) | kw
+        args = dict(b=2, s=1, h=64, d=128, t=1024, stages=2, splits=None, tile_rows=64) | kw
         with pytest.raises(ValueError, match=msg):
             check_config(args.pop("b"), args.pop("s"), args.pop("h"), args.pop("d"), args.pop("t"), **args)
 

@@ -78,7 +78,8 @@ def test_kernel_matches_reference(b, s, h, t):
     (64, 1, 32, 64, 33, 128),   # 128-row tiles; 33 pages padded to 34
     (8, 2, 64, 32, 9, 256),     # 288 rows padded to 512
 ])
-def test_paged_kernel_matches_reference_on_gathered_rows(b, s, h, rpb, n_pages, tile_rows):
+@pytest.mark.parametrize("box_bytes", [16, 128])
+def test_paged_kernel_matches_reference_on_gathered_rows(b, s, h, rpb, n_pages, tile_rows, box_bytes):
     """Through the page table (pages of each sequence scattered over a pool of two layers, layer 1 read) against
     the reference on the rows ``pages_read`` gathers."""
     from dinfer_jax.models.cache_io import pages_read
@@ -94,12 +95,13 @@ def test_paged_kernel_matches_reference_on_gathered_rows(b, s, h, rpb, n_pages, 
     rows = pages_read(pool, jnp.int32(1), pages)
     with jax.default_device(gpu):
         got = np.asarray(index_scores_paged(*(jax.device_put(a, gpu) for a in (q, w, pool)), jnp.int32(1),
-                                            jax.device_put(pages, gpu), tile_rows=tile_rows))
+                                            jax.device_put(pages, gpu), tile_rows=tile_rows,
+                                            box_bytes=box_bytes))
     want = np.asarray(jax.jit(index_scores_rows_ref, backend="cpu")(q, w, rows))
     k = np.asarray(decode_rows(rows, 128), np.float64)
     a = np.einsum("bsh,bshd,btd->bst", np.abs(np.asarray(w, np.float64)), np.abs(np.asarray(q, np.float64)), np.abs(k))
     err = np.abs(got - want)
-    print(f"paged B={b} S={s} H={h} rpb={rpb} P={n_pages} tile_rows={tile_rows}: max err / bound "
+    print(f"paged B={b} S={s} H={h} rpb={rpb} P={n_pages} tile_rows={tile_rows} box {box_bytes}: max err / bound "
           f"{float((err / (2.0 ** -14 * a + 1e-300)).max()):.3g}")
     assert got.shape == want.shape and np.all(err <= 2.0 ** -14 * a)
 

@@ -71,6 +71,10 @@ DIM = 128                       # index head width the register decode is built 
 ROW_BYTES = DIM // 2 + DIM // 32    # 68
 TILE = 64                       # key rows per WGMMA (its M)
 TILE_ROWS = (64, 128, 256)      # key rows a CTA takes per pipeline step: 1, 2 or 4 WGMMA sub-tiles
+# measured on the H200 (docs/perf/attention_h200.md, fifth session of 2026-12-04): 128-row steps over 128-byte-wide
+# TMA boxes read 14% faster than 64-row steps over 16-byte-wide boxes
+DEFAULT_TILE_ROWS = 128
+DEFAULT_BOX_BYTES = 128
 QUERY_SCALE = 2.0 ** 64         # queries are pre-multiplied by this; keys carry 2^-64 (module docstring)
 MAX_QUERIES = 8                 # query tokens per sequence a CTA holds in shared memory (decode and verify rows)
 TARGET_CTAS = 132 * 4           # several small CTAs per SM overlap their TMA streams
@@ -145,7 +149,7 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
-def smem_bytes(s: int, h: int, stages: int, tile_rows: int = TILE) -> int:
+def smem_bytes(s: int, h: int, stages: int, tile_rows: int = DEFAULT_TILE_ROWS) -> int:
     """Shared memory one CTA allocates, each buffer rounded up to 1 KiB as Pallas does: the queries ``[S, 128,
     H]`` bf16, the head weights, the ring of ``stages`` key tiles of ``tile_rows`` rows, two score tiles ``[S,
     tile_rows]`` fp32, mbarriers, and the 2 KiB Pallas reserves for cross-warp reductions by default."""
@@ -154,7 +158,7 @@ def smem_bytes(s: int, h: int, stages: int, tile_rows: int = TILE) -> int:
 
 
 def check_config(b: int, s: int, h: int, d: int, t: int, *, stages: int, splits: int | None,
-                 tile_rows: int = TILE) -> tuple[int, int]:
+                 tile_rows: int = DEFAULT_TILE_ROWS) -> tuple[int, int]:
     """Validates the static configuration; returns ``(splits, stages)`` actually used (``splits`` CTAs per sequence
     over the ``T / tile_rows`` tiles)."""
     if d != DIM:
@@ -259,7 +263,8 @@ def copy_rows(rows_per_page: int) -> int:
 
 
 def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array, pages: jax.Array, *,
-                 splits: int, stages: int, early_page_reads: bool = True, tile_rows: int = TILE) -> jax.Array:
+                 splits: int, stages: int, early_page_reads: bool = True, tile_rows: int = DEFAULT_TILE_ROWS,
+                 box_bytes: int = DEFAULT_BOX_BYTES) -> jax.Array:
     """The Mosaic GPU kernel.
 
     Args:
@@ -269,6 +274,8 @@ def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array,
         ``tile_rows``.
       early_page_reads: read the next refill's page ids before waiting for the current tile (benchmark switch;
         False reads them after the decode, right before the copies).
+      box_bytes: inner width of the TMA box over a 32-row piece (2176 contiguous bytes as ``[2176 / box_bytes,
+        box_bytes]``: 16 or 128; the shared-memory bytes are the same either way).
       tile_rows: key rows per pipeline step, ``tile_rows / 64`` WGMMA sub-tiles decoded together and their products
         issued back to back, so a step's fixed costs (barriers, the score store) are paid once per ``tile_rows``.
     Returns:
@@ -284,7 +291,7 @@ def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array,
     pieces = rpb // rc                      # copies per page
     copies = tile_rows // rc                # copies per tile
     subtiles = tile_rows // TILE
-    box = (rc * ROW_BYTES // 16, 16)
+    box = (rc * ROW_BYTES // box_bytes, box_bytes)
     pool4 = pool.reshape(n_layers, n_pages * pieces, *box)    # a free reshape: rows are contiguous in a page
     tiles_per_cta = t // tile_rows // splits
     swizzle = min(128, 2 * h)
@@ -378,10 +385,10 @@ def padded_pages(n_pages: int, rows_per_page: int, tile_rows: int) -> int:
     return n_pages + extra
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "splits", "early_page_reads", "tile_rows"))
+@functools.partial(jax.jit, static_argnames=("stages", "splits", "early_page_reads", "tile_rows", "box_bytes"))
 def index_scores_paged(q: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array, pages: jax.Array, *,
                        stages: int = 4, splits: int | None = None, early_page_reads: bool = True,
-                       tile_rows: int = TILE) -> jax.Array:
+                       tile_rows: int = DEFAULT_TILE_ROWS, box_bytes: int = DEFAULT_BOX_BYTES) -> jax.Array:
     """Indexer scores ``fp32 [B, S, P · rpb]`` of queries ``q [B, S, H, 128]`` (FP4 values) with head weights ``w
     [B, S, H]`` over each sequence's pages ``pages [B, P]`` of layer ``layer`` of the paged rows ``pool uint8 [L, N,
     rpb, 68]`` — the rows :func:`dinfer_jax.models.cache_io.pages_read` would gather, read by the kernel through
@@ -399,19 +406,22 @@ def index_scores_paged(q: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.A
     copy_rows(rpb)
     if tile_rows not in TILE_ROWS:
         raise ValueError(f"tile_rows={tile_rows} must be one of {TILE_ROWS}")
+    if box_bytes not in (16, 128):
+        raise ValueError(f"box_bytes={box_bytes} must be 16 or 128")
     t = pages.shape[1] * rpb
     n_pages = padded_pages(pages.shape[1], rpb, tile_rows)
     if n_pages != pages.shape[1]:
         pages = jnp.pad(pages, ((0, 0), (0, n_pages - pages.shape[1])))
     splits, stages = check_config(b, s, h, d, n_pages * rpb, stages=stages, splits=splits, tile_rows=tile_rows)
     out = _kernel_call(query_operand(q), w.astype(jnp.float32), pool, jnp.asarray(layer, jnp.int32), pages,
-                       splits=splits, stages=stages, early_page_reads=early_page_reads, tile_rows=tile_rows)
+                       splits=splits, stages=stages, early_page_reads=early_page_reads, tile_rows=tile_rows,
+                       box_bytes=box_bytes)
     return out[:, :, :t] if n_pages * rpb != t else out
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "splits", "tile_rows"))
 def index_scores_rows(q: jax.Array, w: jax.Array, rows: jax.Array, *, stages: int = 4,
-                      splits: int | None = None, tile_rows: int = TILE) -> jax.Array:
+                      splits: int | None = None, tile_rows: int = DEFAULT_TILE_ROWS) -> jax.Array:
     """Indexer scores ``fp32 [B, S, T]`` of queries ``q [B, S, H, 128]`` (FP4 values) with head weights ``w [B, S,
     H]`` over rows already laid out per sequence, ``uint8 [B, T, 68]`` (module docstring): the paged kernel with
     32-row pages in order. ``T`` that is not a multiple of ``tile_rows`` is padded with zero rows (their scores are
