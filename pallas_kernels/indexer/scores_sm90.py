@@ -14,15 +14,17 @@ The keys never exist in memory as numbers: each 64-row tile of rows is copied (T
 The paged form, :func:`index_scores_paged`, reads the same rows through a page table (``pool uint8 [L, N, rpb,
 68]``, ``pages [B, P]``, a layer index): what the model's caches hold, without gathering them first.
 
-**Organisation.** Grid ``(splits, B)``: CTA ``(p, b)`` handles a contiguous run of ``T / 64 / splits`` tiles of
-sequence ``b`` with one warpgroup: it loads ``b``'s queries (``[S, 128, H]`` bf16, the WGMMA B operand) and head
-weights once, keeps ``stages`` tiles in flight (TMA into a ring of ``[2, 136, 16]`` uint8 buffers: 32 rows = 2176
-bytes = 136 × 16 per copy, as the 68-byte row stride is not 16-byte aligned; the page of each 32-row piece is read
-from the page table in GMEM, so pages must hold a multiple of 32 rows), and per tile: decodes keys into
-registers, releases the buffer to the next TMA, then per query ``s`` one WGMMA ``[64 keys, 128] × [128, H]`` into
-fp32, ``relu``, the head weights broadcast over the rows, a row sum over the heads, and a TMA store of the 64
-scores. Shared memory is small (``S · 16 KiB`` of queries at H = 64 + ``stages`` × 4.25 KiB), so several CTAs share
-an SM and their TMA streams overlap.
+**Organisation.** Grid ``(splits, B)``: CTA ``(p, b)`` handles a contiguous run of ``T / tile_rows / splits``
+tiles of sequence ``b`` with one warpgroup: it loads ``b``'s queries (``[S, 128, H]`` bf16, the WGMMA B operand)
+and head weights once, keeps ``stages`` tiles in flight (TMA into a ring of uint8 buffers, one copy per 32 rows:
+2176 contiguous bytes, as the 68-byte row stride is not 16-byte aligned, boxed as ``[17, 128]`` by default or
+``[136, 16]`` — the same bytes land in shared memory either way, and 128-byte lines copy faster; the page of each
+32-row piece is read from the page table in GMEM, so pages must hold a multiple of 32 rows), and per tile of
+``tile_rows`` rows (128 by default): decodes its 64-row sub-tiles into registers, releases the buffer to the next
+TMA, then per query ``s`` one WGMMA ``[64 keys, 128] × [128, H]`` per sub-tile into fp32 (all issued before the
+wait), ``relu``, the head weights broadcast over the rows, a row sum over the heads, and one TMA store of the
+tile's scores. Shared memory is small (``S · 16 KiB`` of queries at H = 64 + ``stages`` × 8.5 KiB at 128-row
+tiles), so several CTAs share an SM and their TMA streams overlap.
 
 **Register decode.** In the WGMMA A layout thread ``t = 32w + 4g + c`` holds rows ``r = 16w + g + 8·q0`` and
 columns ``16·kc + 2c + 8·q1 + h`` (``q0, q1, h ∈ {0, 1}``, ``kc ∈ 0..7``). The thread reads bytes ``16c .. 16c + 15``
@@ -49,9 +51,10 @@ including inf / NaN, and must be masked by a select, not a multiply.
 :func:`host_decode_tile` is the register decode on the host (what the CPU tests check against the format's
 definition); the kernel issues the same operations. Checked on the H200 (jax 0.11.2, 2026-12-04):
 tests/test_indexer_kernel_gpu.py passed (kernel against the reference, engine with the kernel against the full
-forward); at V4.1-Flash's size, batch 64 and 128K context, 0.15–0.16 ms = 41–46% of copy bandwidth on the stored
-bytes (``docs/perf/attention_h200.md``). Imports of Mosaic GPU are lazy so that CPU-only machines can import this
-module.
+forward) with 16-byte boxes and 64-row tiles; the kernel-vs-reference cases also with the present defaults (not
+yet the engine case). At V4.1-Flash's size, batch 64 and 128K context: 0.129–0.131 ms = 51–52% of copy bandwidth
+on the stored bytes (0.147 ms, 46%, with the earlier 16-byte boxes; ``docs/perf/attention_h200.md``). Imports
+of Mosaic GPU are lazy so that CPU-only machines can import this module.
 """
 
 from __future__ import annotations
@@ -186,8 +189,8 @@ def check_config(b: int, s: int, h: int, d: int, t: int, *, stages: int, splits:
 
 
 def _decode_keys(plgpu, k_ref, first_row: int = 0):
-    """Rows ``first_row … first_row + 63`` of the tile ``k_ref`` (uint8 smem ``[copies, 136, 16]``: rows of 68
-    bytes, contiguous) → bf16 ``[64, 128]`` in the WGMMA register layout (module docstring)."""
+    """Rows ``first_row … first_row + 63`` of the tile ``k_ref`` (uint8 smem ``[copies, 2176 / box, box]``: rows
+    of 68 bytes, contiguous) → bf16 ``[64, 128]`` in the WGMMA register layout (module docstring)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic.gpu import fragmented_array as fa
