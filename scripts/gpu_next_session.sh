@@ -6,6 +6,9 @@
 #   STAGE=linear  issue 8: V4-Flash 4-layer slice with the FP8 linear kernel limited to decode calls (<= 64 tokens;
 #                 pallas_kernels/linear/tuning.py) — cold warm-up and decode against docs/perf/linear_kernel_h200.md;
 #   STAGE=spec    issue 11: one speculative step against one plain step on a real-dimension slice with its drafter;
+#   STAGE=index-engine  issue 9, first thing next session: the indexer's defaults changed to 128-byte TMA boxes and
+#                 128-row tiles after its last full GPU test — the whole tests/test_indexer_kernel_gpu.py (engine
+#                 cases included) with them;
 #   STAGE=tests   the GPU-marked kernel tests as a regression check, and the step's page pools not copied on the GPU;
 #   STAGE=attn    issue 9: the decode-attention GPU tests with the model's organisation rule
 #                 (pallas_kernels/attention/tuning.py), the kernel's variants at 1-64 queries, and the indexer's
@@ -42,7 +45,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -101,6 +104,9 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_indexer_kernel_gpu.py -k "not engine" \
       2>&1 | grep "^E \|passed\|failed\|max err\|Error" | head -40
     timeout 200 python3 scripts/bench_kernels.py indexer-sweep --out "$OUT/indexer" 2>&1 | quiet | grep "^|" ;;
+  index-engine)
+    timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_kernel_gpu.py 2>&1 \
+      | grep "^E \|passed\|failed\|Error" | head -30 ;;
   v4-autotune)
     cd scripts && timeout 300 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C \
       --compiler-option xla_gpu_autotune_level=0 --out "$OUT/v4_noautotune" 2>&1 | quiet | grep "^|\|^warm-up" ;;
