@@ -60,6 +60,7 @@ of Mosaic GPU are lazy so that CPU-only machines can import this module.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -381,11 +382,10 @@ def _kernel_call(qt: jax.Array, w: jax.Array, pool: jax.Array, layer: jax.Array,
 
 
 def padded_pages(n_pages: int, rows_per_page: int, tile_rows: int) -> int:
-    """The fewest pages ``≥ n_pages`` whose rows are a multiple of ``tile_rows``."""
-    extra = 0
-    while ((n_pages + extra) * rows_per_page) % tile_rows:
-        extra += 1
-    return n_pages + extra
+    """The fewest pages ``≥ n_pages`` whose rows are a multiple of ``tile_rows``: a multiple of ``tile_rows /
+    gcd(rows_per_page, tile_rows)`` pages."""
+    step = tile_rows // math.gcd(rows_per_page, tile_rows)
+    return -(-n_pages // step) * step
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "splits", "early_page_reads", "tile_rows", "box_bytes"))
