@@ -19,7 +19,8 @@ Prints a Markdown table (and writes it under ``--out``).
 
 V4.1 slices keep their Engram layers with ``--engram-vocab`` (random FP8 tables of that hash vocabulary) and compare
 table placements with ``--engram-tables device host host-direct`` (issue 13: host tables within 5% of device
-tables; ``--breakdown`` adds the device's busy share of a decode step):
+tables; ``--breakdown`` adds the device's busy share of a decode step, and the kernels of a decode step and of
+one prefill):
 
     python scripts/bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
         --engram-tables device host host-no-thread host-direct --lean-buckets --out /tmp/serving
@@ -97,6 +98,25 @@ def decode_breakdown(llm, prompts, steps: int) -> tuple[list[tuple[str, float]],
     per_step = {k: (v - short.get(k, 0.0)) / steps for k, v in full.items()}
     kernels = sorted(((k, v) for k, v in per_step.items() if v > 1e-4), key=lambda kv: -kv[1])
     return kernels, 1e3 * (full_s - short_s) / steps
+
+
+def prefill_breakdown(llm, prompt: list[int]) -> tuple[list[tuple[str, float]], float]:
+    """Per-kernel device ms of one prefill of ``prompt`` (and its first token) and its wall ms, in one CUPTI
+    window (``--breakdown``). Kernels sorted, largest first; ``([], nan)`` where CUPTI is unavailable."""
+    from dinfer_jax.sampling.params import SamplingParams as SP
+
+    one = SP(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times, wall_s = timed(kernel_times, lambda: llm.generate([prompt], one, use_tqdm=False))
+    if times is None:
+        return [], float("nan")
+    return sorted(((k, v) for k, v in times.items() if v > 1e-3), key=lambda kv: -kv[1]), 1e3 * wall_s
+
+
+def print_kernels(what: str, parts: list[tuple[str, float]], wall_ms: float, top: int = 40) -> None:
+    total = sum(v for _, v in parts)
+    print(f"{what}, device time by kernel (sum {total:.2f} ms of {wall_ms:.2f} ms wall in the profiled window):")
+    for name, v in parts[:top]:
+        print(f"  {v:8.3f} ms  {100 * v / max(total, 1e-9):5.1f}%  {name[:110]}")
 
 
 def timed(fn, *args):
@@ -219,10 +239,12 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
         total = sum(v for _, v in parts)
         row.update(kernel_ms_per_step=total, window_step_ms=window_step_ms,
                    device_busy=total / window_step_ms if parts else float("nan"))
-        print(f"decode step, device time by kernel (sum {total:.2f} ms of {window_step_ms:.2f} ms wall in the "
-              f"profiled window, {step_ms:.2f} ms unprofiled):")
-        for name, v in parts[:40]:
-            print(f"  {v:8.3f} ms  {100 * v / max(total, 1e-9):5.1f}%  {name[:110]}")
+        print_kernels(f"decode step ({step_ms:.2f} ms unprofiled)", parts, window_step_ms)
+        pparts, prefill_wall_ms = prefill_breakdown(llm, long_prompt)
+        row.update(prefill_kernels_ms=pparts, prefill_kernel_ms=sum(v for _, v in pparts),
+                   prefill_window_ms=prefill_wall_ms)
+        print_kernels(f"prefill of {args.prefill_tokens} tokens ({1e3 * prefill_s:.1f} ms unprofiled)", pparts,
+                      prefill_wall_ms)
     print(json.dumps(row, default=str), flush=True)
     del llm, model
     return row
@@ -262,6 +284,18 @@ def decode_read_bytes(params, cfg, batch: int) -> tuple[float, float]:
             nbytes = nbytes * frac
         total += nbytes
     return total, frac
+
+
+def options_arg(given: list[str] | None) -> dict[str, str | int | float | bool] | None:
+    """A repeatable ``NAME=VALUE`` flag's values → options: None (not given: the engine's default), ``{}``
+    (``none``) or the parsed mapping."""
+    if given is None:
+        return None
+    return {} if given == ["none"] else dict(parse_option(o) for o in given)
+
+
+def describe_options(options: dict | None, empty: str) -> str:
+    return "engine default" if options is None else str(options) if options else empty
 
 
 def parse_option(text: str) -> tuple[str, str | int | float | bool]:
@@ -305,7 +339,7 @@ def main() -> None:
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile the timed decode run and print the host functions by own time")
     ap.add_argument("--breakdown", action="store_true",
-                    help="also list the device time of one decode step by kernel (CUPTI)")
+                    help="also list the device time of one decode step and of one prefill by kernel (CUPTI)")
     ap.add_argument("--compile-threads", type=int, default=None,
                     help="threads compiling the buckets at warm-up (LLM compile_threads; default: the cores)")
     ap.add_argument("--no-engram", action="store_true",
@@ -318,9 +352,10 @@ def main() -> None:
                          "host-no-thread: host tables with the launch thread off (LLM launch_thread=False)")
     ap.add_argument("--copy-gbps", type=float, default=None,
                     help="roofline copy bandwidth, GB/s, instead of measuring it (CUPTI: GPUs only; a CPU smoke run)")
-    ap.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
+    ap.add_argument("--compiler-option", action="append", default=None, metavar="NAME=VALUE",
                     help="XLA compile option for the engine's programs (LLM compiler_options), e.g. "
-                         "xla_gpu_autotune_level=0; repeatable")
+                         "xla_gpu_autotune_level=0; repeatable; 'none': XLA's defaults; default: the engine's "
+                         "(Triton GEMMs off when the linear kernel serves decode)")
     ap.add_argument("--mhc-impl", default="auto", choices=["auto", "jnp", "pallas"],
                     help="the mHC Sinkhorn: XLA (jnp), the Mosaic GPU kernel (pallas_kernels/mhc) or auto "
                          "(the kernel on a GPU)")
@@ -331,14 +366,12 @@ def main() -> None:
                          "for calls of up to 64 tokens, or auto (the engine's default: the kernel on a GPU)")
     ap.add_argument("--decode-compiler-option", action="append", default=None, metavar="NAME=VALUE",
                     help="XLA option added for the decode programs only (LLM decode_compiler_options); 'none': no "
-                         "extra options; default: the engine's (Triton GEMMs off when the linear kernel serves "
+                         "extra options; default: the engine's (GEMM autotuning off when the linear kernel serves "
                          "decode)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    args.compiler_options = dict(parse_option(o) for o in args.compiler_option)
-    decode_opts = args.decode_compiler_option
-    args.decode_compiler_options = (None if decode_opts is None else {} if decode_opts == ["none"]
-                                    else dict(parse_option(o) for o in decode_opts))
+    args.compiler_options = options_arg(args.compiler_option)
+    args.decode_compiler_options = options_arg(args.decode_compiler_option)
     cache = tempfile.mkdtemp(prefix="dinfer_jax_cold_cache_")
     jax.config.update("jax_compilation_cache_dir", cache)     # cold: nothing compiled before this run
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -353,8 +386,8 @@ def main() -> None:
     bw_src = "given (--copy-gbps)" if args.copy_gbps else "measured in this run"
     lines = [f"{args.preset} slices, random native weights (FP4 experts, FP8 linears), bf16 compute; "
              f"copy bandwidth {bw / 1e9:.0f} GB/s {bw_src}; jax {jax.__version__}; "
-             f"compiler options {args.compiler_options or 'XLA defaults'}, decode programs "
-             f"{'engine default' if args.decode_compiler_options is None else args.decode_compiler_options or 'same'}"
+             f"compiler options {describe_options(args.compiler_options, 'XLA defaults')}, decode programs "
+             f"{describe_options(args.decode_compiler_options, 'same')}"
              f"; FP8 linears: {args.linear_impl}", "",
              "| layers | weights GB | Engram tables (GB) | warm-up s (shapes) | prefill tokens | prefill s "
              "| prefill tok/s | batch | decode tok/s | decode step ms | GB read (experts touched) | roofline ms "

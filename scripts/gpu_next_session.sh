@@ -39,13 +39,19 @@
 #   STAGE=lab4    issue 14, on nvidia-h200-x4: the lab layout DP2/CP2/EP4 and DP4/EP4 against one GPU on a
 #                 V4.1-Flash slice (LAYERS, default 4) with long prompts (CP prefill): groups, tokens, prefill and
 #                 decode tokens/s (scripts/bench_mesh.py);
+#   STAGE=v4-untuned  issue 8: decode programs that need no GEMM autotuning (fp32 projections in split-K form, mHC
+#                 mixes as elementwise sums): the fp32-projection GPU tests, then the V4-Flash 4-layer slice with
+#                 Triton GEMMs and autotuning off for decode, prefill as VARIANT says (triton: the defaults;
+#                 cublas: Triton GEMMs off for prefill too), with decode and prefill kernel breakdowns;
+#   STAGE=lowering  issue 8: where the Python time of lowering the 4-layer V4-Flash slice's 8 step programs goes
+#                 (scripts/probe_lowering.py; the lowerings bound the cold warm-up);
 #   STAGE=v4-autotune  issue 8: the V4-Flash 4-layer slice with GEMM autotuning off (compile time is mostly
 #                 autotuning: serving_h200.md, fourth session of 2026-12-04) — warm-up and speed against the default.
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=.95
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -107,6 +113,17 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
   index-engine)
     timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer_kernel_gpu.py 2>&1 \
       | grep "^E \|passed\|failed\|Error" | head -30 ;;
+  v4-untuned)
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_head_gpu.py 2>&1 \
+      | grep "^E \|passed\|failed" | head -10
+    D="--decode-compiler-option xla_gpu_enable_triton_gemm=false --decode-compiler-option xla_gpu_autotune_level=0"
+    P=""; [ "${VARIANT:-triton}" = cublas ] && P="--compiler-option xla_gpu_enable_triton_gemm=false"
+    cd scripts && timeout 440 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C $D $P \
+      --breakdown --out "$OUT/v4_untuned_${VARIANT:-triton}" 2>&1 | tee "$OUT/v4_untuned.log" | quiet \
+      | grep "^|\|^warm-up\|^  \|device time" | head -120 ;;
+  lowering)
+    timeout 400 python3 scripts/probe_lowering.py --preset deepseek-v4-flash --layers 4 --top 45 2>&1 \
+      | tee "$OUT/lowering.log" | quiet | grep -v "^$" | head -120 ;;
   v4-autotune)
     cd scripts && timeout 300 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C \
       --compiler-option xla_gpu_autotune_level=0 --out "$OUT/v4_noautotune" 2>&1 | quiet | grep "^|\|^warm-up" ;;

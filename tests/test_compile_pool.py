@@ -220,7 +220,6 @@ def test_decode_options_reach_the_decode_programs_only():
     warm-up compiled. By default on CPU (no FP8 kernel) the decode programs take ``compiler_options`` alone."""
     from dinfer_jax import LLM, SamplingParams
     from dinfer_jax.engine.buckets import Buckets
-    from dinfer_jax.engine.llm import _decode_options
     from dinfer_jax.models import random_model
     from dinfer_jax.models.config import load_config
 
@@ -240,8 +239,17 @@ def test_decode_options_reach_the_decode_programs_only():
     out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert [len(o.token_ids) for o in out] == [3, 3]
     assert r.num_compilations == compiled, "serving compiled a program the warm-up had not"
-    v41, v4 = ("sliding", "shared", "shared"), ("sliding", "csa", "hca")
-    assert _decode_options(None, "pallas", v41) == {"xla_gpu_enable_triton_gemm": False}
-    assert _decode_options(None, "xla", v41) == {} == _decode_options({}, "pallas", v41)
-    assert _decode_options(None, "pallas", v4) == {}
-    assert _decode_options({"xla_gpu_autotune_level": 1}, "pallas", v4) == {"xla_gpu_autotune_level": 1}
+    assert llm.runner._decode_programs is not llm.runner._programs
+
+
+def test_gpu_option_defaults_follow_the_linear_kernel():
+    """With the FP8 linear kernel serving decode (resolved ``linear_impl="pallas"``: a GPU, one device) every
+    program defaults to Triton's GEMMs off and decode programs also to no GEMM autotuning; with XLA's linears (CPU,
+    mesh engines) both default to XLA's own; a given mapping, ``{}`` included, replaces the default."""
+    from dinfer_jax.engine.llm import _decode_options, _program_options
+
+    assert _program_options(None, "pallas") == {"xla_gpu_enable_triton_gemm": False}
+    assert _decode_options(None, "pallas") == {"xla_gpu_autotune_level": 0}
+    assert _program_options(None, "xla") == {} == _decode_options(None, "xla")
+    assert _program_options({}, "pallas") == {} == _decode_options({}, "pallas")
+    assert _decode_options({"xla_gpu_autotune_level": 1}, "pallas") == {"xla_gpu_autotune_level": 1}

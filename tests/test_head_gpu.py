@@ -29,3 +29,22 @@ def test_head_product_is_fp32_accurate():
     mag = np.abs(x).astype(np.float64) @ np.abs(wf).T
     rel = np.abs(got - want) / mag
     assert rel.max() < 4 * np.sqrt(4096) * 2.0 ** -24, rel.max()
+
+
+@pytest.mark.parametrize("rows,n,k", [(64, 24, 16384), (64, 1024, 4096), (8192, 24, 16384)])
+def test_fp32_projection_is_fp32_accurate(rows, n, k):
+    """``ops.linear_f32`` on the device at the model's fp32 projection shapes (mHC mix, compressor, prefill mHC
+    mix): split-K for decode-sized calls, one GEMM above; both must be true fp32 products (no TF32: 2^-11 relative,
+    far over the bound). Bound as in the head's test above."""
+    from dinfer_jax.models.ops import linear_f32
+
+    if not [d for d in jax.devices() if d.platform != "cpu"]:
+        pytest.skip("no accelerator backend")
+    rng = np.random.default_rng(rows + n)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    got = np.asarray(jax.jit(linear_f32)(jnp.asarray(x), jnp.asarray(w)), np.float64)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    mag = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+    rel = np.abs(got - want) / mag
+    assert rel.max() < 4 * np.sqrt(k) * 2.0 ** -24, rel.max()

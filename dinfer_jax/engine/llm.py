@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -174,22 +175,32 @@ def check_attention_impl(impl: str) -> None:
                          f"{jax.default_backend()!r}")
 
 
-# layer kinds whose decode steps were measured faster with Triton's GEMMs off once the FP8 kernel takes the linears
-# (V4.1-Flash slice: sliding + shared, 8.1 vs 8.6 ms); a V4-Flash slice (sliding, CSA, HCA) was slower (8.1 vs
-# 6.5 ms), so models with other kinds keep Triton (docs/perf/serving_h200.md, 2026-12-04 third session)
-TRITON_OFF_DECODE_KINDS = frozenset({"sliding", "shared"})
+# XLA options of the one-device GPU engine's programs when the FP8 linear kernel serves decode steps (the experts,
+# FP8 linears and Sinkhorn run in our kernels; the fp32 projections are split-K and the mHC mixes elementwise): no
+# Triton GEMM fusions, so the GEMMs left to XLA are cuBLAS calls, which need no kernel search; decode programs
+# skip GEMM autotuning altogether. V4-Flash 4-layer slice on the H200: cold warm-up 118 -> 58 s, decode 6.07 ms
+# and prefill 69.4K -> 70.0K tok/s (docs/perf/serving_h200.md, 2026-12-04 sixth session).
+GPU_PROGRAM_OPTIONS: Mapping[str, str | int | float | bool] = MappingProxyType({"xla_gpu_enable_triton_gemm": False})
+GPU_DECODE_OPTIONS: Mapping[str, str | int | float | bool] = MappingProxyType({"xla_gpu_autotune_level": 0})
 
 
-def _decode_options(given: Mapping[str, str | int | float | bool] | None, linear_impl: str,
-                    attn_kinds: tuple[str, ...]) -> dict[str, str | int | float | bool]:
-    """The decode programs' extra XLA options (``LLM(decode_compiler_options=...)``): ``given``, or by default
-    Triton's GEMMs off when the FP8 linear kernel (``linear_impl``, resolved) takes the decode steps' linears and
-    every layer kind is one measured to gain from it (:data:`TRITON_OFF_DECODE_KINDS`)."""
+def _program_options(given: Mapping[str, str | int | float | bool] | None,
+                     linear_impl: str) -> dict[str, str | int | float | bool]:
+    """Every program's XLA options (``LLM(compiler_options=...)``): ``given``, or by default
+    :data:`GPU_PROGRAM_OPTIONS` when the FP8 linear kernel (``linear_impl``, resolved) serves the decode steps,
+    else XLA's own."""
     if given is not None:
         return dict(given)
-    if linear_impl == "pallas" and set(attn_kinds) <= TRITON_OFF_DECODE_KINDS:
-        return {"xla_gpu_enable_triton_gemm": False}
-    return {}
+    return dict(GPU_PROGRAM_OPTIONS) if linear_impl == "pallas" else {}
+
+
+def _decode_options(given: Mapping[str, str | int | float | bool] | None,
+                    linear_impl: str) -> dict[str, str | int | float | bool]:
+    """The decode programs' extra XLA options (``LLM(decode_compiler_options=...)``): ``given``, or by default
+    :data:`GPU_DECODE_OPTIONS` when the FP8 linear kernel (``linear_impl``, resolved) serves the decode steps."""
+    if given is not None:
+        return dict(given)
+    return dict(GPU_DECODE_OPTIONS) if linear_impl == "pallas" else {}
 
 
 def default_block_size(cfg: ModelConfig) -> int:
@@ -365,18 +376,15 @@ class LLM:
             the loop prepares the next step while a launch blocks. Default (None): on when ``engram_tables="host"``,
             whose step holds a host computation and returns only once it has run; one-device engine only.
         compiler_options: XLA compile options for the engine's programs (``DebugOptions`` fields by name, as
-            ``XLA_FLAGS`` takes them without the dashes). GEMM autotuning is the largest share of a GPU step's
-            compile time: ``{"xla_gpu_autotune_level": 0}`` halves a real-dimension warm-up but made decode 3.2×
-            slower on the H200; level 1 (no result checks) saved 30 s of 182 at equal speed
-            (``docs/perf/serving_h200.md``). Checked at start (ValueError naming an option XLA rejects); default:
-            XLA's own.
-        decode_compiler_options: options added to ``compiler_options`` for the decode steps' programs only. Default
-            (None): ``{"xla_gpu_enable_triton_gemm": False}`` when the FP8 linear kernel serves decode (a GPU, the
-            one-device engine, ``Model.linear_impl`` "auto" or "pallas") and the model's layers are sliding-window
-            or shared-KV ones (V4.1): its decode GEMMs left to XLA then run as cuBLAS calls, faster there than
-            Triton's and not autotuned, which shortens the warm-up; V4's CSA/HCA layers measured slower so, and
-            prefill keeps Triton (``docs/perf/serving_h200.md``). ``{}``: the decode steps use ``compiler_options``
-            alone.
+            ``XLA_FLAGS`` takes them without the dashes); checked at start (ValueError naming an option XLA
+            rejects). Default (None): :data:`GPU_PROGRAM_OPTIONS` (Triton's GEMM fusions off, so XLA's remaining
+            GEMMs are cuBLAS calls) when the FP8 linear kernel serves decode (a GPU, the one-device engine,
+            ``Model.linear_impl`` "auto" or "pallas"), else XLA's own; ``{}``: XLA's own. GEMM autotuning of
+            Triton fusions was most of a real-dimension GPU warm-up (``docs/perf/serving_h200.md``).
+        decode_compiler_options: options added to ``compiler_options`` for the decode steps' programs only.
+            Default (None): :data:`GPU_DECODE_OPTIONS` (GEMM autotuning off) under the same condition, else none;
+            ``{}``: the decode steps use ``compiler_options`` alone. With both defaults a V4-Flash 4-layer slice
+            warms up in 58 s instead of 118 s on the H200 at equal decode and prefill speed.
         yoco / yoco_keep: V4.1 SWA bounded replay (DeepInfer's YOCO prefill truncation, ``docs/yoco.md``):
             ``"off"`` (default, exact), ``"mask"``: from the first YOCO layer on, the window keys a prefill sees
             are cut to the last ``yoco_keep`` tokens of the sequence's prefill (chunked or not), so a request's
@@ -409,7 +417,7 @@ class LLM:
                  yoco_keep: int = 140, batch_invariant: bool = False, launch_thread: bool | None = None,
                  decode_compiler_options: Mapping[str, str | int | float | bool] | None = None):
         _enable_compilation_cache()
-        options = compiler_options_key(compiler_options)
+        compiler_options_key(compiler_options)   # a malformed mapping fails here, before anything is built
         if attention not in ("auto", "sparse", "dense"):
             raise ValueError(f"attention must be 'auto', 'sparse' or 'dense', got {attention!r}")
         # settings checked before anything is built or any device is asked for
@@ -428,8 +436,9 @@ class LLM:
         check_linear_impl(self.model.linear_impl, bool(batch_invariant))
         self.model = dataclasses.replace(self.model, linear_impl=resolve_linear_impl(
             self.model.linear_impl, bool(batch_invariant), one_device))
+        options = compiler_options_key(_program_options(compiler_options, self.model.linear_impl))
         decode_options = compiler_options_key({**dict(options), **_decode_options(
-            decode_compiler_options, self.model.linear_impl, self.model.config.attn_kinds)})
+            decode_compiler_options, self.model.linear_impl)})
         check_attention_impl(self.model.attention_impl)
         if num_redundant_experts is not None and ep_size < 2:
             raise ValueError(f"num_redundant_experts (EPLB) needs expert parallelism: ep_size > 1, got {ep_size}")

@@ -18,7 +18,16 @@ import jax.numpy as jnp
 from dinfer_jax.models.attention_invariant import index_dots_invariant
 from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.invariant import active_tile, token_tiled
-from dinfer_jax.models.ops import F32, apply_rope_tail, linear, matmul, rms_norm, rope_cos_sin, rope_inv_freq
+from dinfer_jax.models.ops import (
+    F32,
+    apply_rope_tail,
+    linear,
+    linear_f32,
+    matmul,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from dinfer_jax.models.qweights import as_dense
 
 FP4_INDEX_BLOCK = 32  # values per power-of-two scale of the indexer's FP4 queries (Q4u) and keys (fp4_index)
@@ -58,7 +67,7 @@ def index_queries(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, *, cfg: Mod
     if cfg.kv_fake_quant and not cfg.is_v41:
         q = hadamard(q)
     q = maybe_fake_quant(cfg.kv_fake_quant, q4u_fake, q, 32)
-    w = linear(h.astype(F32), p["weights_proj"]) * (di ** -0.5) * (Hi ** -0.5)  # [B,S,Hi]
+    w = linear_f32(h, p["weights_proj"]) * (di ** -0.5) * (Hi ** -0.5)  # [B,S,Hi]
     return q, w
 
 

@@ -61,7 +61,7 @@ from dinfer_jax.models.invariant import active_tile, invariant_tracing, ordered_
 from dinfer_jax.models.layer_plan import LayerInfo
 from dinfer_jax.models.mhc import hc_collapse, hc_mixes, hc_post, hc_pre
 from dinfer_jax.models.moe import moe, route
-from dinfer_jax.models.ops import F32, apply_rope_tail, linear, rms_norm, rope_cos_sin
+from dinfer_jax.models.ops import F32, apply_rope_tail, linear_f32, rms_norm, rope_cos_sin
 from dinfer_jax.models.step_state import LayerCache, StepInput
 from dinfer_jax.models.v41 import source_rows
 from sharding.rules import Sharder, constrain
@@ -168,7 +168,7 @@ def compress_v4(p: Any, h: jax.Array, st_kv: jax.Array, st_gate: jax.Array, star
 
     def project(h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
         hf = h.astype(F32)
-        return linear(hf, p["wkv"]), linear(hf, p["wgate"]) + p["ape"].astype(F32)[jnp.mod(pos, ratio)]
+        return linear_f32(hf, p["wkv"]), linear_f32(hf, p["wgate"]) + p["ape"].astype(F32)[jnp.mod(pos, ratio)]
 
     kv, gate = rowwise(project, h, pos)
     w, valid = closing_groups(start, n, ratio, Q)
@@ -203,8 +203,8 @@ def compress_v41(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, inp: StepIn
     pos = inp.positions()
     w, valid = closing_groups(inp.start, inp.n, ratio, Q)
     if ratio == 1:
-        return rowwise(lambda h: linear(h.astype(F32), p["wkv"]), h), w[:, :Q], valid[:, :Q], {}
-    latent, score = rowwise(lambda h: (linear(h.astype(F32), p["wkv"]), linear(h.astype(F32), p["wgate"])), h)
+        return rowwise(lambda h: linear_f32(h, p["wkv"]), h), w[:, :Q], valid[:, :Q], {}
+    latent, score = rowwise(lambda h: (linear_f32(h, p["wkv"]), linear_f32(h, p["wgate"])), h)
     tok = w[..., None] * ratio + jnp.arange(ratio)
     lat_t = buffer_take(ring_read(lc.cst_latent, k, inp.slot), latent, inp.start, tok)
     sc_t = buffer_take(ring_read(lc.cst_score, k, inp.slot), score, inp.start, tok)

@@ -38,7 +38,7 @@ from dinfer_jax.models.expert_kernel import experts_kernel
 from dinfer_jax.models.expert_kernel import kernel_unsupported as pallas_supported
 from dinfer_jax.models.expert_parallel import ep_experts, ep_experts_manual
 from dinfer_jax.models.invariant import active_tile, invariant_tracing, token_tiled
-from dinfer_jax.models.ops import F32, linear, matmul
+from dinfer_jax.models.ops import F32, linear, linear_f32, matmul
 from dinfer_jax.models.qweights import QuantizedWeight, as_dense
 from sharding.rules import Sharder, constrain
 
@@ -54,7 +54,7 @@ def route(gate: Mapping[str, jax.Array], x: jax.Array, token_ids: jax.Array | No
     """Router in fp32. x: ``[N,D]``; token_ids: ``[N]`` (hash layers); image_mask ``[N]`` bool selects V4.1's
     ``bias_vl``. Returns ``(indices [N,k] int32, weights [N,k] fp32)``; weights are renormalised over the k picks
     and multiplied by ``routed_scaling_factor``. Selection ties go to the lowest expert index."""
-    logits = linear(x.astype(F32), gate["weight"])
+    logits = linear_f32(x, gate["weight"])
     if cfg.gate_temp != 1.0:
         logits = logits / cfg.gate_temp
     scores = jnp.sqrt(jax.nn.softplus(logits))

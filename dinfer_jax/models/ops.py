@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax.models.config import YarnConfig
-from dinfer_jax.models.invariant import active_tile, token_tiled
+from dinfer_jax.models.invariant import active_tile, invariant_tracing, token_tiled
 from dinfer_jax.models.linear_impl import kernel_config, kernel_linear
 from dinfer_jax.models.qweights import QuantizedWeight, as_dense
 
@@ -61,14 +61,48 @@ def linear_fp32_input(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array
     of conversion plus a 1.4 ms FFMA GEMM per decode step on the H200, against ~0.3 ms here). On CPU (no bf16
     GEMM; bf16 operands are widened anyway) and for other weights: the direct fp32 product.
 
-    Status: not yet used by the model's head. Its first version (bf16 round trips instead of ``reduce_precision``)
-    measured 2e-4 relative error on the H200 (tests/test_head_gpu.py); this version has not run on a GPU yet."""
+    The model's vocabulary head (:mod:`~dinfer_jax.models.backbone`); checked on the H200 by tests/test_head_gpu.py
+    (its first version, bf16 round trips instead of ``reduce_precision``, measured 2e-4 relative error there)."""
     if active_tile() and x.ndim > 1:
         return token_tiled(lambda t: linear_fp32_input(t, w), x, lead=x.ndim - 1)
     if isinstance(w, jax.Array) and w.dtype == jnp.bfloat16 and jax.default_backend() != "cpu":
         parts = jnp.einsum("k...i,oi->k...o", split_bf16x3(x), w, preferred_element_type=F32)
         return (parts[0] + parts[1]) + parts[2]
     return linear(x.astype(F32), as_dense(w, F32))
+
+
+# split-K form of the fp32 projections (linear_f32): used for calls of at most this many rows (decode steps), in
+# pieces of this many input channels
+SPLIT_K_MAX_ROWS = 256
+SPLIT_K_CHUNK = 256
+
+
+def linear_f32(x: jax.Array, w: jax.Array | QuantizedWeight, split_k: bool | None = None) -> jax.Array:
+    """``x · wᵀ`` in full fp32 (fp32 operands, no TF32): ``x [..., K]`` any float dtype, ``w [N, K]`` dense or
+    quantised; fp32 ``[..., N]``. For the model's fp32 projections with few outputs (mHC mixes, compressor, index
+    head weights, router).
+
+    ``split_k`` (default: on a GPU, for at most :data:`SPLIT_K_MAX_ROWS` rows, outside the batch-invariant mode,
+    when :data:`SPLIT_K_CHUNK` divides ``K`` at least twice): the contraction is cut into ``K / SPLIT_K_CHUNK``
+    pieces, one batched fp32 GEMM computes every piece's partial product and a sum over the pieces adds them. A
+    decode step's ``[64, 16384] × [24, 16384]ᵀ`` otherwise runs as one GEMM with a handful of output tiles walking
+    all of K: XLA's autotuner finds a split-K Triton tile for it, but without autotuning (the engine's decode
+    programs on a GPU) cuBLAS's fp32 GEMM took ~0.5 ms per call on the H200 instead of ~0.02
+    (``docs/perf/serving_h200.md``). Same products, fp32 partial sums added in another order."""
+    if active_tile() and x.ndim > 1:
+        return token_tiled(lambda t: linear_f32(t, w, split_k), x, lead=x.ndim - 1)
+    xf, wf = x.astype(F32), as_dense(w, F32)
+    rows, k = math.prod(x.shape[:-1]), x.shape[-1]
+    if split_k is None:
+        split_k = (jax.default_backend() == "gpu" and rows <= SPLIT_K_MAX_ROWS and not invariant_tracing()
+                   and k % SPLIT_K_CHUNK == 0 and k >= 2 * SPLIT_K_CHUNK)
+    if not split_k:
+        return linear(xf, wf)
+    pieces = k // SPLIT_K_CHUNK if k % SPLIT_K_CHUNK == 0 else 1
+    xs = xf.reshape(rows, pieces, k // pieces)
+    ws = wf.reshape(wf.shape[0], pieces, k // pieces)
+    partial = jnp.einsum("rpc,npc->prn", xs, ws, precision=jax.lax.Precision.HIGHEST)  # [pieces, rows, N]
+    return jnp.sum(partial, axis=0).reshape(*x.shape[:-1], wf.shape[0])
 
 
 def split_bf16x3(x: jax.Array) -> jax.Array:
