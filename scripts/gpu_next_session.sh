@@ -45,13 +45,16 @@
 #                 cublas: Triton GEMMs off for prefill too), with decode and prefill kernel breakdowns;
 #   STAGE=lowering  issue 8: where the Python time of lowering the 4-layer V4-Flash slice's 8 step programs goes
 #                 (scripts/probe_lowering.py; the lowerings bound the cold warm-up);
+#   STAGE=warmup-threads  issue 8: the 4-layer V4-Flash slice's cold warm-up with 4 and 8 compile threads (16 in
+#                 the other rows): lowering (41-45 s in the warm-up) is the critical path and shares the host's 16
+#                 cores with the concurrent XLA compiles — does it run faster with fewer of them?
 #   STAGE=v4-autotune  issue 8: the V4-Flash 4-layer slice with GEMM autotuning off (compile time is mostly
 #                 autotuning: serving_h200.md, fourth session of 2026-12-04) — warm-up and speed against the default.
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=.95
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -124,6 +127,10 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
   lowering)
     timeout 400 python3 scripts/probe_lowering.py --preset deepseek-v4-flash --layers 4 --top 45 2>&1 \
       | tee "$OUT/lowering.log" | quiet | grep -v "^$" | head -120 ;;
+  warmup-threads)
+    cd scripts && for t in 4 8; do timeout 280 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 \
+      --batch 64 --lean-buckets --kv-gib 8 --compile-threads $t --max-tokens 32 --out "$OUT/v4_threads$t" 2>&1 \
+      | quiet | grep "^|\|^warm-up"; done ;;
   v4-autotune)
     cd scripts && timeout 300 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C \
       --compiler-option xla_gpu_autotune_level=0 --out "$OUT/v4_noautotune" 2>&1 | quiet | grep "^|\|^warm-up" ;;
