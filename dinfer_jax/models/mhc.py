@@ -23,12 +23,6 @@ def _normed_mix(streams: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array
     return linear_f32(flat, fn)
 
 
-# The stream mixes below contract over the n = 4 streams as elementwise products and a fixed chain of adds rather
-# than as dots: XLA makes a dot with a contraction of 4 a GEMM call, and without GEMM autotuning (the engine's decode
-# programs on a GPU) laid its output out transposed, so the RMS norm after it became a column reduction (1.08 vs
-# 0.015 ms per V4-Flash decode step on the H200, docs/perf/serving_h200.md); products and fp32 adds stay as they were.
-
-
 MHC_IMPLS = ("auto", "jnp", "pallas")
 
 
@@ -72,6 +66,13 @@ def hc_mixes(streams: jax.Array, site: Mapping[str, jax.Array], *, hc_mult: int,
     comb_logits = mix[..., 2 * n:] * scale[2] + base[2 * n:]
     comb = sinkhorn(comb_logits.reshape(*comb_logits.shape[:-1], n, n), sinkhorn_iters, hc_eps, impl)
     return pre, post, comb
+
+
+# The stream mixes (hc_collapse, hc_post, hc_head) contract over the n = 4 streams as elementwise products and a
+# fixed chain of adds rather than as dots: XLA makes a dot with a contraction of 4 a GEMM call, and without GEMM
+# autotuning (the engine's decode programs on a GPU) laid its output out transposed, so the RMS norm after it became
+# a column reduction (1.08 vs 0.015 ms per V4-Flash decode step on the H200, docs/perf/serving_h200.md); products and
+# fp32 adds stay as they were.
 
 
 def hc_collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
