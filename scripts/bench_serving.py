@@ -295,6 +295,7 @@ def options_arg(given: list[str] | None) -> dict[str, str | int | float | bool] 
 
 
 def describe_options(options: dict | None, empty: str) -> str:
+    """The table caption's words for an options setting (:func:`options_arg`)."""
     return "engine default" if options is None else str(options) if options else empty
 
 
