@@ -178,8 +178,9 @@ def check_attention_impl(impl: str) -> None:
 # XLA options of the one-device GPU engine's programs when the FP8 linear kernel serves decode steps (the experts,
 # FP8 linears and Sinkhorn run in our kernels; the fp32 projections are split-K and the mHC mixes elementwise): no
 # Triton GEMM fusions, so the GEMMs left to XLA are cuBLAS calls, which need no kernel search; decode programs
-# skip GEMM autotuning altogether. V4-Flash 4-layer slice on the H200: cold warm-up 118 -> 58 s, decode 6.07 ms
-# and prefill 69.4K -> 70.0K tok/s (docs/perf/serving_h200.md, 2026-12-04 sixth session).
+# skip GEMM autotuning altogether. V4-Flash 4-layer slice on the H200: cold warm-up 118 -> 58-63 s (two runs) at
+# the autotuned speed, decode 6.07-6.10 ms and prefill 69-70K tok/s (docs/perf/serving_h200.md, 2026-12-04 sixth
+# session).
 GPU_PROGRAM_OPTIONS: Mapping[str, str | int | float | bool] = MappingProxyType({"xla_gpu_enable_triton_gemm": False})
 GPU_DECODE_OPTIONS: Mapping[str, str | int | float | bool] = MappingProxyType({"xla_gpu_autotune_level": 0})
 
@@ -384,7 +385,7 @@ class LLM:
         decode_compiler_options: options added to ``compiler_options`` for the decode steps' programs only.
             Default (None): :data:`GPU_DECODE_OPTIONS` (GEMM autotuning off) under the same condition, else none;
             ``{}``: the decode steps use ``compiler_options`` alone. With both defaults a V4-Flash 4-layer slice
-            warms up in 58 s instead of 118 s on the H200 at equal decode and prefill speed.
+            warms up in 58–63 s instead of 118 s on the H200 at equal decode and prefill speed.
         yoco / yoco_keep: V4.1 SWA bounded replay (DeepInfer's YOCO prefill truncation, ``docs/yoco.md``):
             ``"off"`` (default, exact), ``"mask"``: from the first YOCO layer on, the window keys a prefill sees
             are cut to the last ``yoco_keep`` tokens of the sequence's prefill (chunked or not), so a request's
