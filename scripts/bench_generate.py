@@ -24,6 +24,8 @@ output tokens/s with DSpark verifying K drafts per step against the same engine 
 synchronous loops, with the mean acceptance length (tokens emitted per verification step). Outputs are checked to be
 identical with and without speculation. ``--max-num-seqs N`` serves the prompts N at a time (default: all at once;
 1 = one request at a time, the latency-bound case where a step costs the same for 1 or 1 + K query tokens).
+``--speculative-widths all`` (or e.g. ``1,3,5``) adds a third engine with confidence-scheduled verification over
+those decode widths (``LLM(speculative_widths=...)``) and reports the widths its decode steps took.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="prefill tokens/s of long prompts with LLM(yoco=off / mask / compact) (V4.1 models)")
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="compare DSpark speculation (K drafts per verification) on the default model instead")
+    ap.add_argument("--speculative-widths", default=None,
+                    help="with --speculative: also an engine with confidence-scheduled verification over these "
+                         "decode widths ('all' or comma-separated ints including K + 1)")
     ap.add_argument("--max-num-seqs", type=int, default=0,
                     help="with --speculative: requests served at once (default: --batch)")
     return ap.parse_args(argv)
@@ -267,13 +272,22 @@ def bench_speculative(args: argparse.Namespace) -> int:
     seqs = args.max_num_seqs or args.batch
     table = Table(title=f"LLM.generate on CPU, default model: {args.batch} prompts of examples/prompts.txt, "
                         f"{seqs} at a time, {args.max_tokens} new tokens, greedy fp32 (median of {args.repeats})")
-    for col in ("loop", "speculation", "output tok/s", "vs off", "mean acceptance length", "same tokens as off"):
-        table.add_column(col, justify="left" if col in ("loop", "speculation") else "right")
-    engines = {spec: LLM("default", max_num_seqs=seqs, max_model_len=256, progress=False, speculative=spec,
-                         num_speculative_tokens=k if spec else 5) for spec in (None, "dspark")}
+    for col in ("loop", "speculation", "output tok/s", "vs off", "mean acceptance length", "same tokens as off",
+                "decode steps by width"):
+        table.add_column(col, justify="left" if col in ("loop", "speculation", "decode steps by width") else "right")
+    widths = args.speculative_widths
+    if widths is not None and widths != "all":
+        widths = tuple(int(w) for w in widths.split(","))
+    setups = {"off": (None, None), f"dspark k={k}": ("dspark", None)}
+    if widths is not None:
+        setups[f"dspark k={k}, widths {args.speculative_widths}"] = ("dspark", widths)
+    engines = {name: LLM("default", max_num_seqs=seqs, max_model_len=256, progress=False, speculative=spec,
+                         num_speculative_tokens=k if spec else 5, speculative_widths=w)
+               for name, (spec, w) in setups.items()}
     for async_ in (True, False):
         base, ref = None, None
-        for spec, llm in engines.items():
+        for name, llm in engines.items():
+            spec = llm.speculative
             llm.configure(async_scheduling=async_)
             before = llm.metrics()
             outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -288,9 +302,11 @@ def bench_speculative(args: argparse.Namespace) -> int:
             m = llm.metrics()
             steps = m["spec_verify_steps"] - before["spec_verify_steps"]
             acc = (m["spec_accepted_tokens"] - before["spec_accepted_tokens"] + steps) / steps if steps else 0.0
-            table.add_row("async" if async_ else "sync", f"dspark k={k}" if spec else "off", f"{rate:.1f}",
+            by_width = {w: n - before["spec_step_widths"].get(w, 0) for w, n in sorted(m["spec_step_widths"].items())}
+            table.add_row("async" if async_ else "sync", name, f"{rate:.1f}",
                           f"{rate / base:.2f}×", f"{acc:.2f}" if spec else "—",
-                          "—" if spec is None else str(toks == ref))
+                          "—" if spec is None else str(toks == ref),
+                          ", ".join(f"{w}: {n}" for w, n in by_width.items() if n) or "—")
     Console(width=140).print(table)
     return 0
 

@@ -35,6 +35,8 @@ from dinfer_jax.models import load_config, random_model
 GEN = 20
 LENGTHS = [5, 23, 41, 70]
 K = 3
+# confidence-scheduled verification: the decode widths compiled per drafter (1 + K must be among them)
+WIDTHS = {"friendly": "all", "dspark": (2, 1 + K)}
 
 
 def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -79,18 +81,28 @@ def _llm(model, **kw) -> LLM:
 def build():
     """Engines built once per module: ``build(name) -> (name, reference LLM, speculative LLM)``."""
     built: dict[str, tuple] = {}
+    models: dict[str, object] = {}
 
-    def make(name: str) -> tuple:
-        if name not in built:
+    def model(name: str):
+        if name not in models:
             if name == "default":
-                built[name] = name, _llm("default"), _llm("default", speculative="dspark", num_speculative_tokens=K)
+                models[name] = "default"
             elif name == "dspark":
-                model = random_model(load_config("tiny-v41"), seed=3, std=0.1, include_mtp=True)
-                built[name] = name, _llm(model), _llm(model, speculative="dspark", num_speculative_tokens=K)
+                models[name] = random_model(load_config("tiny-v41"), seed=3, std=0.1, include_mtp=True)
             else:
                 base = random_model(load_config("tiny-v4"), seed=3, std=0.1, include_mtp=True)
-                model = base if name == "random" else _friendly(base, 0.05)
-                built[name] = name, _llm(model), _llm(model, speculative="mtp", num_speculative_tokens=K)
+                models[name] = base if name == "random" else _friendly(base, 0.05)
+        return models[name]
+
+    def make(name: str) -> tuple:
+        """``name``: a drafter (module docstring), or ``<drafter>+widths``: its engine with confidence-scheduled
+        verification over ``WIDTHS[drafter]`` (the reference engine is the drafter's)."""
+        if name not in built:
+            base, _, widths = name.partition("+")
+            method = "dspark" if base in ("dspark", "default") else "mtp"
+            ref = make(base)[1] if widths else _llm(model(base))
+            extra = dict(speculative_widths=WIDTHS[base]) if widths else {}
+            built[name] = name, ref, _llm(model(base), speculative=method, num_speculative_tokens=K, **extra)
         return built[name]
 
     return make
@@ -140,6 +152,86 @@ def test_greedy_speculative_equals_non_speculative(engines):
     assert m["mean_acceptance_length"] >= 1.0
     if name in ("friendly", "default"):
         assert m["spec_accepted_tokens"] > 0, f"the {name} drafter should get drafts accepted"
+
+
+@pytest.fixture(params=["friendly", "dspark"])
+def widths_engines(request, build):
+    """``(name, reference LLM, fixed-width speculative LLM, confidence-scheduled speculative LLM)``."""
+    name, ref_llm, fixed = build(request.param)
+    return name, ref_llm, fixed, build(request.param + "+widths")[2]
+
+
+def _delta(after: dict, before: dict) -> tuple[int, int, int, dict[int, int]]:
+    """Drafts verified, drafts accepted, verify rows and decode steps per width between two ``metrics()``."""
+    widths = {w: n - before["spec_step_widths"].get(w, 0) for w, n in after["spec_step_widths"].items()}
+    return (after["spec_draft_tokens"] - before["spec_draft_tokens"],
+            after["spec_accepted_tokens"] - before["spec_accepted_tokens"],
+            after["spec_verify_steps"] - before["spec_verify_steps"], {w: n for w, n in widths.items() if n})
+
+
+def test_confidence_scheduled_verification_keeps_greedy_output(widths_engines):
+    """Issue 11 item 4: with several decode widths compiled, greedy output still equals the non-speculative
+    engine's in both loops, whatever width the steps take. Three step-time curves: the one measured at warm-up;
+    a flat one (verifying is free: every step must take the narrowest width holding all drafts, so the engine
+    verifies exactly what the fixed-width engine verifies, draft for draft); a steep one (verifying never pays:
+    every step takes the narrowest compiled width)."""
+    name, ref_llm, fixed, spec = widths_engines
+    prompts = _prompts(spec.config.vocab_size, LENGTHS, seed=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    widths = spec.buckets.widths()
+    assert len(widths) > 1 and widths[-1] == 1 + K
+    n_decode = len(spec.buckets.decode_shapes())
+    assert n_decode == len(widths) * len(spec.buckets.decode_batch) * len(spec.buckets.pages)
+    assert spec.runner.compiled_shapes == {(*s, i < n_decode) for i, s in enumerate(spec.buckets.shapes())}
+    measured = dict(spec.runner.decode_step_ms)
+    assert set(measured) == set(spec.buckets.decode_shapes()) and all(ms > 0 for ms in measured.values())
+    compiled = spec.metrics()["compilations"]
+    want = [o.token_ids for o in ref_llm.generate(prompts, greedy, use_tqdm=False)]
+    curves = {"measured": measured, "flat": dict.fromkeys(measured, 1.0),
+              "steep": {s: 1.0 + 100.0 * (s[1] - 1) for s in measured}}
+    try:
+        for curve, times in curves.items():
+            spec.runner.decode_step_ms = times
+            for async_ in (False, True):
+                spec.configure(async_scheduling=async_)
+                before = spec.metrics()
+                outs = spec.generate(prompts, greedy, use_tqdm=False)
+                assert [o.token_ids for o in outs] == want, f"{name} {curve} async={async_} diverges"
+                drafts, accepted, rows, by_width = _delta(spec.metrics(), before)
+                assert sum(by_width.values()) > 0 and set(by_width) <= set(widths), by_width
+                if curve == "steep":
+                    assert set(by_width) == {widths[0]}, by_width
+                    assert drafts <= (widths[0] - 1) * rows, (drafts, rows)
+                if curve == "flat":
+                    fixed.configure(async_scheduling=async_)
+                    before_fixed = fixed.metrics()
+                    assert [o.token_ids for o in fixed.generate(prompts, greedy, use_tqdm=False)] == want
+                    assert (drafts, accepted, rows) == _delta(fixed.metrics(), before_fixed)[:3], (name, async_)
+    finally:
+        spec.runner.decode_step_ms = measured
+    assert spec.metrics()["compilations"] == compiled, "compiled outside warm-up"
+
+
+def test_confidence_scheduled_seeded_sampling_is_reproducible(build):
+    """Seeded sampling with confidence-scheduled verification gives the same tokens run after run (same batch,
+    same loop): the width choice reads only the step-time curve and the drafts' published confidences."""
+    _, _, spec = build("friendly+widths")
+    prompts = _prompts(spec.config.vocab_size, LENGTHS, seed=5)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=GEN, ignore_eos=True, seq_seed=200 + i)
+              for i in range(len(prompts))]
+    for async_ in (False, True):
+        spec.configure(async_scheduling=async_)
+        runs = [[o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)] for _ in range(2)]
+        assert runs[0] == runs[1] and all(len(t) == GEN for t in runs[0])
+
+
+def test_speculative_widths_bad_values(friendly):
+    model = friendly[2].model
+    with pytest.raises(ValueError, match="speculative_widths"):
+        LLM(model, speculative="mtp", num_speculative_tokens=3, speculative_widths=(1, 2), warmup=False,
+            progress=False)
+    with pytest.raises(ValueError, match="speculative_widths needs speculative"):
+        LLM(model, speculative_widths="all", warmup=False, progress=False)
 
 
 def test_stop_token_inside_accepted_run_and_logprobs(engines):

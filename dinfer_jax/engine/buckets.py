@@ -61,6 +61,9 @@ class Buckets:
     prefill_len: tuple[int, ...]
     pages: tuple[int, ...] | None = None
     decode_len: int = 1  # query tokens of a decode row: 1, or 1 + num_speculative_tokens (verify rows)
+    # speculative decoding with confidence-scheduled verification: the decode widths compiled (each ≤ decode_len,
+    # the largest = decode_len); None: decode_len only (every verify row checks all its drafts)
+    decode_widths: tuple[int, ...] | None = None
 
     @classmethod
     def default(cls, max_num_seqs: int, max_num_batched_tokens: int, max_prefill_batch: int = 4,
@@ -96,9 +99,14 @@ class Buckets:
         pages = self._pages()
         return self.decode_shapes() + [(b, q, p) for b in self.prefill_batch for q in self.prefill_len for p in pages]
 
+    def widths(self) -> tuple[int, ...]:
+        """The decode widths ``Q`` compiled, increasing: ``decode_widths``, or ``(decode_len,)``."""
+        return self.decode_widths if self.decode_widths is not None else (self.decode_len,)
+
     def decode_shapes(self) -> list[tuple[int, int, int]]:
-        """The decode steps' ``(B, Q, P)``: every decode batch size with ``Q = decode_len`` at every page bucket."""
-        return [(b, self.decode_len, p) for b in self.decode_batch for p in self._pages()]
+        """The decode steps' ``(B, Q, P)``: every decode batch size with every width (:meth:`widths`) at every page
+        bucket."""
+        return [(b, q, p) for b in self.decode_batch for q in self.widths() for p in self._pages()]
 
     def pick_pages(self, n: int) -> int:
         """The smallest page bucket ≥ ``n`` pages."""

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from dinfer_jax.engine.block_manager import BlockManager, StateSlots
+from dinfer_jax.engine.buckets import pages_needed
 from dinfer_jax.engine.compile_pool import compiler_options_key
 from dinfer_jax.engine.dp_runner import DPModelRunner, DPStepOutput, parallel_layout
 from dinfer_jax.engine.kv_cache import CacheConfig, size_pools
@@ -28,6 +29,7 @@ from dinfer_jax.engine.launcher import Launched, StepLauncher, step_launcher
 from dinfer_jax.engine.memory_plan import MemoryPlan, plan_memory
 from dinfer_jax.engine.runner import Buckets, ModelRunner, StepOutput
 from dinfer_jax.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from dinfer_jax.engine.spec_schedule import RATE_HISTORY, acceptance_rates, check_widths, choose_width, rates_before
 from dinfer_jax.engine.structured_rows import StructuredOutputs
 from dinfer_jax.models import Model, load_config, load_model, random_model
 from dinfer_jax.models.config import ModelConfig
@@ -80,6 +82,8 @@ class EngineMetrics:
     # decode rows scheduled behind their request's verify row still in flight (asynchronous loop): the device
     # moved their start by the drafts that row accepted (ScheduledRow.chained)
     spec_chained_rows: int = 0
+    # confidence-scheduled verification: decode steps per chosen width (query tokens per row)
+    spec_step_widths: dict[int, int] = dataclasses.field(default_factory=dict)
     # host time of the generate loop by phase (the device runs meanwhile under async scheduling): choosing the
     # next step, building its inputs and launching it (of which the jitted call itself: the runner's
     # launch_seconds), and folding a finished step's tokens back into the requests
@@ -352,9 +356,15 @@ class LLM:
             tokens each expert received since the last rebalance (DeepInfer's periodic EPLB); None: only on request.
         speculative: ``None`` (off), ``"mtp"`` (V4's MTP block drafts) or ``"dspark"`` (V4.1's DSpark drafter);
             the target verifies the drafts in its next decode step (``docs/speculative_decoding.md``).
-            Under ``async_scheduling`` a sequence sits out the step after each of its verify steps (its next
-            position is known only once the accepted count is read), other sequences fill the gap.
-        num_speculative_tokens: drafts per verification (fixed; no confidence scheduling).
+            Under ``async_scheduling`` a sequence's next row is chained behind its verify row in flight (the
+            device moves its start by the drafts that row accepts).
+        num_speculative_tokens: drafts the drafter publishes per sequence and step (k).
+        speculative_widths: confidence-scheduled verification (:mod:`~dinfer_jax.engine.spec_schedule`): the decode
+            widths (query tokens per row, ``1 + drafts verified``) compiled, ``"all"`` for ``1 … 1 + k`` or
+            ints in ``[1, 1 + k]`` including ``1 + k``; each decode step takes the width that maximises the tokens
+            expected from the drafts' confidences per millisecond of its bucket's step time (measured at
+            warm-up). ``None`` (default): one width, every row verifies all its drafts. Each width is one more
+            program per decode bucket; seeded sampled output then depends on the batch (greedy output does not).
         attention: how a query reads the compressed rows of CSA / V4.1 compressed layers: ``"auto"`` (default)
             gathers each query's top-k rows when that reads fewer rows than masking all of the step's pages (decode
             at long context), ``"sparse"`` always gathers, ``"dense"`` always masks; the same attention either way
@@ -416,7 +426,8 @@ class LLM:
                  structured_timeout_s: float = 20.0, engram_tables: str = "device",
                  compiler_options: Mapping[str, str | int | float | bool] | None = None, yoco: str = "off",
                  yoco_keep: int = 140, batch_invariant: bool = False, launch_thread: bool | None = None,
-                 decode_compiler_options: Mapping[str, str | int | float | bool] | None = None):
+                 decode_compiler_options: Mapping[str, str | int | float | bool] | None = None,
+                 speculative_widths: Sequence[int] | str | None = None):
         _enable_compilation_cache()
         compiler_options_key(compiler_options)   # a malformed mapping fails here, before anything is built
         if attention not in ("auto", "sparse", "dense"):
@@ -452,6 +463,10 @@ class LLM:
                              f"ep_size = 1), got dp_size={dp_size}, cp_size={cp_size}, ep_size={ep_size}")
         k = int(num_speculative_tokens) if speculative else 0
         self.num_speculative_tokens = k
+        if speculative_widths is not None and not k:
+            raise ValueError("speculative_widths needs speculative decoding (speculative='mtp' or 'dspark')")
+        widths = check_widths(speculative_widths, k)
+        self.confidence_scheduling = widths is not None and len(widths) > 1
         self.yoco_keep = _check_yoco(cfg, yoco, yoco_keep, k, one_device,
                                      enable_chunked_prefill)
         self.yoco = yoco
@@ -461,7 +476,7 @@ class LLM:
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 4096))
         self.block_size = int(block_size or default_block_size(cfg))
         buckets = buckets or Buckets.default(max_num_seqs, max_num_batched_tokens)
-        buckets = dataclasses.replace(buckets, decode_len=1 + k)
+        buckets = dataclasses.replace(buckets, decode_len=1 + k, decode_widths=widths)
         self.buckets = buckets.resolve(-(-self.max_model_len // self.block_size), self.block_size)
         if max(self.buckets.decode_batch) < max_num_seqs or max(self.buckets.prefill_len) < max_num_batched_tokens:
             raise ValueError(f"buckets {self.buckets} must cover max_num_seqs={max_num_seqs} decode rows and "
@@ -544,7 +559,8 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         t0 = time.perf_counter()
         scheds = [Scheduler(self.sched_config, BlockManager(self.cache_config.num_blocks, self.block_size),
-                            StateSlots(self.cache_config.num_slots), vocab_size=self.config.vocab_size)
+                            StateSlots(self.cache_config.num_slots), vocab_size=self.config.vocab_size,
+                            draft_width=self._draft_width if self.confidence_scheduling else None)
                   for _ in range(self.dp_size)]
         records: list[dict[str, Any]] = []
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=False)):
@@ -632,6 +648,32 @@ class LLM:
         return m
 
     # ------------------------------------------------------------------ internals
+    def _draft_width(self, step_id: int, rows: list[tuple[Any, int, int]]) -> int:
+        """The scheduler's draft cap for decode step ``step_id`` (confidence-scheduled verification): the width
+        :func:`~dinfer_jax.engine.spec_schedule.choose_width` picks from the rows' round N − 2 rates and the
+        measured step times of the step's batch and page buckets, minus one. ``rows``: (sequence, drafts it could
+        verify, one past its furthest position)."""
+        k = self.num_speculative_tokens
+        rates = [rates_before(seq.draft_rates, step_id, k) for seq, _, _ in rows]
+        b = Buckets.pick(self.buckets.decode_batch, len(rows), "decode batch")
+        p = self.buckets.pick_pages(pages_needed((reach for _, _, reach in rows), self.block_size))
+        width = choose_width(rates, [nd for _, nd, _ in rows], self.buckets.widths(),
+                             lambda w: self.runner.decode_time_ms(b, w, p))
+        widths = self._metrics.spec_step_widths
+        widths[width] = widths.get(width, 0) + 1
+        return width - 1
+
+    def _record_draft_rates(self, done: StepOutput) -> None:
+        """Keep each row's acceptance rates of the drafts it published in ``done`` on its sequence (the width
+        choice of later steps reads them, :func:`~dinfer_jax.engine.spec_schedule.rates_before`)."""
+        conf = np.asarray(done.draft_confidences)
+        for i, row in enumerate(done.step.rows):
+            seq = row.seq
+            if row.epoch != seq.num_preemptions or not row.sample:
+                continue   # stale (preempted since), or a non-final prefill chunk (publishes no drafts)
+            seq.draft_rates.append((done.step.step_id, acceptance_rates(conf[i])))
+            del seq.draft_rates[:-RATE_HISTORY]
+
     def _load_tokenizer(self, tokenizer: str | Path | Any | None):
         from tokenizers import Tokenizer
 
@@ -781,6 +823,8 @@ class LLM:
         logprobs = jax.device_get(done.logprobs) if wants_lp else None
         t1 = time.perf_counter()
         m.host_waited_for_device_seconds += t1 - t0
+        if self.confidence_scheduling and done.draft_confidences is not None:
+            self._record_draft_rates(done)
         if done.num_accepted is not None:  # speculative decode step: each row emitted a run
             nacc = np.asarray(done.num_accepted)
             sampled = [[int(t) for t in tokens[i, : nacc[i] + 1]] if row.num_drafts else int(tokens[i, 0])

@@ -92,6 +92,8 @@ class Sequence:
     # scheduled behind an in-flight verify row whose start waits for that row's accepted count (see ScheduledRow)
     inflight_drafts: int = 0
     chained_row: ScheduledRow | None = None
+    # confidence-scheduled verification: (step_id, acceptance rates [k]) of the drafts its latest steps published
+    draft_rates: list[tuple[int, Any]] = field(default_factory=list)
     # False: a preemption ends the request ("preempted") even under preemption_mode="recompute" (structured
     # outputs: their grammar state is not replayed, as in DeepInfer)
     recomputable: bool = True

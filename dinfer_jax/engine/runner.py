@@ -75,6 +75,8 @@ class StepOutput:
     # a step dispatched with ``defer_sample``: the model's logits and the rows' sampling inputs, waiting for
     # :meth:`ModelRunner.sample_step` (structured-output rows need token masks built from committed tokens)
     pending: tuple[jax.Array, SamplingTensors] | None = None
+    # speculative steps: the drafter's confidences in the drafts each row published, [max_rows, k] f32
+    draft_confidences: Any = None
 
 
 class ModelRunner:
@@ -116,6 +118,9 @@ class ModelRunner:
         self.num_compilations = 0  # compilations this runner's calls caused (shared steps: see _CompileCounter)
         self.launch_seconds = 0.0  # host time inside the jitted step calls of dispatch (argument transfer, launch)
         self.warmup_timings: tuple[CompileTiming, ...] = ()  # per program of the last threaded warm-up, lowering order
+        # confidence-scheduled verification: ms per decode step of each (B, Q, P) bucket, measured at warm-up (or
+        # on first use) when several widths are compiled; the width choice reads it (decode_time_ms)
+        self.decode_step_ms: dict[tuple[int, int, int], float] = {}
         self._forward_static, self._engram = step_statics(model, attention, engram_tables, batch_invariant)
         self._sample_static = {"max_rows": self.max_rows, "batch_invariant": batch_invariant}
         self._static = {**self._forward_static, "max_rows": self.max_rows}  # the speculative step also samples
@@ -125,6 +130,9 @@ class ModelRunner:
         if speculative:
             if self.buckets.decode_len != 1 + self.k:
                 raise ValueError(f"speculative decode buckets need decode_len = 1 + {self.k}")
+            widths = self.buckets.widths()
+            if widths != tuple(sorted(set(widths))) or widths[0] < 1 or widths[-1] != 1 + self.k:
+                raise ValueError(f"speculative decode widths {widths} must increase from >= 1 to 1 + {self.k}")
             self.spec = init_spec_state(self.cfg, cache_config, self.k, model.dtype, speculative)
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
         self._prev_nacc = jnp.zeros((self.max_rows,), jnp.int32)  # speculative: the last step's accepted drafts
@@ -181,7 +189,28 @@ class ModelRunner:
                 self._sample(*self._sampler_args(b, use_filters, all_greedy))[0].block_until_ready()
                 if threads <= 1:
                     bar.advance()
+        if self.spec is not None and len(self.buckets.widths()) > 1:
+            for shape in self.buckets.decode_shapes():
+                self.decode_time_ms(*shape)
         return time.perf_counter() - t0
+
+    def decode_time_ms(self, b: int, q: int, p: int, reps: int = 3) -> float:
+        """Milliseconds of one speculative decode step of bucket ``(b, q, p)`` (the median of ``reps`` runs on an
+        all-padding batch, which writes nothing), measured once and kept in :attr:`decode_step_ms`; warm-up
+        measures every decode bucket when several widths are compiled. All-padding rows take the greedy path of
+        the verifying sampler, so the curve leaves out the random draws of sampled rows."""
+        if (b, q, p) not in self.decode_step_ms:
+            if self.spec is None:
+                raise ValueError("decode step times are measured for speculative decoding only")
+            inp, feed = self._empty_inputs(b, q, p)
+            samp, extra = self._sampling([], [], [], b), self._spec_extra(b)
+            times = []
+            for _ in range(reps + 1):   # the first run may compile (warmup=False) or page in: not counted
+                t0 = time.perf_counter()
+                self._call_spec(inp, feed, samp, (b, q, p), True, *extra)[0].block_until_ready()
+                times.append(time.perf_counter() - t0)
+            self.decode_step_ms[(b, q, p)] = 1e3 * float(np.median(times[1:]))
+        return self.decode_step_ms[(b, q, p)]
 
     def _lower_step(self, shape: tuple[int, int, int], decode: bool, yoco_skip: bool = False) -> Any:
         """The lowered model program of bucket ``shape`` (as :meth:`_call` / :meth:`_call_spec` will run it)."""
@@ -273,8 +302,8 @@ class ModelRunner:
                                    chain_room)
         step_spec = self._programs_for(decode).step_spec
         with _CompileCounter(self, step_spec, (*shape, decode)):
-            toks, nacc, logprobs, self.cache, self.spec = step_spec(*args, **kw)
-        return toks, nacc, logprobs
+            toks, nacc, logprobs, self.cache, self.spec, conf = step_spec(*args, **kw)
+        return toks, nacc, logprobs, conf
 
     def _empty_inputs(self, b: int, q: int, p: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         return empty_inputs(b, q, p, window_floor=self.yoco_keep is not None)
@@ -306,7 +335,7 @@ class ModelRunner:
         rows = step.rows
         if step.kind == "decode":
             b = Buckets.pick(self.buckets.decode_batch, len(rows), "decode batch")
-            q = self.buckets.decode_len
+            q = Buckets.pick(self.buckets.widths(), 1 + max(r.num_drafts for r in rows), "decode width")
         else:
             b = Buckets.pick(self.buckets.prefill_batch, len(rows), "prefill batch")
             q = Buckets.pick(self.buckets.prefill_len, max(r.num_tokens for r in rows), "prefill chunk")
@@ -326,12 +355,13 @@ class ModelRunner:
                 extra = (*extra[:3], jax.device_put(masks), *extra[4:])  # a device array like the warm-up's
             decode = step.kind == "decode"
             t0 = time.perf_counter()
-            toks, nacc, logprobs = self._call_spec(inp, feed, sampling, (b, q, p), decode, *extra)
+            toks, nacc, logprobs, conf = self._call_spec(inp, feed, sampling, (b, q, p), decode, *extra)
             self.launch_seconds += time.perf_counter() - t0
             # what the next step's in-flight rows read: each row's last emitted token and its accepted drafts
             first = jnp.take_along_axis(toks, nacc[:, None], axis=1)[:, 0] if decode else toks
             self._prev_tokens, self._prev_nacc, self._prev_step_id = first, nacc, step.step_id
-            return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p), nacc if decode else None)
+            return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p), nacc if decode else None,
+                              draft_confidences=conf)
         # yoco="compact": no row reaches its kept suffix [prefill_len − keep, prefill_len) (the scheduler cuts a
         # prompt's chunks at that floor), so the YOCO region only writes its sources' rows
         skip = self.yoco_compact and step.kind == "prefill" and all(
@@ -538,11 +568,14 @@ def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: I
     """Traced step with speculative decoding (V4 MTP drafter, ``engine/speculative.py``).
 
     decode: rows ``[t, d1..dk]`` (drafts read from the slot's draft pool, ``ndraft [B]`` of them valid) are verified
-    (``verify``), then the drafter sees the accepted positions and publishes the next drafts. Returns
-    ``(tokens [max_rows, 1+k], num_accepted [max_rows], logprobs, cache, spec)``.
+    (``verify``), then the drafter sees the accepted positions and publishes the next drafts. The bucket's width
+    Q ≤ 1 + k (confidence-scheduled verification, :mod:`~dinfer_jax.engine.spec_schedule`) caps the drafts a row
+    verifies at Q − 1 (the host passes ``ndraft ≤ Q − 1``). Returns ``(tokens [max_rows, Q], num_accepted
+    [max_rows], logprobs, cache, spec, confidences [max_rows, k])``.
     prefill: the ordinary sample of each row's last token, then the drafter runs over the chunk (next token of a
     position: the chunk's following token, ``next_tok`` after its end, or the sampled one) and rows that sample
-    publish drafts. Returns ``(tokens [max_rows], zeros, logprobs, cache, spec)``.
+    publish drafts. Returns ``(tokens [max_rows], zeros, logprobs, cache, spec, confidences [max_rows, k])``.
+    ``confidences``: the drafter's confidence in each draft it published (zeros for rows that did not publish).
     ``token_masks [B, 1+k, ceil(V/32)]`` int32 (structured outputs): the target's logits at verified position j
     are masked before verification (a draft the grammar forbids is rejected); prefill rows use position 0.
     ``chain_row [B]`` (-1: none): a decode row scheduled behind the previous step's verify row ``chain_row`` starts
@@ -552,6 +585,7 @@ def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: I
     """
     chained = chain_row >= 0
     shift = jnp.where(chained, prev_nacc[jnp.maximum(chain_row, 0)], 0)
+    ndraft = jnp.minimum(ndraft, inp.tokens.shape[1] - 1)   # the host keeps it ≤ Q − 1 already
     ndraft = jnp.where(chained, jnp.clip(chain_room - shift, 0, ndraft), ndraft)
     n = jnp.where(chained & (inp.n > 0), 1 + ndraft, inp.n)
     inp = dataclasses.replace(inp, start=inp.start + shift, n=n, last=jnp.where(chained, jnp.maximum(n - 1, 0),
@@ -560,9 +594,9 @@ def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: I
     tokens = inp.tokens.at[:, 0].set(first)
     B, Q = tokens.shape
     if decode:
-        drafts = spec.draft_tokens[inp.slot]
-        dlp = spec.draft_logprobs[inp.slot]
-        tokens = tokens.at[:, 1:].set(jnp.where(jnp.arange(k)[None, :] < ndraft[:, None], drafts, 0))
+        drafts = spec.draft_tokens[inp.slot, : Q - 1]
+        dlp = spec.draft_logprobs[inp.slot, : Q - 1]
+        tokens = tokens.at[:, 1:].set(jnp.where(jnp.arange(Q - 1)[None, :] < ndraft[:, None], drafts, 0))
     inp = dataclasses.replace(inp, tokens=tokens)
     hist0 = cache.ngram_hist
     logits, cache, carry = model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, attention=attention,
@@ -574,7 +608,8 @@ def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: I
         all_logits, _ = head_logits(params, {k_: v for k_, v in carry.items() if k_ in ("streams", "premix")}, cfg)
         finite = jnp.all(jnp.isfinite(all_logits), axis=-1)  # before the masks: masked entries are -inf
         V = all_logits.shape[-1]
-        all_logits = apply_token_bitmask(all_logits.reshape(-1, V), token_masks.reshape(B * Q, -1)).reshape(B, Q, V)
+        all_logits = apply_token_bitmask(all_logits.reshape(-1, V),
+                                         token_masks[:, :Q].reshape(B * Q, -1)).reshape(B, Q, V)
         toks, nacc, logprobs = verify(all_logits, drafts, dlp, ndraft, inp.start, samp, samp.num_top_logprobs)
         toks = jnp.where(finite, toks, NONFINITE_TOKEN)
         if hist0 is not None:  # V4.1 Engram history: rewind to the committed tokens (rejected drafts leave no trace)
@@ -582,10 +617,12 @@ def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: I
             cache = dataclasses.replace(cache, ngram_hist=_engram_rows_device(hist0, committed, cfg, engram.cmap)[1])
         if method == "dspark":
             golden = jnp.take_along_axis(toks, nacc[:, None], axis=1)[:, 0]
-            spec = draft_dspark(params, spec, carry["dspark_features"], golden, inp, nacc + 1, inp.n > 0, samp, **kw)
+            spec, conf = draft_dspark(params, spec, carry["dspark_features"], golden, inp, nacc + 1, inp.n > 0, samp,
+                                      **kw)
         else:
-            spec = draft(params, spec, streams, toks, inp, nacc + 1, inp.n > 0, samp, **kw)
-        return pad_rows(toks, max_rows), pad_rows(nacc, max_rows), logprobs, cache, spec
+            spec, conf = draft(params, spec, streams, toks, inp, nacc + 1, inp.n > 0, samp, **kw)
+        conf = jnp.where((inp.n > 0)[:, None], conf, 0.0)
+        return pad_rows(toks, max_rows), pad_rows(nacc, max_rows), logprobs, cache, spec, pad_rows(conf, max_rows)
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
     toks, logprobs = sample(apply_token_bitmask(logits, token_masks[:, 0]), samp)
     toks = jnp.where(finite, toks, NONFINITE_TOKEN)
@@ -594,10 +631,12 @@ def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: I
     nxt = jnp.where(j == (inp.n - 1)[:, None], jnp.where(sample_mask, toks, next_tok)[:, None], nxt)
     if method == "dspark":
         golden = jnp.where(sample_mask, toks, next_tok)
-        spec = draft_dspark(params, spec, carry["dspark_features"], golden, inp, inp.n, sample_mask, samp, **kw)
+        spec, conf = draft_dspark(params, spec, carry["dspark_features"], golden, inp, inp.n, sample_mask, samp, **kw)
     else:
-        spec = draft(params, spec, streams, nxt, inp, inp.n, sample_mask, samp, **kw)
-    return pad_rows(toks, max_rows), jnp.zeros((max_rows,), jnp.int32), logprobs, cache, spec
+        spec, conf = draft(params, spec, streams, nxt, inp, inp.n, sample_mask, samp, **kw)
+    conf = jnp.where((sample_mask & (inp.n > 0))[:, None], conf, 0.0)
+    return (pad_rows(toks, max_rows), jnp.zeros((max_rows,), jnp.int32), logprobs, cache, spec,
+            pad_rows(conf, max_rows))
 
 
 _STATIC = ("cfg", "dtype", "moe_impl", "engram_fn", "max_rows", "attention", "mhc_impl", "linear_impl",

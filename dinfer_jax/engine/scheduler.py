@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +51,11 @@ def _is_int(x: object) -> bool:
     return True
 
 
+# The speculative decode step's draft cap: called with the step's id and, per granted row, (sequence, drafts it
+# could verify, one past the furthest position it could write); returns the most drafts any row verifies.
+DraftWidthPolicy = Callable[[int, list[tuple["Sequence", int, int]]], int]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------------------------------
@@ -77,9 +82,10 @@ class SchedulerConfig:
         and each row charges the budget its length rounded up to it (``docs/spec/engine.md`` §3, §9).
     num_speculative_tokens: k > 0 turns on speculative decoding: a decode row of a sequence whose drafts are
         published verifies up to k of them (fewer near max_model_len / max_tokens), blocks are reserved for them,
-        and process_step takes the row's emitted run (a list of ints). A sequence with a row in flight is not
-        scheduled (its next position depends on how many drafts that row accepts), so under the asynchronous loop
-        each sequence verifies every other step; DeepInfer's on-device position correction is not ported.
+        and process_step takes the row's emitted run (a list of ints). Under the asynchronous loop a sequence
+        whose verify row is in flight gets its next row chained behind it (the device corrects its start by the
+        drafts that row accepts; ``ScheduledRow.chained``). The Scheduler's ``draft_width`` policy may cap the
+        drafts of a decode step's rows (confidence-scheduled verification).
     yoco_split_keep: k > 0 (V4.1 ``yoco="compact"``): a prefill chunk never straddles a sequence's kept suffix
         ``[prefill_len − k, prefill_len)``, so a step's rows lie either all below it or reach into it.
     """
@@ -149,7 +155,7 @@ class Scheduler:
     """FCFS prefill/decode scheduler with chunked prefill, preemption and one-step-late output processing."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, state_slots: StateSlots,
-                 vocab_size: int) -> None:
+                 vocab_size: int, draft_width: DraftWidthPolicy | None = None) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
         if block_manager.block_size != config.block_size:
@@ -161,6 +167,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.state_slots = state_slots
         self.vocab_size = operator.index(vocab_size)
+        # speculative decoding: picks the most drafts each row of a decode step verifies (confidence-scheduled
+        # verification, engine/spec_schedule.py); None: every row verifies all it can
+        self.draft_width = draft_width
+        self._draft_cap: int | None = None
 
         self.waiting: deque[Sequence] = deque()  # not admitted, FCFS (recompute victims at the front)
         self.prefilling: list[Sequence] = []  # admitted, prefill partially scheduled (at most one)
@@ -488,8 +498,9 @@ class Scheduler:
         while lo < hi:
             seq = order[lo]
             lo += 1
-            need = bm.blocks_for(seq.num_computed_tokens + 1 + self._reach(seq)) - len(seq.block_ids)
-            assert 0 <= need <= 2 + 2 * self.config.num_speculative_tokens, need
+            # (negative after a step narrower than its reservation: the sequence already holds those blocks)
+            need = max(0, bm.blocks_for(seq.num_computed_tokens + 1 + self._reach(seq)) - len(seq.block_ids))
+            assert need <= 2 + 2 * self.config.num_speculative_tokens, need
             if need:
                 if bm.num_free < need and soon_free >= need:
                     soon_free -= need  # wait one step for the lagging release
@@ -509,6 +520,17 @@ class Scheduler:
         if not granted:
             return None
         granted.sort(key=lambda s: s.arrival_index)
+        if self.draft_width is not None and self.config.num_speculative_tokens:
+            # blocks above were reserved for every draft: a narrower step leaves a few of them for the next steps
+            self._draft_cap = self.draft_width(self._next_step_id, [
+                (seq, self._num_drafts(seq), seq.num_computed_tokens + 1 + self._reach(seq)) for seq in granted])
+        try:
+            rows = self._decode_rows(granted)
+        finally:
+            self._draft_cap = None
+        return self._new_step("decode", rows)
+
+    def _decode_rows(self, granted: list[Sequence]) -> list[ScheduledRow]:
         rows = []
         for seq in granted:
             pos = seq.num_computed_tokens
@@ -528,7 +550,7 @@ class Scheduler:
             seq.num_computed_tokens = pos + 1
             seq.num_inflight += 1
             seq.inflight_drafts = nd
-        return self._new_step("decode", rows)
+        return rows
 
     @staticmethod
     def _max_shift(seq: Sequence) -> int:
@@ -551,6 +573,8 @@ class Scheduler:
         k = self.config.num_speculative_tokens
         if not k or not (seq.has_drafts or seq.num_inflight):
             return 0
+        if self._draft_cap is not None:
+            k = min(k, self._draft_cap)
         return max(0, min(k, self._draft_room(seq)))
 
     def _reach(self, seq: Sequence) -> int:
@@ -583,6 +607,7 @@ class Scheduler:
         seq.has_drafts = False
         seq.inflight_drafts = 0
         seq.chained_row = None
+        seq.draft_rates.clear()
         if cfg.preemption_mode == "stop" or not can_progress or not seq.recomputable:
             why = ("" if cfg.preemption_mode == "stop" else
                    " (structured-output requests are not recomputed)" if not seq.recomputable else

@@ -4,7 +4,10 @@ inside the target's decode step (``docs/speculative_decoding.md``, ``docs/spec/e
 Layout (all indexed by the sequence's state slot; slot 0 is the padding slot, as in DeepInfer's ``MTPInfoPool``):
 
 * ``draft_tokens [num_slots, k]`` int32 and ``draft_logprobs [num_slots, k, V]`` f32: the drafts a sequence's last
-  processed step published, read by its next decode (verify) row.
+  processed step published, read by its next decode (verify) row. The drafting functions also return each row's
+  confidences ``[B, k]`` f32 in its drafts (DSpark: the confidence head; MTP: the drafter's temperature-1
+  probability of its own draft), which the host reads for confidence-scheduled verification
+  (:mod:`dinfer_jax.engine.spec_schedule`).
 * ``mtp``: the MTP block's own sliding-window ring ``[1, num_slots, W + backtrack, d]`` (a one-layer
   :class:`LayerCache`), written at every committed position and, speculatively, at the drafted ones.
 
@@ -115,13 +118,22 @@ def _rows(samp: Any, q: int) -> Any:
     return jax.tree.map(lambda x: jnp.repeat(x, q, axis=0), samp)
 
 
+def _own_probability(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``softmax(logits)[token]`` per row at temperature 1, f32 ``[B]``: the MTP drafter's confidence in its draft
+    (the processed log-probs of a greedy row are those of temperature 1e−5, ≈ 1 for any argmax)."""
+    lg = logits.astype(jnp.float32)
+    picked = jnp.take_along_axis(lg, tokens[:, None], axis=-1)[:, 0]
+    return jnp.exp(picked - jax.nn.logsumexp(lg, axis=-1))
+
+
 def draft(params: Any, spec: SpecState, streams: jax.Array, next_ids: jax.Array, inp: StepInput, n_mtp: jax.Array,
-          publish: jax.Array, samp: Any, *, cfg: ModelConfig, dtype: str, moe_impl: str, k: int) -> SpecState:
+          publish: jax.Array, samp: Any, *, cfg: ModelConfig, dtype: str, moe_impl: str,
+          k: int) -> tuple[SpecState, jax.Array]:
     """Run the MTP drafter after the target: feed it the committed positions ``start … start + n_mtp − 1`` of each
     row (target streams + the next token), then draft ``k`` tokens autoregressively from the last of them (MTP
     reuses its own output streams for drafts 2…k, DeepSeek-V3 style). Rows with ``publish`` store their drafts in
     the sequence's slot. Draft token i (0-based) sits at position ``start + n_mtp + 1 + i`` and is sampled there
-    with the request's filters in the draft RNG namespace."""
+    with the request's filters in the draft RNG namespace. Returns ``(spec, confidences [B, k] f32)``."""
     B = next_ids.shape[0]
     n_mtp = jnp.where(inp.n > 0, n_mtp, 0)
     last = jnp.maximum(n_mtp - 1, 0)
@@ -129,12 +141,13 @@ def draft(params: Any, spec: SpecState, streams: jax.Array, next_ids: jax.Array,
     mtp_streams, logits, cache = _mtp_layer(params, spec.mtp, streams, next_ids, step, cfg=cfg, dtype=dtype,
                                             moe_impl=moe_impl)
     h = jnp.take_along_axis(mtp_streams, last.reshape(-1, 1, 1, 1), axis=1)  # [B,1,n,D]
-    toks, lps = [], []
+    toks, lps, confs = [], [], []
     pos0 = inp.start + n_mtp  # position of the target's newest token (the one drafts follow)
     for i in range(k):
         tok, _, lp = _sample_rows(logits, samp, pos0 + 1 + i, tag="draft")
         toks.append(tok)
         lps.append(lp)
+        confs.append(_own_probability(logits, tok))
         if i + 1 < k:
             one = StepInput(tokens=tok[:, None], start=pos0 + i, n=(n_mtp > 0).astype(jnp.int32), slot=inp.slot,
                             pages=inp.pages, last=jnp.zeros((B,), jnp.int32))
@@ -142,13 +155,15 @@ def draft(params: Any, spec: SpecState, streams: jax.Array, next_ids: jax.Array,
                                           moe_impl=moe_impl)
     s = jnp.where(publish & (n_mtp > 0), inp.slot, spec.draft_tokens.shape[0])
     return dataclasses.replace(spec, mtp=cache,
-                     draft_tokens=spec.draft_tokens.at[s].set(jnp.stack(toks, 1), mode="drop"),
-                     draft_logprobs=spec.draft_logprobs.at[s].set(jnp.stack(lps, 1), mode="drop"))
+                               draft_tokens=spec.draft_tokens.at[s].set(jnp.stack(toks, 1), mode="drop"),
+                               draft_logprobs=spec.draft_logprobs.at[s].set(jnp.stack(lps, 1), mode="drop")
+                               ), jnp.stack(confs, 1)
 
 
 def verify(logits: jax.Array, drafts: jax.Array, draft_lp: jax.Array, ndraft: jax.Array, start: jax.Array,
            samp: Any, num_top: int) -> tuple[jax.Array, jax.Array, SampleLogprobs]:
-    """Verify ``ndraft [B]`` drafts per row. logits ``[B,Q,V]`` (Q = 1 + k), drafts ``[B,k]``, draft_lp ``[B,k,V]``.
+    """Verify ``ndraft [B]`` (≤ Q − 1) drafts per row. logits ``[B,Q,V]`` (Q ≤ 1 + k, the step's width), drafts
+    ``[B,Q−1]``, draft_lp ``[B,Q−1,V]``.
 
     Returns ``(tokens [B,Q], num_accepted [B], logprobs)``: the row's emitted run is ``tokens[b, :num_accepted+1]``
     (the accepted drafts, then the residual resample at the first rejection or the bonus token)."""
@@ -174,12 +189,13 @@ def verify(logits: jax.Array, drafts: jax.Array, draft_lp: jax.Array, ndraft: ja
 
 def draft_dspark(params: Any, spec: SpecState, features: jax.Array, golden: jax.Array, inp: StepInput,
                  n_commit: jax.Array, publish: jax.Array, samp: Any, *, cfg: ModelConfig, dtype: str, moe_impl: str,
-                 k: int) -> SpecState:
+                 k: int) -> tuple[SpecState, jax.Array]:
     """V4.1 DSpark drafter after the target: write each draft layer's main keys for the committed positions
     ``start … start + n_commit − 1`` (features ``[B,Q,n_targets·D]`` of the target step) into the slot's key rings,
     then draft one block after the anchor ``a = start + n_commit − 1`` with ``golden`` (the target's token at a+1)
     and keep its first ``k`` rows. Draft row i sits at position ``a + 2 + i``, sampled with the request's filters
-    in the draft RNG namespace; the Markov term of row i reads the draft actually sampled at row i − 1."""
+    in the draft RNG namespace; the Markov term of row i reads the draft actually sampled at row i − 1. Returns
+    ``(spec, confidences [B, k] f32)`` (the confidence head's, of the published rows)."""
     from dinfer_jax.models import dspark
     from dinfer_jax.models.cache_io import ring_write
 
@@ -203,8 +219,9 @@ def draft_dspark(params: Any, spec: SpecState, features: jax.Array, golden: jax.
         lps.append(lp)
         return tok
 
-    _, _, toks = dspark.dspark_heads(params, cfg, h, golden, sample_fn=sample_fn)
+    _, confs, toks = dspark.dspark_heads(params, cfg, h, golden, sample_fn=sample_fn)
     s = jnp.where(publish & (n_commit > 0), inp.slot, spec.draft_tokens.shape[0])
     return dataclasses.replace(spec, dkeys=ring,
                                draft_tokens=spec.draft_tokens.at[s].set(toks[:, :k], mode="drop"),
-                               draft_logprobs=spec.draft_logprobs.at[s].set(jnp.stack(lps[:k], 1), mode="drop"))
+                               draft_logprobs=spec.draft_logprobs.at[s].set(jnp.stack(lps[:k], 1), mode="drop")
+                               ), confs[:, :k].astype(jnp.float32)
