@@ -5,7 +5,8 @@
 #                 gather kernel, in one call (same machine, same process order), with the CUPTI busy share;
 #   STAGE=linear  issue 8: V4-Flash 4-layer slice with the FP8 linear kernel limited to decode calls (<= 64 tokens;
 #                 pallas_kernels/linear/tuning.py) — cold warm-up and decode against docs/perf/linear_kernel_h200.md;
-#   STAGE=spec    issue 11: one speculative step against one plain step on a real-dimension slice with its drafter;
+#   STAGE=spec    issue 11: one speculative step against one plain step on a real-dimension slice with its drafter,
+#                 and the k = 4 step at every decode width (the curve confidence-scheduled verification reads);
 #   STAGE=index-engine  issue 9, first thing next session: the indexer's defaults changed to 128-byte TMA boxes and
 #                 128-row tiles after its last full GPU test — the whole tests/test_indexer_kernel_gpu.py (engine
 #                 cases included) with them;
@@ -62,8 +63,8 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 $C --linear-impl pallas \
       --out "$OUT/linear" 2>&1 | quiet | grep "^|" ;;
   spec)
-    timeout 570 python3 scripts/probe_spec_step.py --preset deepseek-v4-flash --layers 4 --batch 64 2>&1 | quiet \
-      | tail -30 ;;
+    timeout 570 python3 scripts/probe_spec_step.py --preset deepseek-v4-flash --layers 4 --batch 64 --widths 2>&1 \
+      | quiet | tail -30 ;;
   tests)
     timeout 380 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampling_gpu.py tests/test_head_gpu.py \
       tests/test_decode_attention_gpu.py tests/test_mhc_kernel_gpu.py tests/test_linear_kernel_gpu.py \

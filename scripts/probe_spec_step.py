@@ -4,7 +4,8 @@ Times the engine's own compiled programs on all-padding rows (a row's shape, not
 the bundled default model, or of a random real-dimension slice of a preset (``--preset deepseek-v4-flash
 --layers 4``: native FP8/FP4 weights, bf16; V4 drafts with its MTP block, V4.1 with DSpark reading the slice's
 last layers): the plain model step at ``[B, q]`` for q = 1, 2, 3, 5 (a verify row carries 1 + k query tokens),
-the plain sampler, and the whole speculative step (model + verification + drafter) for k = 4 and 2.
+the plain sampler, and the whole speculative step (model + verification + drafter) for k = 4 and 2 (with
+``--widths``: for k = 4 at every decode width, the curve confidence-scheduled verification reads).
 Speculation pays when ``E[tokens per row per step] / (speculative step / plain step + sampler)`` exceeds 1::
 
     python3 scripts/probe_spec_step.py [--batch 10] [--pages 16]
@@ -57,6 +58,9 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=16, help="page-table width of the bucket (16 tokens a page)")
     ap.add_argument("--preset", default=None, help="a real-dimension preset instead of the default model")
     ap.add_argument("--layers", type=int, default=4, help="with --preset: the slice's first layers")
+    ap.add_argument("--widths", action="store_true",
+                    help="also the k = 4 speculative step at every decode width 1..5 (the step-time curve that "
+                         "confidence-scheduled verification chooses from, LLM(speculative_widths='all'))")
     args = ap.parse_args()
     B, P = args.batch, args.pages
     model, method, extra, what = "default", "dspark", {}, "default model"
@@ -100,6 +104,12 @@ def main() -> None:
         rows.append((f"speculative step, k={k}", f"[{B}, {1 + k}]", per_call_ms(
             lambda spec=spec, inp=inp, feed=feed, s_samp=s_samp, k=k: spec._call_spec(
                 inp, feed, s_samp, (B, 1 + k, P), True, *spec._spec_extra(B))[0])))
+        del spec
+    if args.widths:
+        spec = LLM(model, buckets=buckets(5), speculative=method, num_speculative_tokens=4, speculative_widths="all",
+                   **kw).runner
+        for q in range(1, 6):
+            rows.append((f"speculative step, k=4, width {q}", f"[{B}, {q}]", spec.decode_time_ms(B, q, P, reps=10)))
         del spec
     base = rows[0][2] + rows[4][2]
     for name, shape, ms in rows:
