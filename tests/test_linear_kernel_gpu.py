@@ -55,3 +55,30 @@ def test_fp8_linear_matches_reference(tokens, n, k, block, cfg):
     scale_ = np.abs(want).max()
     err = np.abs(got - want)
     assert err.max() / scale_ < 1e-4 and err.mean() / scale_ < 1e-5, (err.max() / scale_, err.mean() / scale_)
+
+
+def test_reused_kernel_lowering_gives_the_same_bits():
+    """The kernel embedded from its exported module (``pallas_kernels/lowering_reuse.py``, a second program reusing
+    the first's lowering) computes the same bits as the kernel lowered with its program."""
+    from pallas_kernels import lowering_reuse
+    from pallas_kernels.lowering_reuse import kernel_call, reuse_kernel_lowerings
+
+    dev = gpu_device()
+    tokens, n, k, block = 64, 1280, 5120, (32, 32)
+    rng = np.random.default_rng(7)
+    codes, scale = _weight(rng, n, k, block)
+    x = rng.standard_normal((tokens, k)).astype(np.float32).astype(ml_dtypes.bfloat16)
+    args = [jax.device_put(jnp.asarray(a), dev) for a in (x, codes, scale)]
+    cfg = config_for(tokens, n, k)
+
+    def program(variant: int):   # programs that differ besides the kernel, as the engine's buckets do
+        return jax.jit(lambda *a: (kernel_call(fp8_linear_sm90, *a, config=cfg, block=block), jnp.int32(variant)))
+
+    direct = np.asarray(program(0)(*args)[0])
+    lowering_reuse._exported.cache_clear()
+    with reuse_kernel_lowerings("cuda"):
+        first = np.asarray(program(1)(*args)[0])
+        second = np.asarray(program(2)(*args)[0])
+    assert lowering_reuse._exported.cache_info()[:2] == (1, 1)   # (hits, misses): the second program reused it
+    np.testing.assert_array_equal(first, direct)
+    np.testing.assert_array_equal(second, direct)

@@ -24,6 +24,7 @@ from dinfer_jax.models.layers import LayerOptions
 from dinfer_jax.models.linear_impl import linear_impl as linear_impl_scope
 from dinfer_jax.models.linear_impl import resolve_linear_impl
 from dinfer_jax.models.step_state import ModelCache, StepInput
+from pallas_kernels.lowering_reuse import platform_from_env, reuse_kernel_lowerings
 
 
 def _engram_rows_device(hist_all: jax.Array, inp: StepInput, cfg: ModelConfig,
@@ -76,9 +77,14 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
     returned logits are then meaningless (no row samples).
     ``mhc_impl``: the mHC Sinkhorn's implementation (:class:`~dinfer_jax.models.layers.LayerOptions`).
     ``linear_impl``: the FP8 linears' implementation (:mod:`dinfer_jax.models.linear_impl`: ``"xla"`` or the
-    Mosaic GPU kernel, ``"pallas"``).
+    Mosaic GPU kernel, ``"pallas"``). With ``DINFER_JAX_REUSE_KERNEL_LOWERINGS=1`` on a GPU, the one-device step's
+    FP8-linear and expert kernels are lowered once per process and shape instead of once per program
+    (:mod:`pallas_kernels.lowering_reuse`).
     """
-    with invariant_tracing(batch_invariant), linear_impl_scope(resolve_linear_impl(linear_impl, bool(batch_invariant))):
+    reuse = None if (ep_manual or cp_manual or copies_manual) else platform_from_env()
+    with (invariant_tracing(batch_invariant),
+          linear_impl_scope(resolve_linear_impl(linear_impl, bool(batch_invariant))),
+          reuse_kernel_lowerings(reuse)):
         return _model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, engram_fn=engram_fn,
                            engram=engram, ep_manual=ep_manual, cp_manual=cp_manual, copies_manual=copies_manual,
                            return_carry=return_carry, attention=attention, attention_impl=attention_impl,

@@ -47,6 +47,7 @@ from dinfer_jax.models.step_state import StepInput
 from dinfer_jax.progress import PhaseProgress
 from dinfer_jax.sampling import SamplingTensors, sample
 from dinfer_jax.structured.bitmask import apply_token_bitmask, mask_words
+from pallas_kernels.lowering_reuse import platform_from_env, reuse_kernel_lowerings
 
 __all__ = ["Buckets", "InFlight", "ModelRunner", "StepOutput"]
 
@@ -552,7 +553,7 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
                       linear_impl: str = "xla", attention_impl: str = "auto"):
     """:func:`_step_spec` with the FP8 linears of the model and the drafter on ``linear_impl``
     (:mod:`dinfer_jax.models.linear_impl`)."""
-    with linear_impl_scope(linear_impl):
+    with linear_impl_scope(linear_impl), reuse_kernel_lowerings(platform_from_env()):
         return _step_spec(params, cache, spec, inp, feed, prev_tokens, samp, engram, ndraft, next_tok, sample_mask,
                           token_masks, prev_nacc, chain_row, chain_room, cfg=cfg, dtype=dtype, moe_impl=moe_impl,
                           engram_fn=engram_fn, attention=attention, max_rows=max_rows, k=k, decode=decode,

@@ -1,5 +1,5 @@
 """Confidence-scheduled verification on fixed-shape decode buckets (``docs/speculative_decoding.md``,
-``docs/spec/engine.md`` §5.4).
+``docs/spec/engine.md`` §5).
 
 DeepInfer packs a variable number of query tokens per request (varlen) and picks the step's total ``total_q`` that
 maximises expected emitted tokens per unit of step time. Here a decode step is a compiled ``[B, Q, P]`` bucket, so

@@ -54,10 +54,11 @@ def experts_kernel(ex: Mapping[str, Any], x: jax.Array, idx: jax.Array, w: jax.A
     layout models keep on a GPU) dequantised in registers, SwiGLU fused after the gate/up GEMM, the router weight
     ``w [N, k]`` applied in fp32 after the down projection, a token's ``k`` outputs summed in choice order.
     ``idx [N, k]`` int32 expert ids. fp32 ``[N, D]``."""
+    from pallas_kernels.lowering_reuse import kernel_call
     from pallas_kernels.moe.kernel_sm90 import experts_sm90
 
     weights, cfgs = _operands(ex, x.dtype, idx.shape[0] * idx.shape[1])
-    return experts_sm90(x, idx, w, *weights, swiglu_limit=float(swiglu_limit), **cfgs)
+    return kernel_call(experts_sm90, x, idx, w, *weights, swiglu_limit=float(swiglu_limit), **cfgs)
 
 
 def expert_choices_kernel(ex: Mapping[str, Any], x: jax.Array, slots: jax.Array, w: jax.Array, *,

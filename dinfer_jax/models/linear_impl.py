@@ -79,8 +79,9 @@ def kernel_config(x: jax.Array, w: QuantizedWeight):
 def kernel_linear(x: jax.Array, w: QuantizedWeight, config) -> jax.Array:
     """``x [..., K] · wᵀ`` → fp32 ``[..., N]`` through the kernel with ``config`` (from :func:`kernel_config`)."""
     from pallas_kernels.linear.kernel_sm90 import fp8_linear_sm90
+    from pallas_kernels.lowering_reuse import kernel_call
 
-    y = fp8_linear_sm90(x.reshape(-1, x.shape[-1]), w.data, w.scale, config=config, block=w.block)
+    y = kernel_call(fp8_linear_sm90, x.reshape(-1, x.shape[-1]), w.data, w.scale, config=config, block=w.block)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
