@@ -6,51 +6,22 @@ kernels is a GPU check (``tests/test_linear_kernel_gpu.py``, ``STAGE=warmup-reus
 
 from __future__ import annotations
 
+import importlib.util
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import lowering_reuse
-from pallas_kernels.lowering_reuse import kernel_call, platform_from_env, reuse_kernel_lowerings
+from pallas_kernels.lowering_reuse import kernel_call, platform_from_env
 
-s = jax.ShapeDtypeStruct
-
-
-def _program(variant: int):
-    """A program with two FP8 linears and one routed-expert layer (two grouped GEMMs) of fixed shapes; ``variant``
-    makes the programs differ elsewhere (as the engine's page-width buckets do)."""
-    from pallas_kernels.linear.kernel_sm90 import fp8_linear_sm90
-    from pallas_kernels.linear.tuning import config_for
-    from pallas_kernels.moe.kernel_sm90 import experts_sm90
-    from pallas_kernels.moe.tuning import configs_for
-
-    up, down = configs_for(16 * 6)
-
-    def step(x_a, w_a, s_a, x_b, w_b, s_b, x, ids, rw, w1, w3, w2):
-        # the shapes of tests/test_linear_kernel_cpu.py and tests/test_moe_kernel_cpu.py
-        # as the model calls them (dinfer_jax/models/linear_impl.py, expert_kernel.py)
-        a = kernel_call(fp8_linear_sm90, x_a, w_a, s_a, config=config_for(16, 4096, 1280), block=(32, 32))
-        b = kernel_call(fp8_linear_sm90, x_b, w_b, s_b, config=config_for(1, 512, 4096), block=(128, 128))
-        y = kernel_call(experts_sm90, x, ids, rw, w1, w3, w2, swiglu_limit=10.0, up_config=up, down_config=down)
-        return jnp.tanh(y).sum() + a.sum() + b.sum() + variant
-
-    return step
-
-
-def _args():
-    from pallas_kernels.moe import reference
-
-    g, d, i = 16, 1024, 512
-
-    def fp4w(o, inn):
-        return reference.ExpertWeight(s((g, o, inn // 2), jnp.uint8), s((g, o, inn // 32), jnp.uint8), "fp4")
-
-    return (s((16, 1280), jnp.bfloat16), s((4096, 1280), jnp.float8_e4m3fn), s((128, 40), jnp.float8_e8m0fnu),
-            s((1, 4096), jnp.bfloat16), s((512, 4096), jnp.float8_e4m3fn), s((4, 32), jnp.float8_e8m0fnu),
-            s((16, d), jnp.bfloat16), s((16, 6), jnp.int32), s((16, 6), jnp.float32), fp4w(i, d), fp4w(i, d),
-            fp4w(d, i))
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_lowering_reuse.py"
+_spec = importlib.util.spec_from_file_location("bench_lowering_reuse", SCRIPT)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+_lower = bench.lower_for_cuda   # the two-FP8-linear, one-expert-layer program of scripts/bench_lowering_reuse.py
 
 
 def _unescape(text: str) -> bytes:
@@ -86,11 +57,6 @@ def _kernels(text: str) -> list[str]:
         # jax 0.11 names each lowering for dumps with a process-wide counter ("fp8_linear_4")
         out.append(re.sub(r'mosaic_gpu\.dump_basename = "[^"]*", ', "", asm))
     return out
-
-
-def _lower(variant: int, platform: str | None) -> str:
-    with reuse_kernel_lowerings(platform):
-        return jax.jit(_program(variant)).trace(*_args()).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_reused_lowerings_embed_the_same_kernels():

@@ -219,7 +219,8 @@ def draft_dspark(params: Any, spec: SpecState, features: jax.Array, golden: jax.
         lps.append(lp)
         return tok
 
-    _, confs, toks = dspark.dspark_heads(params, cfg, h, golden, sample_fn=sample_fn)
+    # heads for the k published rows only: row i reads h at row i and the draft of row i - 1, never later rows
+    _, confs, toks = dspark.dspark_heads(params, cfg, h[:, :k], golden, sample_fn=sample_fn)
     s = jnp.where(publish & (n_commit > 0), inp.slot, spec.draft_tokens.shape[0])
     return dataclasses.replace(spec, dkeys=ring,
                                draft_tokens=spec.draft_tokens.at[s].set(toks[:, :k], mode="drop"),
