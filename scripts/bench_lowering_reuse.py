@@ -1,7 +1,7 @@
 """Lowering time of programs that share kernels, with and without reusing kernel lowerings across programs
 (``pallas_kernels/lowering_reuse.py``; ``docs/perf/compile_time_gpu.md``). Lowers for CUDA, so it runs on a machine
-without a GPU. Each program has two FP8 linears and one routed-expert layer at fixed shapes and differs from the
-others outside them (as the engine's page-width buckets do)::
+without a GPU. Each program has two FP8 linears, one routed-expert layer and one mHC Sinkhorn at fixed shapes
+and differs from the others outside them (as the engine's page-width buckets do)::
 
     python3 scripts/bench_lowering_reuse.py [--programs 4]
 """
@@ -28,16 +28,18 @@ def sample_program(variant: int) -> Any:
     kernel called as the model calls it (through :func:`kernel_call`)."""
     from pallas_kernels.linear.kernel_sm90 import fp8_linear_sm90
     from pallas_kernels.linear.tuning import config_for
+    from pallas_kernels.mhc.sinkhorn_sm90 import sinkhorn_projection
     from pallas_kernels.moe.kernel_sm90 import experts_sm90
     from pallas_kernels.moe.tuning import configs_for
 
     up, down = configs_for(16 * 6)
 
-    def step(x_a, w_a, s_a, x_b, w_b, s_b, x, ids, rw, w1, w3, w2):
+    def step(x_a, w_a, s_a, x_b, w_b, s_b, x, ids, rw, w1, w3, w2, comb):
         a = kernel_call(fp8_linear_sm90, x_a, w_a, s_a, config=config_for(16, 4096, 1280), block=(32, 32))
         b = kernel_call(fp8_linear_sm90, x_b, w_b, s_b, config=config_for(1, 512, 4096), block=(128, 128))
         y = kernel_call(experts_sm90, x, ids, rw, w1, w3, w2, swiglu_limit=10.0, up_config=up, down_config=down)
-        return jnp.tanh(y).sum() + a.sum() + b.sum() + variant
+        c = kernel_call(sinkhorn_projection, comb, iters=20, eps=1e-6)
+        return jnp.tanh(y).sum() + a.sum() + b.sum() + c.sum() + variant
 
     return step
 
@@ -55,7 +57,7 @@ def sample_args() -> tuple[Any, ...]:
     return (s((16, 1280), jnp.bfloat16), s((4096, 1280), jnp.float8_e4m3fn), s((128, 40), jnp.float8_e8m0fnu),
             s((1, 4096), jnp.bfloat16), s((512, 4096), jnp.float8_e4m3fn), s((4, 32), jnp.float8_e8m0fnu),
             s((16, d), jnp.bfloat16), s((16, 6), jnp.int32), s((16, 6), jnp.float32), fp4w(i, d), fp4w(i, d),
-            fp4w(d, i))
+            fp4w(d, i), s((64, 1, 4, 4), jnp.float32))
 
 
 def lower_for_cuda(variant: int, platform: str | None) -> str:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from dinfer_jax.models.invariant import active_tile, ordered_sum, token_tiled
 from dinfer_jax.models.ops import F32, linear_f32
+from pallas_kernels.lowering_reuse import kernel_call
 from pallas_kernels.mhc.reference import sinkhorn_ref
 from pallas_kernels.mhc.sinkhorn_sm90 import sinkhorn_projection
 
@@ -50,7 +51,7 @@ def sinkhorn(comb_logits: jax.Array, iters: int, eps: float, impl: str = "auto")
         return sinkhorn_ref(comb_logits, iters, eps)
     if jax.default_backend() != "gpu":
         raise ValueError(f"mhc_impl='pallas' needs a GPU (backend is {jax.default_backend()!r})")
-    return sinkhorn_projection(comb_logits.astype(F32), iters, eps)
+    return kernel_call(sinkhorn_projection, comb_logits.astype(F32), iters=iters, eps=eps)
 
 
 def hc_mixes(streams: jax.Array, site: Mapping[str, jax.Array], *, hc_mult: int, sinkhorn_iters: int,
