@@ -53,8 +53,9 @@ def pages_needed(contexts: Iterable[int], block_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """Padded shapes the step is compiled for: decode ``[B, decode_len]``, prefill ``[B, Q]``, each with every
-    page-table width in ``pages``. ``pages=None`` until :meth:`resolve` fills in the default (:func:`page_buckets`)."""
+    """Padded shapes the step is compiled for: decode ``[B, decode_len]`` (or ``[B, Q]`` for every Q of
+    ``decode_widths``), prefill ``[B, Q]``, each with every page-table width in ``pages``. ``pages=None`` until
+    :meth:`resolve` fills in the default (:func:`page_buckets`)."""
 
     decode_batch: tuple[int, ...]
     prefill_batch: tuple[int, ...]
