@@ -113,6 +113,10 @@ class Buckets:
         """The smallest page bucket ≥ ``n`` pages."""
         return self.pick(self._pages(), n, "page table of")
 
+    def pages_for(self, contexts: Iterable[int], block_size: int) -> int:
+        """The page bucket of a step whose rows reach ``contexts`` tokens (:func:`pages_needed`)."""
+        return self.pick_pages(pages_needed(contexts, block_size))
+
     @staticmethod
     def pick(sizes: tuple[int, ...], n: int, what: str) -> int:
         """The smallest size ≥ ``n``; ValueError if none."""

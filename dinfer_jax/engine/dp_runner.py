@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dinfer_jax.engine.buckets import Buckets, pages_needed
+from dinfer_jax.engine.buckets import Buckets
 from dinfer_jax.engine.compile_pool import (
     CompilerOptions,
     CompileTiming,
@@ -354,7 +354,7 @@ class DPModelRunner:
             q = Buckets.pick(self.buckets.prefill_len, max(r.num_tokens for s in real for r in s.rows),
                              "prefill chunk")
         bs = self.cache_config.block_size
-        p = self.buckets.pick_pages(pages_needed((r.start_pos + r.num_tokens for s in real for r in s.rows), bs))
+        p = self.buckets.pages_for((r.start_pos + r.num_tokens for s in real for r in s.rows), bs)
         return b, q, p
 
     def dispatch(self, steps: Sequence[ScheduledStep | None], params: Sequence[list[Any]],

@@ -21,7 +21,6 @@ import jax
 import numpy as np
 
 from dinfer_jax.engine.block_manager import BlockManager, StateSlots
-from dinfer_jax.engine.buckets import pages_needed
 from dinfer_jax.engine.compile_pool import compiler_options_key
 from dinfer_jax.engine.dp_runner import DPModelRunner, DPStepOutput, parallel_layout
 from dinfer_jax.engine.kv_cache import CacheConfig, size_pools
@@ -656,7 +655,7 @@ class LLM:
         k = self.num_speculative_tokens
         rates = [rates_before(seq.draft_rates, step_id, k) for seq, _, _ in rows]
         b = Buckets.pick(self.buckets.decode_batch, len(rows), "decode batch")
-        p = self.buckets.pick_pages(pages_needed((reach for _, _, reach in rows), self.block_size))
+        p = self.buckets.pages_for((reach for _, _, reach in rows), self.block_size)
         width = choose_width(rates, [nd for _, nd, _ in rows], self.buckets.widths(),
                              lambda w: self.runner.decode_time_ms(b, w, p))
         widths = self._metrics.spec_step_widths

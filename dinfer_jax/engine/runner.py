@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dinfer_jax.engine.buckets import Buckets, pages_needed
+from dinfer_jax.engine.buckets import Buckets
 from dinfer_jax.engine.compile_pool import (
     CompilerOptions,
     CompileTiming,
@@ -341,7 +341,7 @@ class ModelRunner:
             b = Buckets.pick(self.buckets.prefill_batch, len(rows), "prefill batch")
             q = Buckets.pick(self.buckets.prefill_len, max(r.num_tokens for r in rows), "prefill chunk")
         bs = self.cache_config.block_size
-        p = self.buckets.pick_pages(pages_needed((r.reach_pos for r in rows), bs))
+        p = self.buckets.pages_for((r.reach_pos for r in rows), bs)
         inp, feed = fill_step_inputs(step, b, q, p, bs, self._prev_step_id, self.yoco_keep)
         sampling = self._sampling(params, seeds, [r.end_pos for r in rows], b)
         if self.spec is not None:
