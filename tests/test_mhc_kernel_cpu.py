@@ -51,6 +51,7 @@ def test_reference_and_planes_match_the_contract(scale):
     x = _logits((2048, 4, 4), scale)
     want = exact_sinkhorn(x, ITERS, EPS)
     _assert_close(jax.jit(lambda x: sinkhorn_ref(x, ITERS, EPS))(x), want)
+    _assert_close(jax.jit(lambda x: sinkhorn_ref(x, ITERS, EPS, unroll=False))(x), want)
     planes = [[x[:, j, k] for k in range(4)] for j in range(4)]
     out = jax.jit(lambda p: sinkhorn_planes(p, ITERS, EPS))(planes)
     _assert_close(np.stack([np.stack(row, -1) for row in out], -2), want)

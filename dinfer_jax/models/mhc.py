@@ -48,7 +48,8 @@ def sinkhorn(comb_logits: jax.Array, iters: int, eps: float, impl: str = "auto")
     """
     impl = resolve_mhc_impl(impl)
     if impl == "jnp":
-        return sinkhorn_ref(comb_logits, iters, eps)
+        # looped on CPU, where XLA's fusion of the unrolled rounds costs quadratic work (sinkhorn_ref's docstring)
+        return sinkhorn_ref(comb_logits, iters, eps, unroll=jax.default_backend() != "cpu")
     if jax.default_backend() != "gpu":
         raise ValueError(f"mhc_impl='pallas' needs a GPU (backend is {jax.default_backend()!r})")
     return kernel_call(sinkhorn_projection, comb_logits.astype(F32), iters=iters, eps=eps)
