@@ -3,7 +3,9 @@ renormalised and scaled weights, SwiGLU with clamp, shared expert.
 
 Expert implementations of the same function:
 
-* ``"ragged"``: tokens sorted by expert, grouped GEMM with ``jax.lax.ragged_dot``; work ∝ tokens·k.
+* ``"ragged"``: tokens sorted by expert, grouped GEMM with ``jax.lax.ragged_dot``; work ∝ tokens·k. On the CPU
+  backend, whose ``ragged_dot`` is expanded into a product over every expert anyway, the rows instead go through
+  one masked batched GEMM per projection (:func:`~dinfer_jax.models.expert_ffn.masked_expert_ffn`).
 * ``"pallas"``: the Mosaic GPU kernel of ``pallas_kernels.moe`` (MXFP4 experts, bf16 activations, GPU only).
 * ``"auto"`` (default): ``"pallas"`` where it can run (see :func:`pallas_supported`), else ``"ragged"``.
 * batch-invariant tracing (:mod:`dinfer_jax.models.invariant`) replaces ``"auto"``/``"ragged"``/``"dense"``/``"pallas"``
