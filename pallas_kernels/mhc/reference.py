@@ -18,7 +18,7 @@ import jax.numpy as jnp
 def sinkhorn_ref(logits: jax.Array, iters: int, eps: float, *, unroll: bool = True) -> jax.Array:
     """The projection with XLA reductions over the trailing axes (see the module docstring).
 
-    ``unroll=False`` runs the ``iters − 1`` rounds as a ``fori_loop`` (same arithmetic, same values): XLA's CPU
+    ``unroll=False`` runs the ``iters − 1`` rounds as a ``fori_loop`` (the same operations in the same order): XLA's CPU
     fusion otherwise re-derives the whole unrolled chain inside every consumer of every round — work quadratic in
     ``iters`` — which made the default model's decode step 2–3× slower on CPU (``docs/perf/bench_generate_cpu.md``).
     """
