@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from dinfer_jax.models.invariant import ordered_sum
 from dinfer_jax.models.ops import F32, f32_accumulating, matmul_precision
 from dinfer_jax.models.qweights import QuantizedWeight, as_dense
 
@@ -70,11 +71,7 @@ def masked_expert_ffn(experts: Mapping[str, Weight], x_rows: jax.Array, slot_row
                           preferred_element_type=F32)
 
     a = (swiglu(gemm(x, experts["w1"]), gemm(x, experts["w3"]), swiglu_limit) * w_rows[None, :, None]).astype(dt)
-    y = gemm(a, experts["w2"])
-    acc = y[0]
-    for e in range(1, L):
-        acc = acc + y[e]
-    return acc
+    return ordered_sum(gemm(a, experts["w2"]), axis=0)
 
 
 def expert_rows_ffn(experts: Mapping[str, Weight], x_rows: jax.Array, slot_rows: jax.Array, w_rows: jax.Array, *,
