@@ -49,10 +49,10 @@
 #   STAGE=warmup-threads  issue 8: the 4-layer V4-Flash slice's cold warm-up with 4 and 8 compile threads (16 in
 #                 the other rows): lowering (41-45 s in the warm-up) is the critical path and shares the host's 16
 #                 cores with the concurrent XLA compiles — does it run faster with fewer of them?
-#   STAGE=warmup-reuse  issue 8, first thing next session: kernel lowerings reused across programs
+#   STAGE=warmup-reuse  issue 8 (ran 2026-12-05: no gain, the switch stays off): kernel lowerings reused across programs
 #                 (DINFER_JAX_REUSE_KERNEL_LOWERINGS=1, pallas_kernels/lowering_reuse.py): the FP8-linear kernel's
 #                 GPU tests (reused kernel = same bits) and the V4.1 engine case with reuse on, then the 4-layer
-#                 V4-Flash slice's cold warm-up with reuse off and on (the switch's default follows the result);
+#                 V4-Flash slice's cold warm-up with reuse off and on;
 #   STAGE=v4-autotune  issue 8: the V4-Flash 4-layer slice with GEMM autotuning off (compile time is mostly
 #                 autotuning: serving_h200.md, fourth session of 2026-12-04) — warm-up and speed against the default.
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=.95
