@@ -53,13 +53,15 @@
 #                 (DINFER_JAX_REUSE_KERNEL_LOWERINGS=1, pallas_kernels/lowering_reuse.py): the FP8-linear kernel's
 #                 GPU tests (reused kernel = same bits) and the V4.1 engine case with reuse on, then the 4-layer
 #                 V4-Flash slice's cold warm-up with reuse off and on;
+#   STAGE=pingpong  issue 9: the decode-attention kernel's "pingpong" organisation (two consumer warpgroups on
+#                 alternate KV blocks): its GPU tests, then the kernel variants at 1, 16 and 64 queries;
 #   STAGE=v4-autotune  issue 8: the V4-Flash 4-layer slice with GEMM autotuning off (compile time is mostly
 #                 autotuning: serving_h200.md, fourth session of 2026-12-04) — warm-up and speed against the default.
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=.95
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -143,6 +145,12 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
     cd scripts && for r in 0 1; do DINFER_JAX_REUSE_KERNEL_LOWERINGS=$r timeout 170 python3 bench_serving.py \
       --preset deepseek-v4-flash --layers 4 --batch 64 $C --out "$OUT/v4_reuse$r" 2>&1 | quiet \
       | grep "^|\|^warm-up"; done ;;
+  pingpong)
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py -k "ping" 2>&1 \
+      | grep "^E \|passed\|failed\|Error" | head -30
+    timeout 300 python3 scripts/bench_kernels.py attention-kernel --batches 1 16 64 --variants split_cta \
+      "pingpong bkv=32 stages=4" "pingpong bkv=64 stages=2" "pingpong bkv=32 stages=2" "model rule" \
+      --out "$OUT/attn_kernel" 2>&1 | quiet | grep "^|\|copy\|peak" ;;
   v4-autotune)
     cd scripts && timeout 300 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C \
       --compiler-option xla_gpu_autotune_level=0 --out "$OUT/v4_noautotune" 2>&1 | quiet | grep "^|\|^warm-up" ;;

@@ -34,6 +34,8 @@ from pallas_kernels.attention.reference import sparse_decode_attention_ref
 from pallas_kernels.attention.tuning import decode_options
 
 SHARED = dict(organisation="shared_qk")
+PING32 = dict(organisation="pingpong", block_kv=32, num_stages=4)   # two 32-row tiles in flight per consumer
+PING64 = dict(organisation="pingpong", block_kv=64, num_stages=2)
 
 
 def exact_contract(q, kv, valid, sink, scale: float, *, round_probs: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -151,18 +153,41 @@ def test_wrapper_rejects_bad_shapes():
         check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, organisation="both")
 
 
-def test_shared_qk_smem_matches_mosaic(monkeypatch):
-    """:func:`smem_bytes` for ``shared_qk`` is exactly what Mosaic GPU allocates (its error message under a 1-byte
-    bound reports the figure), so the 960 B margin under the 227 KiB limit is real."""
+def test_pingpong_config():
+    """``pingpong``: 32-row tiles allowed, an even number of refilled stages, the same shared-memory limit."""
+    assert check_config(64, 512, 640, block_kv=32, num_stages=4, v_split=2, organisation="pingpong") == 4
+    assert check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, organisation="pingpong") == 2
+    assert check_config(64, 512, 96, block_kv=32, num_stages=4, v_split=2, organisation="pingpong") == 3  # no refill
+    with pytest.raises(ValueError, match="must be even"):
+        check_config(64, 512, 640, block_kv=32, num_stages=3, v_split=2, organisation="pingpong")
+    with pytest.raises(ValueError, match="shared memory"):
+        check_config(64, 512, 640, block_kv=32, num_stages=6, v_split=2, organisation="pingpong")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        check_config(64, 512, 640, block_kv=16, num_stages=2, v_split=2, organisation="pingpong")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        check_config(64, 512, 640, block_kv=32, num_stages=2, v_split=2)
+    with pytest.raises(ValueError, match="only organisation='shared_qk'"):
+        check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, organisation="pingpong", l_split=2)
+    # Q 64 KiB + 4 stages × 32 KiB + mask rows, sink, (m, l) 1 KiB each + fp32 merge chunk 16 KiB + bf16 output
+    # chunk 8 KiB + 12 mbarriers (checked against Mosaic's own count below)
+    assert smem_bytes(512, 32, 4, "pingpong") == 224352
+
+
+@pytest.mark.parametrize("organisation,block_kv,stages", [("shared_qk", 64, 2), ("shared_qk", 128, 2),
+                                                         ("pingpong", 32, 4), ("pingpong", 64, 2)])
+def test_smem_bytes_match_mosaic(monkeypatch, organisation, block_kv, stages):
+    """:func:`smem_bytes` is exactly what Mosaic GPU allocates for the organisations that reserve no reduction
+    scratch (its error message under a 1-byte bound reports the figure), so their margins under 227 KiB are real."""
     from jax.experimental.mosaic.gpu import core
 
     monkeypatch.setattr(core, "_SMEM_SIZE_BOUND", 1)
     s = jax.ShapeDtypeStruct
-    for d, block_kv in [(512, 64), (256, 128)]:
-        f = functools.partial(sparse_decode_attention, scale=0.1, organisation="shared_qk", block_kv=block_kv)
-        with pytest.raises(ValueError, match=f"smem_bytes={smem_bytes(d, block_kv, 2, 'shared_qk')} "):
-            jax.jit(f).trace(s((2, 64, d), jnp.bfloat16), s((2, 640, d), jnp.bfloat16), s((2, 640), jnp.bool_),
-                             s((64,), jnp.float32)).lower(lowering_platforms=("cuda",))
+    d = 512 if block_kv < 128 else 256
+    f = functools.partial(sparse_decode_attention, scale=0.1, organisation=organisation, block_kv=block_kv,
+                          num_stages=stages)
+    with pytest.raises(ValueError, match=f"smem_bytes={smem_bytes(d, block_kv, stages, organisation)} "):
+        jax.jit(f).trace(s((2, 64, d), jnp.bfloat16), s((2, 640, d), jnp.bfloat16), s((2, 640), jnp.bool_),
+                         s((64,), jnp.float32)).lower(lowering_platforms=("cuda",))
 
 
 def test_traffic_counts():
@@ -175,6 +200,7 @@ def test_traffic_counts():
     assert shared["flops_executed"] == shared["flops_useful"] and shared["bytes"] == t["bytes"]
     assert shared["partial_bytes"] == 0
     assert traffic(64, 64, 512, 640, organisation="shared_qk", l_split=2)["partial_bytes"] == 2 * 2 * 64 * 64 * 514 * 4
+    assert traffic(64, 64, 512, 640, organisation="pingpong") == t      # split_cta's reads and products
 
 
 @pytest.mark.parametrize("n, rows, want", [
@@ -211,6 +237,10 @@ def test_decode_options_rejects_bad_sizes():
     (4, 64, 128, 256, dict(SHARED, num_stages=1)),
     (64, 64, 512, 640, dict(SHARED, l_split=2)),                   # L split: fp32 partials out, XLA combine
     (1, 64, 512, 640, dict(SHARED, l_split=10)),
+    (64, 64, 512, 640, PING32),                                    # pingpong at the real size
+    (64, 64, 512, 640, PING64),
+    (1, 128, 512, 64, PING32),                                     # two KV steps: one each
+    (3, 64, 256, 96, dict(PING32, v_split=1)),                     # three steps, no refill, odd stage count
 ])
 def test_kernel_lowers_for_cuda(n, h, d, rows, kw):
     """The Mosaic GPU kernel lowers for CUDA on this CPU-only machine (jax 0.10.2 and 0.11.2): the Pallas →
@@ -292,6 +322,9 @@ def _interpreter_shims(monkeypatch) -> None:
     (3, 128, 128, 192, dict(SHARED, num_stages=3)),                # two head blocks, d/2 = 64, no refill
     (3, 64, 512, 640, dict(SHARED, l_split=2)),                    # L in two parts, 5 steps each, XLA combine
     (2, 64, 256, 256, dict(SHARED, l_split=4)),                    # one KV step per part
+    (2, 64, 512, 640, PING32),                                     # pingpong: 20 steps through 4 stages
+    (3, 128, 256, 192, dict(PING64, v_split=1)),                   # two head blocks, 3 steps: consumer 1 takes one
+    (2, 64, 256, 64, PING64),                                      # one KV step: consumer 1 has none
 ])
 def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
     """The kernel (with the shims above) in the Mosaic GPU interpreter against the exact contract, with the GPU
@@ -320,11 +353,12 @@ def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
     assert err.mean() <= 2.0 ** -9 * a.mean()
 
 
-@pytest.mark.parametrize("kw", [SHARED, dict(SHARED, l_split=2)])
-def test_shared_qk_exchange_has_no_race(monkeypatch, capsys, kw):
+@pytest.mark.parametrize("kw", [SHARED, dict(SHARED, l_split=2), dict(PING32, v_split=1)])
+def test_exchanges_have_no_race(monkeypatch, capsys, kw):
     """``shared_qk`` (4 KV steps through 2 stages, so the exchange buffers are rewritten and the stages refilled)
-    under the interpreter's happens-before race detector: no race may involve the two consumers' exchange of partial
-    logits or the outputs. The one pattern the detector does report, in both organisations, is the producer's TMA
+    and ``pingpong`` (8 steps through 4 stages, its merge in two chunks through one buffer) under the interpreter's
+    happens-before race detector: no race may involve the two consumers' exchanges (partial logits; ``pingpong``'s
+    running max and sum and merge chunks) or the outputs. The one pattern the detector does report, in both organisations, is the producer's TMA
     refill of a stage's mask row after the consumers' plain loads of it, ordered only through the "consumed"
     mbarrier (no proxy fence between the generic-proxy loads and the async-proxy write; the TMA pipelines of jax's
     and CUTLASS's kernels release stages the same way, and ``split_cta`` passed on the H200 with it), so races whose

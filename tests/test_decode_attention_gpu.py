@@ -109,23 +109,28 @@ def _check(n, h, d, rows, mask, seed=0, **kw):
     assert mean_ratio <= 1, f"mean err / (2^-9 · mean A) = {mean_ratio:.3g}"
 
 
-@pytest.mark.parametrize("organisation", ["split_cta", "shared_qk"])
+ORGANISATIONS = ["split_cta", "shared_qk", "pingpong"]
+
+
+@pytest.mark.parametrize("organisation", ORGANISATIONS)
 @pytest.mark.parametrize("mask", ["random", "prefix"])
 @pytest.mark.parametrize("rows", [64, 640])
 @pytest.mark.parametrize("h", [64, 128])
 @pytest.mark.parametrize("n", [1, 64])
 def test_kernel_matches_reference(n, h, rows, mask, organisation):
     """The real head width (d = 512, two column halves, 2 stages), one or ten KV steps, one or two head blocks, in
-    both organisations (``split_cta``: two CTAs per token; ``shared_qk``: two consumer warpgroups of one CTA)."""
+    every organisation (``split_cta``: two CTAs per token; ``shared_qk``: two consumer warpgroups of one CTA sharing
+    the QK product; ``pingpong``: two CTAs per token, each with two consumer warpgroups on alternate KV blocks)."""
     _check(n, h, 512, rows, mask, seed=n + h + rows, organisation=organisation)
 
 
-@pytest.mark.parametrize("organisation", ["split_cta", "shared_qk"])
+@pytest.mark.parametrize("organisation", ORGANISATIONS)
 def test_all_queries_masked_give_zeros(organisation):
     _check(64, 64, 512, 640, "all_false", organisation=organisation)
 
 
 SHARED = dict(organisation="shared_qk")
+PING = dict(organisation="pingpong")
 
 
 @pytest.mark.parametrize("d,kw", [
@@ -137,8 +142,12 @@ SHARED = dict(organisation="shared_qk")
     (512, dict(SHARED, l_split=10)),                 # shared_qk, one KV step per part
     (256, dict(SHARED, block_kv=128)),               # shared_qk, 128-row KV blocks (exchange 2 × 32 KiB)
     (128, dict(SHARED, num_stages=1)),               # shared_qk, no pipelining, d / 2 = 64
+    (512, dict(PING, block_kv=32, num_stages=4)),    # pingpong, 32-row tiles (64-byte swizzle), 4 stages
+    (512, dict(PING, block_kv=32, num_stages=2)),
+    (256, dict(PING, v_split=1, block_kv=64)),       # pingpong, no split of d, merge in 4 chunks
 ], ids=["d512-split4", "d256-split1-3stages", "d256-bkv128", "d128-1stage", "shared-d512-l2", "shared-d512-l10",
-        "shared-d256-bkv128", "shared-d128-1stage"])
+        "shared-d256-bkv128", "shared-d128-1stage", "ping-d512-bkv32-4stages", "ping-d512-bkv32-2stages",
+        "ping-d256-split1"])
 def test_kernel_configs(d, kw):
     _check(8, 128, d, 640, "random", seed=d, **kw)
 

@@ -14,8 +14,9 @@ Contract (the same as :func:`pallas_kernels.attention.reference.sparse_decode_at
     P is rounded to bf16 before the P·V product (fp32 accumulation); o is rounded to bf16. A query with no valid row
     gets o = 0 (all its mass is on the sink).
 
-Two organisations, chosen by ``sparse_decode_attention(..., organisation=...)``: ``"split_cta"`` (the default, the
-one measured on the H200) and ``"shared_qk"`` (below it; not yet run on a GPU).
+Three organisations, chosen by ``sparse_decode_attention(..., organisation=...)``: ``"split_cta"`` (the default) and
+``"shared_qk"``, both below, and ``"pingpong"`` (``split_cta``'s grid with two compute warpgroups taking the KV blocks
+in turn, so one's softmax overlaps the other's WGMMAs; :mod:`pallas_kernels.attention.decode_pingpong_sm90`).
 
 Organisation ``split_cta`` (one kernel launch, no combine step):
 
@@ -164,7 +165,7 @@ MEMORY_REGISTERS = 40
 SHARED_QK_COMPUTE_REGISTERS = 232
 SHARED_QK_CONSUMERS = 2       # compute warpgroups; consumer c owns output columns [c·d/2, (c+1)·d/2)
 SMEM_ALIGNMENT = 1024         # Pallas rounds every shared-memory scratch buffer up to 1 KiB
-ORGANISATIONS = ("split_cta", "shared_qk")
+ORGANISATIONS = ("split_cta", "shared_qk", "pingpong")   # pingpong: decode_pingpong_sm90.py
 LOG2E = math.log2(math.e)
 
 
@@ -204,7 +205,7 @@ def smem_bytes(d: int, block_kv: int, stages: int, organisation: str = "split_ct
     adds :data:`SMEM_RESERVE`). ``shared_qk``: the buffers as Pallas allocates them, each rounded up to 1 KiB — Q
     (reused for O), the KV tiles, the mask rows, the sink (one copy per consumer), the two consumers' fp32 partial
     logits ``[64, block_kv]`` — plus the mbarriers; the kernel reserves no reduction scratch (its reductions stay
-    inside a warp)."""
+    inside a warp). ``pingpong``: :func:`pallas_kernels.attention.decode_pingpong_sm90.pingpong_smem_bytes`."""
     if organisation == "split_cta":
         return HEADS_PER_CTA * d * 2 + stages * (block_kv * d * 2 + block_kv * 4) + HEADS_PER_CTA * 4
     if organisation == "shared_qk":
@@ -212,6 +213,9 @@ def smem_bytes(d: int, block_kv: int, stages: int, organisation: str = "split_ct
         return (_aligned(HEADS_PER_CTA * d * 2) + _aligned(stages * block_kv * d * 2) + _aligned(stages * block_kv * 4)
                 + _aligned(SHARED_QK_CONSUMERS * HEADS_PER_CTA * 4)
                 + _aligned(SHARED_QK_CONSUMERS * HEADS_PER_CTA * block_kv * 4) + 8 * barriers)
+    if organisation == "pingpong":
+        from pallas_kernels.attention.decode_pingpong_sm90 import pingpong_smem_bytes
+        return pingpong_smem_bytes(d, block_kv, stages)
     raise ValueError(f"organisation={organisation!r} is not one of {ORGANISATIONS}")
 
 
@@ -226,15 +230,16 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
     if organisation == "shared_qk" and v_split != SHARED_QK_CONSUMERS:
         raise ValueError(f"organisation='shared_qk' splits d between its {SHARED_QK_CONSUMERS} consumer warpgroups: "
                          f"v_split must be {SHARED_QK_CONSUMERS}, got {v_split}")
-    if organisation == "split_cta" and l_split != 1:
+    if organisation != "shared_qk" and l_split != 1:
         raise ValueError(f"l_split={l_split}: only organisation='shared_qk' splits L across CTAs")
     if v_split < 1 or d % (64 * v_split):
         raise ValueError(f"head width d={d} must be a multiple of 64 · v_split = {64 * v_split}")
     if d // v_split > MAX_DH:
         raise ValueError(f"d / v_split = {d // v_split} > {MAX_DH}: the fp32 accumulator would not fit in registers "
                          f"(use v_split ≥ {-(-d // MAX_DH)})")
-    if block_kv % 64 or block_kv <= 0:
-        raise ValueError(f"block_kv={block_kv} must be a positive multiple of 64")
+    block_multiple = 32 if organisation == "pingpong" else 64
+    if block_kv % block_multiple or block_kv <= 0:
+        raise ValueError(f"block_kv={block_kv} must be a positive multiple of {block_multiple} ({organisation})")
     if rows == 0 or rows % block_kv:
         raise ValueError(f"number of rows L={rows} must be a positive multiple of block_kv={block_kv}")
     if l_split < 1 or (rows // block_kv) % l_split:
@@ -245,8 +250,11 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages} must be at least 1")
     stages = min(num_stages, rows // block_kv // l_split)
+    if organisation == "pingpong" and stages < rows // block_kv and stages % 2:
+        raise ValueError(f"num_stages={num_stages}: organisation='pingpong' refills its stages, so their number must "
+                         f"be even (a stage carries the KV blocks of one consumer warpgroup)")
     need = smem_bytes(d, block_kv, stages, organisation)
-    limit = SMEM_BYTES - (SMEM_RESERVE if organisation == "split_cta" else 0)
+    limit = SMEM_BYTES - (SMEM_RESERVE if organisation == "split_cta" else 0)   # the others reserve no scratch
     if need > limit:
         raise ValueError(f"shared memory {need} B (d={d}, block_kv={block_kv}, stages={stages}, {organisation}) "
                          f"exceeds {limit} B per CTA; lower num_stages or block_kv")
@@ -556,12 +564,14 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
       valid: ``bool [N, L]``; False rows contribute exactly 0.
       sink: ``fp32 [H]`` (finite).
       scale: logit scale (static).
-      block_kv: KV rows per pipeline step (multiple of 64).
+      block_kv: KV rows per pipeline step (multiple of 64; of 32 for ``pingpong``).
       num_stages: TMA pipeline depth (capped at the number of KV steps; shared memory permitting).
       v_split: column chunks of d: ``split_cta``, CTAs per (token, head block), each producing ``d / v_split``
-        output columns; ``shared_qk``, its consumer warpgroups (must be 2).
-      organisation: ``"split_cta"`` (default: ``v_split`` CTAs per token, each computing the whole QK product) or
-        ``"shared_qk"`` (one CTA per token and head block, two consumer warpgroups sharing the QK product).
+        output columns (also ``pingpong``); ``shared_qk``, its consumer warpgroups (must be 2).
+      organisation: ``"split_cta"`` (default: ``v_split`` CTAs per token, each computing the whole QK product),
+        ``"shared_qk"`` (one CTA per token and head block, two consumer warpgroups sharing the QK product) or
+        ``"pingpong"`` (``split_cta``'s CTAs, each with two consumer warpgroups on alternate KV blocks; an even
+        ``num_stages`` when stages are refilled).
       l_split: ``shared_qk`` only: CTAs per (token, head block), each over ``L / l_split`` rows, their fp32 partial
         outputs merged by XLA after the kernel (must divide ``L / block_kv``).
     Returns:
@@ -577,6 +587,9 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
     args = (q.reshape(n, h, v_split, dh), kv.reshape(n, rows, v_split, dh), bias, sink.astype(jnp.float32))
     if organisation == "split_cta":
         out = _split_cta_call(*args, scale=scale, block_kv=block_kv, stages=stages)
+    elif organisation == "pingpong":
+        from pallas_kernels.attention.decode_pingpong_sm90 import pingpong_call
+        out = pingpong_call(*args, scale=scale, block_kv=block_kv, stages=stages)
     elif l_split == 1:
         out = _shared_qk_call(*args, scale=scale, block_kv=block_kv, stages=stages, l_split=1)
     else:
@@ -595,11 +608,12 @@ def traffic(n: int, h: int, d: int, rows: int, *, v_split: int = 2, organisation
     back once each: ``partial_bytes`` = ``2 · l_split·N·H·d·4``, plus the running max and sum).
     ``flops_useful``: the contract's products, ``2·N·H·L·d`` (QK) + ``2·N·H·L·d`` (PV) = ``4·N·H·L·d``.
     ``flops_executed``: what the tensor cores run: ``split_cta`` computes the QK product once per split,
-    ``2·N·H·L·d·v_split + 2·N·H·L·d`` (``6·N·H·L·d`` = 1.5 × useful at v_split = 2); ``shared_qk`` once.
+    ``2·N·H·L·d·v_split + 2·N·H·L·d`` (``6·N·H·L·d`` = 1.5 × useful at v_split = 2), as does ``pingpong``;
+    ``shared_qk`` once.
     """
     qk = 2 * n * h * rows * d
     read = n * rows * d * 2 + n * h * d * 2 + n * rows * 4 + h * 4
     partial = 2 * l_split * n * h * (d + 2) * 4 if organisation == "shared_qk" and l_split > 1 else 0
-    qk_times = v_split if organisation == "split_cta" else 1
+    qk_times = 1 if organisation == "shared_qk" else v_split
     return dict(bytes_read=float(read), bytes=float(read + n * h * d * 2), flops_useful=float(2 * qk),
                 flops_executed=float(qk * qk_times + qk), partial_bytes=float(partial))
