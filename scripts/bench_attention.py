@@ -274,7 +274,8 @@ def bench_decode_kernel(batches, device_times, copy_bw: float, *, h: int = 64, d
                 row["rel_err"] = float(err.max() / jnp.abs(want).max())
                 ms, per_kernel = device_times(f, *args)
                 kernel_ms = sum(t for k, t in per_kernel.items() if "sparse_decode_attention" in k) or float("nan")
-                t = traffic(n, h, d, rows, **kw)
+                shape_kw = {k: v for k, v in kw.items() if k in ("v_split", "organisation", "l_split")}
+                t = traffic(n, h, d, rows, **shape_kw)     # block_kv and stages do not change the bytes
                 row.update(call_us=ms * 1e3, kernel_us=kernel_ms * 1e3, kernels=per_kernel,
                            GBps=t["bytes"] / (ms * 1e-3) / 1e9,
                            TFLOPs_useful=t["flops_useful"] / (ms * 1e-3) / 1e12,
