@@ -41,8 +41,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.attention.decode_sm90 import (HEADS_PER_CTA, LOG2E, SHARED_QK_COMPUTE_REGISTERS, _aligned,
-                                                  _produce_kv)
+from pallas_kernels.attention.decode_sm90 import (
+    HEADS_PER_CTA,
+    LOG2E,
+    SHARED_QK_COMPUTE_REGISTERS,
+    _aligned,
+    _produce_kv,
+)
 from pallas_kernels.mgpu_compat import load_whole
 
 CONSUMERS = 2
