@@ -16,7 +16,8 @@ outside any inner ``jax.jit`` (a jitted function's cached trace would not see th
 
 Switch: off unless the enclosing trace runs under :func:`reuse_kernel_lowerings` with a platform (the engine's model
 step sets it from ``DINFER_JAX_REUSE_KERNEL_LOWERINGS=1`` on a GPU). Off by default: on the H200 host it bought
-nothing (decode programs lowered in the same time with it; ``docs/perf/serving_h200.md``, 2026-12-05). The cache holds one exported module per (kernel, static arguments, operand shapes and dtypes, platform)
+nothing (decode programs lowered in the same time with it; ``docs/perf/serving_h200.md``, 2026-12-05).
+The cache holds one exported module per (kernel, static arguments, operand shapes and dtypes, platform)
 for the life of the process.
 """
 

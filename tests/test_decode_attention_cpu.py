@@ -358,7 +358,8 @@ def test_exchanges_have_no_race(monkeypatch, capsys, kw):
     """``shared_qk`` (4 KV steps through 2 stages, so the exchange buffers are rewritten and the stages refilled)
     and ``pingpong`` (8 steps through 4 stages, its merge in two chunks through one buffer) under the interpreter's
     happens-before race detector: no race may involve the two consumers' exchanges (partial logits; ``pingpong``'s
-    running max and sum and merge chunks) or the outputs. The one pattern the detector does report, in both organisations, is the producer's TMA
+    running max and sum and merge chunks) or the outputs. The one pattern the detector does report, in both
+    organisations, is the producer's TMA
     refill of a stage's mask row after the consumers' plain loads of it, ordered only through the "consumed"
     mbarrier (no proxy fence between the generic-proxy loads and the async-proxy write; the TMA pipelines of jax's
     and CUTLASS's kernels release stages the same way, and ``split_cta`` passed on the H200 with it), so races whose
