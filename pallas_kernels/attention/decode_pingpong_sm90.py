@@ -46,6 +46,7 @@ from pallas_kernels.attention.decode_sm90 import (
     LOG2E,
     SHARED_QK_COMPUTE_REGISTERS,
     _aligned,
+    _online_softmax_step,
     _produce_kv,
 )
 from pallas_kernels.mgpu_compat import load_whole
@@ -123,13 +124,7 @@ def pingpong_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Arra
 
                 qk = pl.run_scoped(compute_qk, plgpu.ACC((hb, block_kv), jnp.float32))
                 bias = load_whole(plgpu, bias_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-                s = qk * qk_scale + lax.broadcast_in_dim(bias, qk.shape, [1])
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(jnp.bfloat16)
+                p16, acc, m_new, l_i = _online_softmax_step(qk, bias, m_i, l_i, acc, qk_scale=qk_scale)
 
                 def compute_pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, split])

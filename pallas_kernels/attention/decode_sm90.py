@@ -198,6 +198,20 @@ def _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_
         issue(step + stages, slot)
 
 
+def _online_softmax_step(qk, bias, m_i, l_i, acc, *, qk_scale: float):
+    """One KV block of the base-2 online softmax, shared by every organisation: ``qk fp32 [64, block_kv]`` (WGMMA
+    layout), ``bias fp32 [block_kv]`` (0 / −inf, column layout), running max ``m_i`` and sum ``l_i`` (``[64]``), the
+    accumulator ``acc fp32 [64, dh]``. Returns ``(p16, acc, m_new, l_i)``: the block's probabilities in bf16 (the
+    P·V operand) and the rescaled state. ``m_i`` ≥ the sink's max is finite, so masked logits give exp2(−inf) = 0."""
+    s = qk * qk_scale + lax.broadcast_in_dim(bias, qk.shape, [1])
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    l_i = l_i * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return p.astype(jnp.bfloat16), acc, m_new, l_i
+
+
 def smem_bytes(d: int, block_kv: int, stages: int, organisation: str = "split_cta") -> int:
     """Shared memory one CTA allocates.
 
@@ -314,13 +328,7 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
 
                 qk = pl.run_scoped(compute_qk, plgpu.ACC((hb, block_kv), jnp.float32))
                 bias = load_whole(plgpu, bias_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))   # one per KV column
-                s = qk * qk_scale + lax.broadcast_in_dim(bias, qk.shape, [1])
-                m_new = jnp.maximum(m_i, s.max(axis=1))      # ≥ sink: finite, so masked rows give exp2(−inf) = 0
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(jnp.bfloat16)
+                p16, acc, m_new, l_i = _online_softmax_step(qk, bias, m_i, l_i, acc, qk_scale=qk_scale)
 
                 def compute_pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, split])
@@ -450,13 +458,7 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
                 # commutative), so both hold bitwise the same S, hence the same m, P and l.
                 qk = s_own + s_other
                 bias = load_whole(plgpu, bias_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-                s = qk * qk_scale + lax.broadcast_in_dim(bias, qk.shape, [1])
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(jnp.bfloat16)
+                p16, acc, m_new, l_i = _online_softmax_step(qk, bias, m_i, l_i, acc, qk_scale=qk_scale)
 
                 def compute_pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, c])
