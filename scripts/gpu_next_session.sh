@@ -49,10 +49,9 @@
 #   STAGE=warmup-threads  issue 8: the 4-layer V4-Flash slice's cold warm-up with 4 and 8 compile threads (16 in
 #                 the other rows): lowering (41-45 s in the warm-up) is the critical path and shares the host's 16
 #                 cores with the concurrent XLA compiles — does it run faster with fewer of them?
-#   STAGE=warmup-reuse  issue 8 (ran 2026-12-05: no gain, the switch stays off): kernel lowerings reused across programs
-#                 (DINFER_JAX_REUSE_KERNEL_LOWERINGS=1, pallas_kernels/lowering_reuse.py): the FP8-linear kernel's
-#                 GPU tests (reused kernel = same bits) and the V4.1 engine case with reuse on, then the 4-layer
-#                 V4-Flash slice's cold warm-up with reuse off and on;
+#   STAGE=warmup-reuse  issue 8: kernel lowerings reused across programs (DINFER_JAX_REUSE_KERNEL_LOWERINGS=1,
+#                 pallas_kernels/lowering_reuse.py; the switch reaches the engine's step since 2026-12-05, second
+#                 session): the 4-layer slice of PRESET (default V4.1-Flash), cold warm-up with reuse on, then off;
 #   STAGE=pingpong  issue 9: the decode-attention kernel's "pingpong" organisation (two consumer warpgroups on
 #                 alternate KV blocks): its GPU tests, then the kernel variants at 1, 16 and 64 queries;
 #   STAGE=v4-autotune  issue 8: the V4-Flash 4-layer slice with GEMM autotuning off (compile time is mostly
@@ -139,11 +138,10 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       --batch 64 --lean-buckets --kv-gib 8 --compile-threads $t --max-tokens 32 --out "$OUT/v4_threads$t" 2>&1 \
       | quiet | grep "^|\|^warm-up"; done ;;
   warmup-reuse)
-    DINFER_JAX_REUSE_KERNEL_LOWERINGS=1 timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_linear_kernel_gpu.py "tests/test_indexer_kernel_gpu.py::test_engine_greedy_with_the_kernel_equals_full_forward_argmax" \
-      2>&1 | grep "^E \|passed\|failed" | head -20
-    cd scripts && for r in 0 1; do DINFER_JAX_REUSE_KERNEL_LOWERINGS=$r timeout 170 python3 bench_serving.py \
-      --preset deepseek-v4-flash --layers 4 --batch 64 $C --out "$OUT/v4_reuse$r" 2>&1 | quiet \
+    # PRESET (default deepseek-v4.1-flash): reuse on, then off, each a fresh process with a cold compilation cache
+    P=${PRESET:-deepseek-v4.1-flash}; E=""; [ "$P" = deepseek-v4.1-flash ] && E="--engram-vocab 1000000"
+    cd scripts && for r in 1 0; do DINFER_JAX_REUSE_KERNEL_LOWERINGS=$r timeout 280 python3 bench_serving.py \
+      --preset $P --layers 4 --batch 64 $E $C --out "$OUT/${P}_reuse$r" 2>&1 | quiet \
       | grep "^|\|^warm-up"; done ;;
   pingpong)
     [ "${SKIP_TESTS:-0}" = 1 ] || timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \

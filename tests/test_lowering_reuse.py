@@ -92,3 +92,52 @@ def test_platform_from_env_only_on_a_gpu(monkeypatch, value):
         monkeypatch.setenv(lowering_reuse.ENV, value)
     # this machine has no GPU: reuse stays off whatever the variable says
     assert jax.default_backend() != "gpu" and platform_from_env() is None
+
+
+def _one_layer_step_lowering(pages: int, **kw) -> str:
+    """The serving step of a one-layer real-dimension V4-Flash slice (abstract native weights, batch 8, the FP8
+    linear kernel) lowered for CUDA, as the one-device engine traces it unless ``kw`` says otherwise."""
+    import functools
+
+    from dinfer_jax.engine.model_step import model_step
+    from dinfer_jax.models.config import load_config
+    from dinfer_jax.models.layer_plan import stack_params
+    from dinfer_jax.models.params import abstract_params
+    from dinfer_jax.models.step_state import CacheConfig, StepInput, cache_shapes
+
+    base = load_config("deepseek-v4-flash")
+    cfg = base.replace(num_layers=1, attn_kinds=base.attn_kinds[:1], compress_ratios=base.compress_ratios[:1],
+                       hash_layers=base.hash_layers[:1], n_mtp_layers=0, mtp_compress_ratios=())
+    params = jax.eval_shape(functools.partial(stack_params, cfg),
+                            abstract_params(cfg, "bfloat16", include_mtp=False, weights="native"))
+    b = 8
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    inp = StepInput(tokens=i32(b, 1), start=i32(b), n=i32(b), slot=i32(b), pages=i32(b, pages), last=i32(b))
+    cache = cache_shapes(cfg, CacheConfig(num_slots=b + 1, num_blocks=b * 8 + 1, block_size=128), "bfloat16")
+    step = jax.jit(functools.partial(model_step, cfg=cfg, dtype="bfloat16", moe_impl="pallas", mhc_impl="pallas",
+                                     linear_impl="pallas", **kw))
+    return step.trace(params, cache, inp).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_the_engine_step_reuses_its_kernels_when_switched_on(monkeypatch):
+    """The switch must reach the one-device engine's step (a default argument once kept it off there: the first
+    H200 measurement of reuse measured nothing). Two decode programs differing only in their page-table width:
+    with ``DINFER_JAX_REUSE_KERNEL_LOWERINGS=1`` on a GPU (the backend query answered "gpu", lowering for CUDA
+    on this CPU) the first exports its FP8-linear, expert and Sinkhorn kernels, the second finds every one of
+    them exported, and both embed the same kernels as the direct lowering; a mesh program's step
+    (``copies_manual`` ≥ 1) never reuses."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv(lowering_reuse.ENV, raising=False)
+    lowering_reuse._exported.cache_clear()
+    direct = _kernels(_one_layer_step_lowering(4))
+    assert lowering_reuse._exported.cache_info().currsize == 0 and len(direct) >= 4
+    monkeypatch.setenv(lowering_reuse.ENV, "1")
+    _one_layer_step_lowering(4, copies_manual=1)   # as the mesh engine calls it: no export
+    assert lowering_reuse._exported.cache_info().currsize == 0
+    first = _kernels(_one_layer_step_lowering(4))
+    exported = lowering_reuse._exported.cache_info()
+    assert exported.currsize >= 3, exported    # linears, experts, Sinkhorn
+    second = _kernels(_one_layer_step_lowering(8))
+    again = lowering_reuse._exported.cache_info()
+    assert again.misses == exported.misses and again.hits > exported.hits, again
+    assert sorted(first) == sorted(direct) and sorted(second) == sorted(direct)

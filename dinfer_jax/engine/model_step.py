@@ -53,7 +53,7 @@ def _engram_rows_device(hist_all: jax.Array, inp: StepInput, cfg: ModelConfig,
 def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, cfg: ModelConfig, dtype: str,
                moe_impl: str = "auto", engram_fn: EngramLookup | None = None,
                engram: EngramState | None = None, ep_manual: int = 0, cp_manual: int = 0,
-               copies_manual: int = 1, return_carry: bool = False, attention: str = "auto",
+               copies_manual: int = 0, return_carry: bool = False, attention: str = "auto",
                attention_impl: str = "auto", count_experts: bool = False, batch_invariant: int = 0,
                yoco_skip: bool = False, mhc_impl: str = "auto", linear_impl: str = "xla") -> tuple[Any, ...]:
     """Run the model on one step's rows.
@@ -64,7 +64,8 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
     the program) reading ``engram`` (the compressed-id map and the placed tables). ``ep_manual``: EP group size
     when called per device inside a ``shard_map`` over the mesh (:mod:`dinfer_jax.engine.dp_runner`), 0
     otherwise; ``cp_manual`` likewise the CP group size (prefill MoE rows split over the CP ranks by the mirrored
-    rule), ``copies_manual`` the copies of each DP engine (:class:`~dinfer_jax.models.layers.LayerOptions`).
+    rule), ``copies_manual`` the copies of each DP engine (:class:`~dinfer_jax.models.layers.LayerOptions`; 0 = not
+    called per device inside a mesh program: the mesh engine always passes ≥ 1).
     ``attention`` / ``attention_impl``: how queries read the compressed rows, and what attends to the gathered ones
     (:class:`~dinfer_jax.models.layers.LayerOptions`).
     ``count_experts`` (EPLB) adds the step's per-layer expert loads ``[L, E]`` int32 (real tokens only) as a third
@@ -101,7 +102,7 @@ def _model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *,
         cache = dataclasses.replace(cache, ngram_hist=hist)
         engram_emb = engram_fn(engram.tables, rows).astype(jnp.dtype(dtype))  # [n_engram, B, Q, E_in]
     opts = LayerOptions(moe_impl=moe_impl, ep_manual=ep_manual, cp_manual=cp_manual,
-                        copies_manual=copies_manual, attention=attention, attention_impl=attention_impl,
+                        copies_manual=max(copies_manual, 1), attention=attention, attention_impl=attention_impl,
                         count_experts=count_experts, yoco_skip=yoco_skip, mhc_impl=mhc_impl)
     carry, cache, aux = run_backbone(params, cache, inp, cfg=cfg, dtype=dtype, opts=opts, engram=engram_emb)
     last = {k: jnp.take_along_axis(v, inp.last.reshape((-1,) + (1,) * (v.ndim - 1)), axis=1)

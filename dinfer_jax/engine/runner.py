@@ -470,7 +470,7 @@ def fill_step_inputs(step: ScheduledStep, b: int, q: int, p: int, block_size: in
 
 def _device_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, engram: Any, *,
                     cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, ep_manual: int = 0, cp_manual: int = 0,
-                    copies_manual: int = 1, attention: str = "auto", count_experts: bool = False,
+                    copies_manual: int = 0, attention: str = "auto", count_experts: bool = False,
                     batch_invariant: int = 0, yoco_skip: bool = False, mhc_impl: str = "auto",
                     linear_impl: str = "xla", attention_impl: str = "auto") -> tuple[Any, ...]:
     """Traced model part of a step: resolve in-flight inputs on device, run the model. Returns ``(logits [B, V]
@@ -531,7 +531,7 @@ def _device_sample(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Arr
 
 def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
                  engram: Any, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int,
-                 ep_manual: int = 0, cp_manual: int = 0, copies_manual: int = 1, attention: str = "auto",
+                 ep_manual: int = 0, cp_manual: int = 0, copies_manual: int = 0, attention: str = "auto",
                  count_experts: bool = False, mhc_impl: str = "auto", linear_impl: str = "xla",
                  attention_impl: str = "auto"):
     """Forward and sampling traced as one program (the DP engines' per-device step). Returns ``(tokens
