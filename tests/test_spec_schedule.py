@@ -1,5 +1,7 @@
 """Confidence-scheduled verification (issue 11 item 4): the width choice of ``engine/spec_schedule.py`` against
-hand-computed expectations, its round N − 2 rule, the option's validation, and the scheduler's draft cap. The
+hand-computed expectations, its round N − 2 rule, the option's validation, the scheduler's draft cap, and the online
+correction of the step-time curve (DeepInfer's ``ForwardRuntimeEstimator`` of ``csrc/engine/mtp_varlen.hpp``) against
+a brute-force recomputation of its median of medians. The
 engine's greedy / seeded behaviour with it is in ``tests/test_speculative.py``."""
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ from dinfer_jax.engine.block_manager import BlockManager, StateSlots
 from dinfer_jax.engine.buckets import Buckets
 from dinfer_jax.engine.scheduler import Scheduler, SchedulerConfig
 from dinfer_jax.engine.spec_schedule import (
+    MIN_OBSERVED_WAIT_S,
+    SLOPE_MIN_SAMPLES,
+    SLOPE_WINDOW,
+    StepClock,
+    StepTimeCorrection,
     acceptance_rates,
     check_widths,
     choose_width,
@@ -130,3 +137,79 @@ def test_scheduler_without_policy_verifies_all_drafts():
     _to_decode(sched, 1)
     step = sched.schedule()
     assert step.rows[0].num_drafts == 4 and step.rows[0].num_tokens == 5
+
+
+def _slope_by_brute_force(history: list, window: int, min_samples: int) -> float:
+    """DeepInfer's estimator recomputed from scratch: the last ``window`` (bucket, residual) samples grouped by
+    bucket, the median of each bucket holding ``min_samples`` or more, the median of those (0 if none)."""
+    groups: dict = {}
+    for bucket, value in history[-window:]:
+        groups.setdefault(bucket, []).append(value)
+    medians = [float(np.median(v)) for v in groups.values() if len(v) >= min_samples]
+    return float(np.median(medians)) if medians else 0.0
+
+
+@pytest.mark.parametrize("window,min_samples", [(40, 4), (7, 3), (SLOPE_WINDOW, SLOPE_MIN_SAMPLES)])
+def test_step_time_correction_is_the_median_of_bucket_medians(window, min_samples):
+    rng = np.random.default_rng(window)
+    buckets = [(4, 1, 8), (4, 3, 8), (8, 5, 16), (8, 2, 16)]
+    fix, history = StepTimeCorrection(window, min_samples), []
+    assert fix.slope_ms() == 0.0
+    for i in range(3 * max(window, 60)):
+        bucket = buckets[int(rng.integers(len(buckets)))] if i % 9 else buckets[0]   # uneven bucket counts
+        measured, curve = float(rng.uniform(1.0, 9.0)), float(rng.uniform(0.5, 6.0))
+        if i % 13 == 0:
+            measured = curve   # exact zeros and repeated values (equal residuals in one bucket)
+        fix.update(bucket, measured, curve)
+        history.append((bucket, (measured - curve) / (bucket[0] * bucket[1])))
+        assert fix.slope_ms() == _slope_by_brute_force(history, window, min_samples), i
+    assert fix.num_updates == len(history)
+
+
+def test_step_time_correction_times_a_bucket_by_its_tokens():
+    fix = StepTimeCorrection(window=100, min_samples=2)
+    # one bucket of B·Q = 4 tokens, steps 2 ms slower than the curve: 0.5 ms per token once 2 samples exist
+    fix.update((2, 2, 8), 7.0, 5.0)
+    assert fix.slope_ms() == 0.0 and fix.step_ms((4, 3, 8), 2.0) == 2.0
+    fix.update((2, 2, 8), 7.0, 5.0)
+    assert fix.slope_ms() == 0.5
+    assert fix.step_ms((4, 3, 8), 2.0) == pytest.approx(2.0 + 0.5 * 12)
+    # steps faster than the curve: a negative slope, never applied (the curve stays the floor)
+    neg = StepTimeCorrection(window=100, min_samples=1)
+    neg.update((1, 1, 1), 1.0, 3.0)
+    assert neg.slope_ms() == -2.0 and neg.step_ms((4, 3, 8), 2.0) == 2.0
+    with pytest.raises(ValueError, match="window"):
+        StepTimeCorrection(window=0)
+
+
+def test_choose_width_with_a_corrected_curve():
+    """A slope turns a flat curve (widest width) into one where verifying costs: the choice moves to 1."""
+    rates, nd, widths = [np.array([0.5, 0.25, 0.125, 0.0625])] * 2, [4, 4], (1, 2, 3, 4, 5)
+    fix = StepTimeCorrection(window=10, min_samples=1)
+    assert choose_width(rates, nd, widths, lambda w: fix.step_ms((2, w, 8), 5.0)) == 5
+    fix.update((2, 5, 8), 25.0, 5.0)   # 2 ms per query token
+    # time(w) = 5 + 4w; tokens 2·(1, 1.5, 1.75, 1.875, 1.9375): per ms .222, .231, .206, .179, .156 -> width 2
+    assert choose_width(rates, nd, widths, lambda w: fix.step_ms((2, w, 8), 5.0)) == 2
+
+
+def test_step_clock_sees_only_what_the_host_waited_for():
+    w = 10 * MIN_OBSERVED_WAIT_S
+    clock = StepClock()
+    # first step: called at 1.0, the host waited from 1.5 to 3.0 -> 2000 ms
+    assert clock.observe(1.0, 1.5, 3.0) == pytest.approx(2000.0)
+    # the next one was called at 2.0 while the first ran (async loop): it starts when the first ends (3.0)
+    assert clock.observe(2.0, 3.5, 4.0) == pytest.approx(1000.0)
+    # called after the previous end: starts when called
+    assert clock.observe(4.5, 5.0, 5.0 + w) == pytest.approx(1e3 * (0.5 + w))
+    # tokens already there when asked (no wait): not timed; its end is only known to be <= 6.0
+    assert clock.observe(5.2, 6.0, 6.0) is None
+    # called at 5.9, before that bound: its start is unknown -> not timed
+    assert clock.observe(5.9, 7.0, 8.0) is None
+    # that one's end was seen (8.0): the next is timed again
+    assert clock.observe(7.5, 8.5, 9.0) == pytest.approx(1000.0)
+    # not-waited step whose bound (9.1) precedes the next call (9.2): the next starts when called
+    assert clock.observe(9.05, 9.1, 9.1) is None
+    assert clock.observe(9.2, 9.3, 9.7) == pytest.approx(500.0)
+    # a step without a recorded call time (non-speculative output) is never timed, but still ends
+    assert clock.observe(0.0, 10.0, 11.0) is None
+    assert clock.observe(10.5, 11.5, 12.0) == pytest.approx(1000.0)

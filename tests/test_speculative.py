@@ -212,6 +212,40 @@ def test_confidence_scheduled_verification_keeps_greedy_output(widths_engines):
     assert spec.metrics()["compilations"] == compiled, "compiled outside warm-up"
 
 
+def test_online_step_time_correction_moves_the_width_and_keeps_greedy_output(build):
+    """``speculative_time_correction`` (DeepInfer's online slope): with the step-time curve set far below the
+    steps' real time (1 µs per step, flat), the uncorrected choice is always the widest width; the engine times
+    its decode steps, the slope becomes positive, and once it applies the next run takes the narrow width
+    (random DSpark drafter: confidences near 0.5, so a draft returns less than its share of a step). Greedy
+    output equals the non-speculative engine's throughout, in both loops."""
+    _, ref_llm, spec = build("dspark+widths")
+    prompts = _prompts(spec.config.vocab_size, LENGTHS, seed=6)
+    greedy = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    want = [o.token_ids for o in ref_llm.generate(prompts, greedy, use_tqdm=False)]
+    measured = dict(spec.runner.decode_step_ms)
+    widths = spec.buckets.widths()
+    with pytest.raises(ValueError, match="speculative_time_correction"):
+        build("dspark")[2].configure(speculative_time_correction=True)   # one width: nothing to correct
+    try:
+        spec.runner.decode_step_ms = dict.fromkeys(measured, 1e-3)
+        spec.configure(speculative_time_correction=True, async_scheduling=False)
+        before = spec.metrics()
+        assert before["spec_timed_steps"] == 0 and before["spec_step_time_slope_ms"] == 0.0
+        assert [o.token_ids for o in spec.generate(prompts, greedy, use_tqdm=False)] == want
+        first = spec.metrics()
+        assert first["spec_timed_steps"] > 10 and first["spec_step_time_slope_ms"] > 0.0, first
+        for async_ in (False, True):
+            spec.configure(async_scheduling=async_)
+            before = spec.metrics()
+            assert [o.token_ids for o in spec.generate(prompts, greedy, use_tqdm=False)] == want
+            by_width = _delta(spec.metrics(), before)[3]
+            assert set(by_width) == {widths[0]}, (async_, by_width)
+    finally:
+        spec.runner.decode_step_ms = measured
+        spec.configure(speculative_time_correction=False, async_scheduling=False)
+    assert spec.metrics()["spec_timed_steps"] == 0
+
+
 def test_confidence_scheduled_seeded_sampling_is_reproducible(build):
     """Seeded sampling with confidence-scheduled verification gives the same tokens run after run (same batch,
     same loop): the width choice reads only the step-time curve and the drafts' published confidences."""

@@ -28,7 +28,8 @@ from dinfer_jax.engine.launcher import Launched, StepLauncher, step_launcher
 from dinfer_jax.engine.memory_plan import MemoryPlan, plan_memory
 from dinfer_jax.engine.runner import Buckets, ModelRunner, StepOutput
 from dinfer_jax.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-from dinfer_jax.engine.spec_schedule import RATE_HISTORY, acceptance_rates, check_widths, choose_width, rates_before
+from dinfer_jax.engine.spec_schedule import (RATE_HISTORY, StepClock, StepTimeCorrection, acceptance_rates, check_widths,
+                                             choose_width, rates_before)
 from dinfer_jax.engine.structured_rows import StructuredOutputs
 from dinfer_jax.models import Model, load_config, load_model, random_model
 from dinfer_jax.models.config import ModelConfig
@@ -364,6 +365,10 @@ class LLM:
             expected from the drafts' confidences per millisecond of its bucket's step time (measured at
             warm-up). ``None`` (default): one width, every row verifies all its drafts. Each width is one more
             program per decode bucket; seeded sampled output then depends on the batch (greedy output does not).
+        speculative_time_correction: with ``speculative_widths``, correct the measured step times online as
+            DeepInfer does (:class:`~dinfer_jax.engine.spec_schedule.StepTimeCorrection`: a per-token slope from
+            the decode steps the host loop times). Off by default: the widths then follow wall-clock timings, so
+            seeded sampled output is no longer reproducible run to run (greedy output still is).
         attention: how a query reads the compressed rows of CSA / V4.1 compressed layers: ``"auto"`` (default)
             gathers each query's top-k rows when that reads fewer rows than masking all of the step's pages (decode
             at long context), ``"sparse"`` always gathers, ``"dense"`` always masks; the same attention either way
@@ -426,7 +431,7 @@ class LLM:
                  compiler_options: Mapping[str, str | int | float | bool] | None = None, yoco: str = "off",
                  yoco_keep: int = 140, batch_invariant: bool = False, launch_thread: bool | None = None,
                  decode_compiler_options: Mapping[str, str | int | float | bool] | None = None,
-                 speculative_widths: Sequence[int] | str | None = None):
+                 speculative_widths: Sequence[int] | str | None = None, speculative_time_correction: bool = False):
         _enable_compilation_cache()
         compiler_options_key(compiler_options)   # a malformed mapping fails here, before anything is built
         if attention not in ("auto", "sparse", "dense"):
@@ -466,6 +471,12 @@ class LLM:
             raise ValueError("speculative_widths needs speculative decoding (speculative='mtp' or 'dspark')")
         widths = check_widths(speculative_widths, k)
         self.confidence_scheduling = widths is not None and len(widths) > 1
+        if speculative_time_correction and not self.confidence_scheduling:
+            raise ValueError("speculative_time_correction needs confidence-scheduled verification: "
+                             "speculative_widths with more than one width")
+        # the online slope of the step-time curve, fed by every decode step the host loop can time (engine life)
+        self._step_time_fix = StepTimeCorrection() if speculative_time_correction else None
+        self._clock = StepClock()
         self.yoco_keep = _check_yoco(cfg, yoco, yoco_keep, k, one_device,
                                      enable_chunked_prefill)
         self.yoco = yoco
@@ -575,11 +586,18 @@ class LLM:
     def configure(self, *, async_scheduling: bool | None = None, max_num_batched_tokens: int | None = None,
                   enable_chunked_prefill: bool | None = None, preemption_mode: str | None = None,
                   eplb_interval: int | None = None, structured_timeout_s: float | None = None,
-                  launch_thread: bool | None = None) -> None:
+                  launch_thread: bool | None = None, speculative_time_correction: bool | None = None) -> None:
         """Change host-side scheduling switches between ``generate`` calls (no recompilation). Chunks must still
         fit the compiled prefill buckets. ``eplb_interval`` (EPLB engines): mesh steps between automatic
         rebalances, 0 = only on request. ``structured_timeout_s``: grammar compilation limit for later requests.
-        ``launch_thread``: launch steps from a second host thread (as the constructor's; None leaves it)."""
+        ``launch_thread``: launch steps from a second host thread (as the constructor's; None leaves it).
+        ``speculative_time_correction``: as the constructor's; switching it on starts a new correction (no
+        samples), off drops it."""
+        if speculative_time_correction is not None:
+            if speculative_time_correction and not self.confidence_scheduling:
+                raise ValueError("speculative_time_correction needs confidence-scheduled verification: "
+                                 "speculative_widths with more than one width")
+            self._step_time_fix = StepTimeCorrection() if speculative_time_correction else None
         if launch_thread is not None:
             self.launch_thread = _check_launch_thread(launch_thread, "device", isinstance(self.runner, ModelRunner))
         if structured_timeout_s is not None:
@@ -642,6 +660,9 @@ class LLM:
         busy = m["generate_seconds"]
         m["device_wait_fraction"] = m["device_waited_for_host_seconds"] / busy if busy else 0.0
         m["output_tokens_per_second"] = m["output_tokens"] / busy if busy else 0.0
+        fix = self._step_time_fix
+        m["spec_timed_steps"] = fix.num_updates if fix is not None else 0
+        m["spec_step_time_slope_ms"] = max(0.0, fix.slope_ms()) if fix is not None else 0.0
         v = m["spec_verify_steps"]
         m["mean_acceptance_length"] = (m["spec_accepted_tokens"] + v) / v if v else 0.0
         return m
@@ -656,11 +677,26 @@ class LLM:
         rates = [rates_before(seq.draft_rates, step_id, k) for seq, _, _ in rows]
         b = Buckets.pick(self.buckets.decode_batch, len(rows), "decode batch")
         p = self.buckets.pages_for((reach for _, _, reach in rows), self.block_size)
-        width = choose_width(rates, [nd for _, nd, _ in rows], self.buckets.widths(),
-                             lambda w: self.runner.decode_time_ms(b, w, p))
+        fix = self._step_time_fix
+
+        def step_ms(w: int) -> float:
+            curve = self.runner.decode_time_ms(b, w, p)
+            return fix.step_ms((b, w, p), curve) if fix is not None else curve
+
+        width = choose_width(rates, [nd for _, nd, _ in rows], self.buckets.widths(), step_ms)
         widths = self._metrics.spec_step_widths
         widths[width] = widths.get(width, 0) + 1
         return width - 1
+
+    def _time_step(self, done: StepOutput, asked_at: float, got_at: float) -> None:
+        """Feed a speculative decode step's device time, where the host loop saw it (:class:`StepClock`), to the
+        online correction of the step-time curve (confidence-scheduled verification only)."""
+        if self._step_time_fix is None:
+            return
+        ms = self._clock.observe(done.called_at, asked_at, got_at)
+        curve = self.runner.decode_step_ms.get(done.shape)
+        if ms is not None and done.num_accepted is not None and curve is not None:
+            self._step_time_fix.update(done.shape, ms, curve)
 
     def _record_draft_rates(self, done: StepOutput) -> None:
         """Keep each row's acceptance rates of the drafts it published in ``done`` on its sequence (the width
@@ -743,6 +779,7 @@ class LLM:
         """The one-device engine's host loop; ``launcher`` runs the step launches (here or on its thread)."""
         by_id = {r["id"]: r for r in records}
         inflight: collections.deque[Launched] = collections.deque()
+        self._clock = StepClock()   # the device is idle when a loop starts
         deferred = False   # the newest step was launched without its sampler (structured rows: masks first)
         progress = _Progress(len(records), use_tqdm)
         idle_since: float | None = None
@@ -817,7 +854,9 @@ class LLM:
         m, so = self._metrics, self._structured
         t0 = time.perf_counter()
         done = launched.result()
+        t_ask = time.perf_counter()
         tokens = np.asarray(done.tokens)
+        self._time_step(done, t_ask, time.perf_counter())
         wants_lp = any(by_id[r.request_id]["logprobs"] is not None for r in done.step.rows)
         logprobs = jax.device_get(done.logprobs) if wants_lp else None
         t1 = time.perf_counter()

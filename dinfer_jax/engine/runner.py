@@ -78,6 +78,9 @@ class StepOutput:
     pending: tuple[jax.Array, SamplingTensors] | None = None
     # speculative steps: the drafter's confidences in the drafts each row published, [max_rows, k] f32
     draft_confidences: Any = None
+    # time.perf_counter() just before the step's program was called (its inputs already built): the start of
+    # what ModelRunner.decode_time_ms times, for the online step-time correction (spec_schedule.StepTimeCorrection)
+    called_at: float = 0.0
 
 
 class ModelRunner:
@@ -362,7 +365,7 @@ class ModelRunner:
             first = jnp.take_along_axis(toks, nacc[:, None], axis=1)[:, 0] if decode else toks
             self._prev_tokens, self._prev_nacc, self._prev_step_id = first, nacc, step.step_id
             return StepOutput(step, toks, logprobs, time.perf_counter(), (b, q, p), nacc if decode else None,
-                              draft_confidences=conf)
+                              draft_confidences=conf, called_at=t0)
         # yoco="compact": no row reaches its kept suffix [prefill_len − keep, prefill_len) (the scheduler cuts a
         # prompt's chunks at that floor), so the YOCO region only writes its sources' rows
         skip = self.yoco_compact and step.kind == "prefill" and all(

@@ -18,10 +18,17 @@ draft is verified never depends on that draft's own value or on the drafts sampl
 it), which keeps the verification a stopping rule that preserves the target distribution, and the choice needs
 nothing the asynchronous loop has not yet seen (no host sync). A request with drafts but no such rates yet
 (its first verify after its prefill) counts as fully confident (DeepInfer pads pre-scheduled requests with 1).
+
+Online correction (DeepInfer's ``ForwardRuntimeEstimator``): the curve is measured once, on all-padding rows; steps
+of real rows can take longer (they attend to real pages, sample with filters, the host adds its part). Every decode
+step the engine could time adds its residual per query token, ``(measured ms − curve ms) / (B · Q)``, to
+:class:`StepTimeCorrection`; the width choice then times a bucket as ``curve + max(0, slope) · B · Q``.
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -29,6 +36,12 @@ import numpy as np
 # how many published rate rows a sequence keeps (the choice for step N reads the latest one numbered ≤ N − 2;
 # the sequence's next rows add newer ones meanwhile)
 RATE_HISTORY = 3
+# DeepInfer's ForwardRuntimeEstimator constants: residuals of the last 5000 timed steps are kept, and a bucket's
+# median counts once the bucket has 10 of them
+SLOPE_WINDOW = 5000
+SLOPE_MIN_SAMPLES = 10
+# a wait for a step's tokens shorter than this found the step already done: its end is then only bounded, not seen
+MIN_OBSERVED_WAIT_S = 1e-4
 
 
 def acceptance_rates(confidences: np.ndarray) -> np.ndarray:
@@ -96,6 +109,73 @@ def check_widths(widths: Sequence[int] | str | None, k: int) -> tuple[int, ...] 
         raise ValueError(f"speculative_widths must be ints in [1, {1 + k}] including {1 + k} "
                          f"(1 + num_speculative_tokens), got {widths!r}")
     return tuple(out)
+
+
+class StepTimeCorrection:
+    """The online slope of the step-time curve: ``update`` after each timed decode step, ``step_ms`` for the width
+    choice. Residuals ``(measured − curve) / (B · Q)`` ms per query token of the last ``window`` timed steps are
+    kept per bucket ``(B, Q, P)``; each bucket holding at least ``min_samples`` of them contributes its median,
+    and the slope is the median of those medians (every bucket weighs the same; 0 while none qualifies). A
+    negative slope is not applied (the measured curve stays a lower bound). Host-side state of one engine."""
+
+    def __init__(self, window: int = SLOPE_WINDOW, min_samples: int = SLOPE_MIN_SAMPLES) -> None:
+        if window < 1 or min_samples < 1:
+            raise ValueError(f"window and min_samples must be >= 1, got {window}, {min_samples}")
+        self.window, self.min_samples = int(window), int(min_samples)
+        self._recent: collections.deque[tuple[tuple[int, int, int], float]] = collections.deque()
+        self._by_bucket: dict[tuple[int, int, int], list[float]] = {}   # each list sorted
+        self.num_updates = 0
+
+    def update(self, bucket: tuple[int, int, int], measured_ms: float, curve_ms: float) -> None:
+        """Add one timed step of ``bucket`` ``(B, Q, P)``: ``measured_ms`` against the curve's ``curve_ms``."""
+        b, q, _ = bucket
+        if len(self._recent) == self.window:
+            old, value = self._recent.popleft()
+            values = self._by_bucket[old]
+            del values[bisect.bisect_left(values, value)]
+            if not values:
+                del self._by_bucket[old]
+        value = (float(measured_ms) - float(curve_ms)) / (b * q)
+        self._recent.append((bucket, value))
+        bisect.insort(self._by_bucket.setdefault(bucket, []), value)
+        self.num_updates += 1
+
+    def slope_ms(self) -> float:
+        """The median over qualifying buckets of their median residual, ms per query token (may be negative)."""
+        medians = [float(np.median(v)) for v in self._by_bucket.values() if len(v) >= self.min_samples]
+        return float(np.median(medians)) if medians else 0.0
+
+    def step_ms(self, bucket: tuple[int, int, int], curve_ms: float) -> float:
+        """The corrected time of one step of ``bucket``: ``curve_ms + max(0, slope) · B · Q``."""
+        b, q, _ = bucket
+        return float(curve_ms) + max(0.0, self.slope_ms()) * b * q
+
+
+class StepClock:
+    """When each step ran on the device, as far as the host loop can see it without device events: a step of an
+    in-order stream starts when it is called or when the step before it ends, whichever is later, and ends when
+    the host, waiting for its tokens, gets them. A step whose tokens were already there when the host asked has
+    its end only bounded (by the moment of asking), so it is not timed, and the next step is timed only if it was
+    called after that bound. One per host loop."""
+
+    def __init__(self) -> None:
+        self._prev_end = None   # (time, exact) of the previous step's end, or None before the first step
+
+    def observe(self, called_at: float, asked_at: float, got_at: float) -> float | None:
+        """Milliseconds the step took on the device, or None where the host could not see it. ``called_at``: its
+        program was called; ``asked_at`` / ``got_at``: the host started waiting for its tokens / had them."""
+        start = called_at
+        if self._prev_end is not None:
+            end, exact = self._prev_end
+            if exact:
+                start = max(called_at, end)
+            elif end > called_at:
+                start = None   # the previous step ended at an unknown moment after this one was called
+        exact = got_at - asked_at >= MIN_OBSERVED_WAIT_S
+        self._prev_end = (got_at if exact else asked_at, exact)
+        if start is None or not exact or called_at <= 0.0:
+            return None
+        return 1e3 * (got_at - start)
 
 
 def step_time_lookup(curve: Mapping[tuple[int, int, int], float], b: int, p: int) -> Callable[[int], float]:
