@@ -28,8 +28,15 @@ from dinfer_jax.engine.launcher import Launched, StepLauncher, step_launcher
 from dinfer_jax.engine.memory_plan import MemoryPlan, plan_memory
 from dinfer_jax.engine.runner import Buckets, ModelRunner, StepOutput
 from dinfer_jax.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-from dinfer_jax.engine.spec_schedule import (RATE_HISTORY, StepClock, StepTimeCorrection, acceptance_rates, check_widths,
-                                             choose_width, rates_before)
+from dinfer_jax.engine.spec_schedule import (
+    RATE_HISTORY,
+    StepClock,
+    StepTimeCorrection,
+    acceptance_rates,
+    check_widths,
+    choose_width,
+    rates_before,
+)
 from dinfer_jax.engine.structured_rows import StructuredOutputs
 from dinfer_jax.models import Model, load_config, load_model, random_model
 from dinfer_jax.models.config import ModelConfig
