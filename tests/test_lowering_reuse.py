@@ -6,6 +6,7 @@ kernels is a GPU check (``tests/test_linear_kernel_gpu.py``, ``STAGE=warmup-reus
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 from pathlib import Path
@@ -141,3 +142,51 @@ def test_the_engine_step_reuses_its_kernels_when_switched_on(monkeypatch):
     again = lowering_reuse._exported.cache_info()
     assert again.misses == exported.misses and again.hits > exported.hits, again
     assert sorted(first) == sorted(direct) and sorted(second) == sorted(direct)
+
+
+@functools.partial(jax.jit, static_argnames=("s",))
+def _sin_kernel(x, *, s):
+    return jnp.sin(x) * s
+
+
+@pytest.mark.parametrize("commit", [True, False])
+def test_programs_with_reused_kernels_are_found_by_their_calls(commit):
+    """The engine's warm-up lowers and compiles each bucket, then serving calls it and must find that compile.
+    Two programs (widths of ``y``) embedding the same exported call, the state donated and fed back: with the
+    state committed to its device from the start (as :class:`~dinfer_jax.engine.runner.ModelRunner` does), both
+    calls find their warm-up compiles; with an uncommitted initial state jax lowers and compiles the second call's
+    program again — the H100 measurement of 2026-12-05 (every bucket compiled twice) — which is why the runner
+    commits it."""
+    from jax._src import monitoring
+
+    lowering_reuse._exported.cache_clear()   # the first program exports, as in a fresh process
+    params = {"x": jnp.ones((128, 128)), "w": jnp.ones((4, 128, 128)) / 128}
+    state = jnp.zeros((16,))
+    if commit:
+        state = jax.device_put(state, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+    def program(params, state, y):   # a new function per test: jax's caches are keyed on it
+        def body(c, w):
+            return kernel_call(_sin_kernel, c @ w, s=2.0), None
+
+        with lowering_reuse.reuse_kernel_lowerings("cpu"):
+            c, _ = jax.lax.scan(body, params["x"], params["w"])
+        return c + y.sum(), state + 1
+
+    step = jax.jit(program, donate_argnums=(1,))
+    ys = [jnp.ones((8, p)) for p in (2, 4)]
+    for lowered in [step.lower(params, state, y) for y in ys]:
+        lowered.compile()
+    compiles: list[str] = []
+
+    def listen(event: str, *_: object, **__: object) -> None:
+        if event == "/jax/compilation_cache/compile_requests_use_cache" or event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for y in ys:
+            out, state = step(params, state, y)
+            out.block_until_ready()
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    assert (compiles == []) == commit, compiles

@@ -140,14 +140,15 @@ class ModelRunner:
             self.spec = init_spec_state(self.cfg, cache_config, self.k, model.dtype, speculative)
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
         self._prev_nacc = jnp.zeros((self.max_rows,), jnp.int32)  # speculative: the last step's accepted drafts
-        # Host-placed Engram tables are committed to a device (a memory kind needs a sharding), which commits every
-        # output of the steps that read them; the state fed back (cache, previous tokens, drafter state) and the
-        # sampler's warm-up logits are committed from the start, so warm-up compiles what serving runs.
-        self._commit = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-                        if self.cfg.engram_layer_ids and engram_tables != "device" else None)
-        if self._commit is not None:
-            self.cache, self._prev_tokens, self._prev_nacc, self.spec = jax.device_put(
-                (self.cache, self._prev_tokens, self._prev_nacc, self.spec), self._commit)
+        # A step's outputs are committed to its device, so from the second step on the state fed back (cache,
+        # previous tokens, drafter state) is committed; it is committed from the start, with the sampler's warm-up
+        # logits, so warm-up lowers and compiles what serving runs. (Where the lowering and the call differ in it,
+        # jax lowers and compiles the call's program again for a program that embeds exported kernels
+        # (pallas_kernels/lowering_reuse.py: measured on the H100, every bucket compiled twice), and for
+        # host-placed Engram tables, whose memory kind commits every output.)
+        self._commit = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        self.cache, self._prev_tokens, self._prev_nacc, self.spec = jax.device_put(
+            (self.cache, self._prev_tokens, self._prev_nacc, self.spec), self._commit)
         self._prev_step_id: int | None = None
         self.mask_words = mask_words(self.cfg.vocab_size)
         self._full_masks: dict[Any, jax.Array] = {}  # b or (b, "spec") -> all-allowed masks kept on the device
@@ -248,8 +249,7 @@ class ModelRunner:
     def _sampler_args(self, b: int, use_filters: bool,
                       all_greedy: bool) -> tuple[jax.Array, SamplingTensors, jax.Array]:
         logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
-        if self._commit is not None:
-            logits = jax.device_put(logits, self._commit)
+        logits = jax.device_put(logits, self._commit)
         return logits, SamplingTensors.from_params([], [], [], pad_to=b, num_top_logprobs=self.max_logprobs,
                                                    use_filters=use_filters, all_greedy=all_greedy), self.full_mask(b)
 
