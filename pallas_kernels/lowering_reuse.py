@@ -15,8 +15,9 @@ the same custom call either way. The model calls it at its kernel call sites
 outside any inner ``jax.jit`` (a jitted function's cached trace would not see the switch, a context variable).
 
 Switch: off unless the enclosing trace runs under :func:`reuse_kernel_lowerings` with a platform (the engine's model
-step sets it from ``DINFER_JAX_REUSE_KERNEL_LOWERINGS=1`` on a GPU). Off by default: on the H200 host it bought
-nothing (decode programs lowered in the same time with it; ``docs/perf/serving_h200.md``, 2026-12-05).
+step sets it from ``DINFER_JAX_REUSE_KERNEL_LOWERINGS=1`` on a GPU). Off by default until the engine's warm-up with it
+is measured on a GPU: on an H100 it halved the lowering of a 4-layer slice (``docs/perf/serving_h200.md``, second
+session of 2026-12-05).
 The cache holds one exported module per (kernel, static arguments, operand shapes and dtypes, platform)
 for the life of the process.
 """

@@ -50,8 +50,10 @@
 #                 the other rows): lowering (41-45 s in the warm-up) is the critical path and shares the host's 16
 #                 cores with the concurrent XLA compiles — does it run faster with fewer of them?
 #   STAGE=warmup-reuse  issue 8: kernel lowerings reused across programs (DINFER_JAX_REUSE_KERNEL_LOWERINGS=1,
-#                 pallas_kernels/lowering_reuse.py; the switch reaches the engine's step since 2026-12-05, second
-#                 session): the 4-layer slice of PRESET (default V4.1-Flash), cold warm-up with reuse on, then off;
+#                 pallas_kernels/lowering_reuse.py), after the two fixes of 2026-12-05 (second session: the switch
+#                 reaches the engine's step; the runner's state is committed so serving finds the warm-up's
+#                 compiles): the V4.1 engine case with reuse on (greedy tokens = full-forward argmax), then the
+#                 4-layer slice of PRESET (default V4-Flash) cold, reuse on then off (SKIP_TESTS=1: only the runs);
 #   STAGE=pingpong  issue 9: the decode-attention kernel's "pingpong" organisation (two consumer warpgroups on
 #                 alternate KV blocks): its GPU tests, then the kernel variants at 1, 16 and 64 queries;
 #   STAGE=v4-autotune  issue 8: the V4-Flash 4-layer slice with GEMM autotuning off (compile time is mostly
@@ -138,11 +140,15 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       --batch 64 --lean-buckets --kv-gib 8 --compile-threads $t --max-tokens 32 --out "$OUT/v4_threads$t" 2>&1 \
       | quiet | grep "^|\|^warm-up"; done ;;
   warmup-reuse)
-    # PRESET (default deepseek-v4.1-flash): reuse on, then off, each a fresh process with a cold compilation cache
-    P=${PRESET:-deepseek-v4.1-flash}; E=""; [ "$P" = deepseek-v4.1-flash ] && E="--engram-vocab 1000000"
-    cd scripts && for r in 1 0; do DINFER_JAX_REUSE_KERNEL_LOWERINGS=$r timeout 280 python3 bench_serving.py \
+    # PRESET (default deepseek-v4-flash, fits an H100; deepseek-v4.1-flash needs the H200): reuse on, then off, each
+    # a fresh process with a cold compilation cache; the warm-up table's "done at" and the total must both drop
+    P=${PRESET:-deepseek-v4-flash}; E=""; [ "$P" = deepseek-v4.1-flash ] && E="--engram-vocab 1000000"
+    [ "${SKIP_TESTS:-0}" = 1 ] || DINFER_JAX_REUSE_KERNEL_LOWERINGS=1 timeout 200 python3 -m pytest -q -m gpu \
+      -p no:cacheprovider "tests/test_indexer_kernel_gpu.py::test_engine_greedy_with_the_kernel_equals_full_forward_argmax" \
+      2>&1 | grep "^E \|passed\|failed" | head -20
+    cd scripts && for r in 1 0; do DINFER_JAX_REUSE_KERNEL_LOWERINGS=$r timeout 200 python3 bench_serving.py \
       --preset $P --layers 4 --batch 64 $E $C --out "$OUT/${P}_reuse$r" 2>&1 | quiet \
-      | grep "^|\|^warm-up"; done ;;
+      | grep "^|\|^warm-up\|Error"; done ;;
   pingpong)
     [ "${SKIP_TESTS:-0}" = 1 ] || timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_decode_attention_gpu.py -k "ping" 2>&1 | grep "^E \|passed\|failed\|Error" | head -30
