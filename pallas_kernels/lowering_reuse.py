@@ -11,7 +11,7 @@ shapes once (``jax.export``, for the platform being lowered for) and embeds the 
 that calls it again; embedding a module takes milliseconds (``docs/perf/compile_time_gpu.md``). The kernel's code is
 the same custom call either way. The model calls it at its kernel call sites
 (:func:`dinfer_jax.models.linear_impl.kernel_linear`, :func:`dinfer_jax.models.expert_kernel.experts_kernel`,
-:func:`dinfer_jax.models.mhc.sinkhorn`),
+:func:`dinfer_jax.models.mhc.sinkhorn`, the decode-attention call of :mod:`dinfer_jax.models.attention`),
 outside any inner ``jax.jit`` (a jitted function's cached trace would not see the switch, a context variable).
 
 Switch: off unless the enclosing trace runs under :func:`reuse_kernel_lowerings` with a platform (the engine's model

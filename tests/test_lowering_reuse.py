@@ -23,6 +23,9 @@ _spec = importlib.util.spec_from_file_location("bench_lowering_reuse", SCRIPT)
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 _lower = bench.lower_for_cuda   # the program of scripts/bench_lowering_reuse.py
+_spec_compile = importlib.util.spec_from_file_location("bench_compile", SCRIPT.parent / "bench_compile.py")
+_bench_compile = importlib.util.module_from_spec(_spec_compile)
+_spec_compile.loader.exec_module(_bench_compile)   # first_layers: a real-dimension slice's config
 
 
 def _unescape(text: str) -> bytes:
@@ -95,28 +98,26 @@ def test_platform_from_env_only_on_a_gpu(monkeypatch, value):
     assert jax.default_backend() != "gpu" and platform_from_env() is None
 
 
-def _one_layer_step_lowering(pages: int, **kw) -> str:
-    """The serving step of a one-layer real-dimension V4-Flash slice (abstract native weights, batch 8, the FP8
-    linear kernel) lowered for CUDA, as the one-device engine traces it unless ``kw`` says otherwise."""
-    import functools
-
+def _one_layer_step_lowering(pages: int, preset: str = "deepseek-v4-flash", layers: int = 1, **kw) -> str:
+    """The serving step of the first ``layers`` layers of a real-dimension slice (abstract native weights, batch 8,
+    the FP8 linear kernel) lowered for CUDA, as the one-device engine traces it unless ``kw`` says otherwise."""
     from dinfer_jax.engine.model_step import model_step
     from dinfer_jax.models.config import load_config
     from dinfer_jax.models.layer_plan import stack_params
     from dinfer_jax.models.params import abstract_params
     from dinfer_jax.models.step_state import CacheConfig, StepInput, cache_shapes
 
-    base = load_config("deepseek-v4-flash")
-    cfg = base.replace(num_layers=1, attn_kinds=base.attn_kinds[:1], compress_ratios=base.compress_ratios[:1],
-                       hash_layers=base.hash_layers[:1], n_mtp_layers=0, mtp_compress_ratios=())
+    cfg = _bench_compile.first_layers(load_config(preset), layers)
+    if cfg.is_v41:
+        cfg = cfg.replace(engram_layer_ids=(), engram_num_embeddings=())
     params = jax.eval_shape(functools.partial(stack_params, cfg),
                             abstract_params(cfg, "bfloat16", include_mtp=False, weights="native"))
     b = 8
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     inp = StepInput(tokens=i32(b, 1), start=i32(b), n=i32(b), slot=i32(b), pages=i32(b, pages), last=i32(b))
     cache = cache_shapes(cfg, CacheConfig(num_slots=b + 1, num_blocks=b * 8 + 1, block_size=128), "bfloat16")
-    step = jax.jit(functools.partial(model_step, cfg=cfg, dtype="bfloat16", moe_impl="pallas", mhc_impl="pallas",
-                                     linear_impl="pallas", **kw))
+    opts = dict(moe_impl="pallas", mhc_impl="pallas", linear_impl="pallas") | kw
+    step = jax.jit(functools.partial(model_step, cfg=cfg, dtype="bfloat16", **opts))
     return step.trace(params, cache, inp).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -190,3 +191,30 @@ def test_programs_with_reused_kernels_are_found_by_their_calls(commit):
     finally:
         monitoring.unregister_event_duration_listener(listen)
     assert (compiles == []) == commit, compiles
+
+
+def test_the_decode_attention_kernel_is_reused_across_page_widths(monkeypatch):
+    """The decode-attention kernel reads each query's window + top-k rows, whose count does not follow the
+    page-table width, so the programs of one batch bucket share it: in a V4.1-Flash slice reaching its first
+    compressed layer (page widths of 24 and 32 pages: more compressed rows than the top-k, so the step gathers the
+    selected rows), the second program finds the attention kernel (and every other wrapped kernel) already
+    exported."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv(lowering_reuse.ENV, "1")
+    lowering_reuse._exported.cache_clear()
+    names: list[str] = []
+    real = lowering_reuse._exported
+
+    def recording(fn, *args):
+        names.append(fn.__name__)
+        return real(fn, *args)
+
+    monkeypatch.setattr(lowering_reuse, "_exported", recording)
+    # (abstract released-layout expert weights: the kernel needs the layout the engine converts to on a GPU)
+    _one_layer_step_lowering(24, preset="deepseek-v4.1-flash", layers=3, moe_impl="ragged")
+    first = real.cache_info()
+    names.clear()
+    _one_layer_step_lowering(32, preset="deepseek-v4.1-flash", layers=3, moe_impl="ragged")
+    again = real.cache_info()
+    assert "sparse_decode_attention" in names, names
+    assert again.misses == first.misses and again.hits == first.hits + len(names), (first, again, names)

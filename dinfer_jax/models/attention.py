@@ -312,6 +312,7 @@ def _attend_selected_pallas(q: jax.Array, kv: jax.Array, wm: jax.Array, rows: ja
     (``pallas_kernels.attention.tuning``)."""
     from pallas_kernels.attention.decode_sm90 import sparse_decode_attention
     from pallas_kernels.attention.tuning import decode_options
+    from pallas_kernels.lowering_reuse import kernel_call
 
     B, S, H, d = q.shape
     K = rows.shape[2]
@@ -327,8 +328,9 @@ def _attend_selected_pallas(q: jax.Array, kv: jax.Array, wm: jax.Array, rows: ja
     valid = jnp.pad(valid, ((0, 0), (0, 0), (0, pad)))
     keys = jnp.where(valid[..., None], keys, jnp.zeros((), q.dtype))
     L = Sw + K + pad
-    o = sparse_decode_attention(q.reshape(B * S, H, d), keys.reshape(B * S, L, d), valid.reshape(B * S, L),
-                                sink.astype(F32), scale=d ** -0.5, **decode_options(B * S, L))
+    # the row set's length is window + top-k, not the page-table width: programs of one batch bucket share it
+    o = kernel_call(sparse_decode_attention, q.reshape(B * S, H, d), keys.reshape(B * S, L, d),
+                    valid.reshape(B * S, L), sink.astype(F32), scale=d ** -0.5, **decode_options(B * S, L))
     return o.reshape(B, S, H, d)
 
 
