@@ -146,7 +146,8 @@ class ModelRunner:
         # jax lowers and compiles the call's program again for a program that embeds exported kernels
         # (pallas_kernels/lowering_reuse.py: measured on the H100, every bucket compiled twice), and for
         # host-placed Engram tables, whose memory kind commits every output.)
-        self._commit = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        device = next(iter(jax.tree.leaves(self.cache)[0].devices()))   # where the cache was made (default device)
+        self._commit = jax.sharding.SingleDeviceSharding(device)
         self.cache, self._prev_tokens, self._prev_nacc, self.spec = jax.device_put(
             (self.cache, self._prev_tokens, self._prev_nacc, self.spec), self._commit)
         self._prev_step_id: int | None = None
