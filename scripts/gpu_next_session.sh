@@ -1,6 +1,9 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
-# with $OUT set and the llguidance wheel carried (.wheels):
+# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (2026-12-05, second session):
+#   1. STAGE=warmup-reuse (any H100/H200): lowering reuse after its two fixes — engine tokens with it, V4 warm-up
+#      on/off; 2. on an H200: PRESET=deepseek-v4.1-flash SKIP_TESTS=1 STAGE=warmup-reuse (V4.1 < 60 s?);
+#   3. STAGE=mesh when nvidia-h200-x2 is lent, STAGE=lab4 on nvidia-h200-x4. Stages:
 #   STAGE=engram  issue 13: V4.1 4-layer slice, Engram tables on the device and read from pinned host memory by the
 #                 gather kernel, in one call (same machine, same process order), with the CUPTI busy share;
 #   STAGE=linear  issue 8: V4-Flash 4-layer slice with the FP8 linear kernel limited to decode calls (<= 64 tokens;
