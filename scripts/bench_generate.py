@@ -24,8 +24,9 @@ output tokens/s with DSpark verifying K drafts per step against the same engine 
 synchronous loops, with the mean acceptance length (tokens emitted per verification step). Outputs are checked to be
 identical with and without speculation. ``--max-num-seqs N`` serves the prompts N at a time (default: all at once;
 1 = one request at a time, the latency-bound case where a step costs the same for 1 or 1 + K query tokens).
-``--speculative-widths all`` (or e.g. ``1,3,5``) adds a third engine with confidence-scheduled verification over
-those decode widths (``LLM(speculative_widths=...)``) and reports the widths its decode steps took.
+``--speculative-widths all`` (or e.g. ``1,3,5``) adds two engines with confidence-scheduled verification over
+those decode widths (``LLM(speculative_widths=...)``), without and with the online step-time correction
+(``speculative_time_correction=True``), and reports the widths their decode steps took.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="compare DSpark speculation (K drafts per verification) on the default model instead")
     ap.add_argument("--speculative-widths", default=None,
-                    help="with --speculative: also an engine with confidence-scheduled verification over these "
-                         "decode widths ('all' or comma-separated ints including K + 1)")
+                    help="with --speculative: also engines with confidence-scheduled verification over these "
+                         "decode widths ('all' or comma-separated ints including K + 1), without and with the "
+                         "online step-time correction")
     ap.add_argument("--max-num-seqs", type=int, default=0,
                     help="with --speculative: requests served at once (default: --batch)")
     return ap.parse_args(argv)
@@ -278,12 +280,14 @@ def bench_speculative(args: argparse.Namespace) -> int:
     widths = args.speculative_widths
     if widths is not None and widths != "all":
         widths = tuple(int(w) for w in widths.split(","))
-    setups = {"off": (None, None), f"dspark k={k}": ("dspark", None)}
+    setups = {"off": (None, None, False), f"dspark k={k}": ("dspark", None, False)}
     if widths is not None:
-        setups[f"dspark k={k}, widths {args.speculative_widths}"] = ("dspark", widths)
+        setups[f"dspark k={k}, widths {args.speculative_widths}"] = ("dspark", widths, False)
+        setups[f"dspark k={k}, widths {args.speculative_widths}, time correction"] = ("dspark", widths, True)
     engines = {name: LLM("default", max_num_seqs=seqs, max_model_len=256, progress=False, speculative=spec,
-                         num_speculative_tokens=k if spec else 5, speculative_widths=w)
-               for name, (spec, w) in setups.items()}
+                         num_speculative_tokens=k if spec else 5, speculative_widths=w,
+                         speculative_time_correction=fix)
+               for name, (spec, w, fix) in setups.items()}
     for async_ in (True, False):
         base, ref = None, None
         for name, llm in engines.items():
