@@ -478,11 +478,8 @@ class LLM:
             raise ValueError("speculative_widths needs speculative decoding (speculative='mtp' or 'dspark')")
         widths = check_widths(speculative_widths, k)
         self.confidence_scheduling = widths is not None and len(widths) > 1
-        if speculative_time_correction and not self.confidence_scheduling:
-            raise ValueError("speculative_time_correction needs confidence-scheduled verification: "
-                             "speculative_widths with more than one width")
         # the online slope of the step-time curve, fed by every decode step the host loop can time (engine life)
-        self._step_time_fix = StepTimeCorrection() if speculative_time_correction else None
+        self._step_time_fix = self._time_correction(speculative_time_correction)
         self._clock = StepClock()
         self.yoco_keep = _check_yoco(cfg, yoco, yoco_keep, k, one_device,
                                      enable_chunked_prefill)
@@ -601,10 +598,7 @@ class LLM:
         ``speculative_time_correction``: as the constructor's; switching it on starts a new correction (no
         samples), off drops it."""
         if speculative_time_correction is not None:
-            if speculative_time_correction and not self.confidence_scheduling:
-                raise ValueError("speculative_time_correction needs confidence-scheduled verification: "
-                                 "speculative_widths with more than one width")
-            self._step_time_fix = StepTimeCorrection() if speculative_time_correction else None
+            self._step_time_fix = self._time_correction(speculative_time_correction)
         if launch_thread is not None:
             self.launch_thread = _check_launch_thread(launch_thread, "device", isinstance(self.runner, ModelRunner))
         if structured_timeout_s is not None:
@@ -694,6 +688,13 @@ class LLM:
         widths = self._metrics.spec_step_widths
         widths[width] = widths.get(width, 0) + 1
         return width - 1
+
+    def _time_correction(self, enabled: bool) -> StepTimeCorrection | None:
+        """A new online step-time correction (no samples) when ``enabled``, else None; it needs several widths."""
+        if enabled and not self.confidence_scheduling:
+            raise ValueError("speculative_time_correction needs confidence-scheduled verification: "
+                             "speculative_widths with more than one width")
+        return StepTimeCorrection() if enabled else None
 
     def _time_step(self, done: StepOutput, asked_at: float, got_at: float) -> None:
         """Feed a speculative decode step's device time, where the host loop saw it (:class:`StepClock`), to the

@@ -124,6 +124,7 @@ class StepTimeCorrection:
         self.window, self.min_samples = int(window), int(min_samples)
         self._recent: collections.deque[tuple[tuple[int, int, int], float]] = collections.deque()
         self._by_bucket: dict[tuple[int, int, int], list[float]] = {}   # each list sorted
+        self._slope = 0.0   # recomputed on update: the width choice reads it several times per decode step
         self.num_updates = 0
 
     def update(self, bucket: tuple[int, int, int], measured_ms: float, curve_ms: float) -> None:
@@ -139,16 +140,23 @@ class StepTimeCorrection:
         self._recent.append((bucket, value))
         bisect.insort(self._by_bucket.setdefault(bucket, []), value)
         self.num_updates += 1
+        medians = [_sorted_median(v) for v in self._by_bucket.values() if len(v) >= self.min_samples]
+        self._slope = float(np.median(medians)) if medians else 0.0
 
     def slope_ms(self) -> float:
         """The median over qualifying buckets of their median residual, ms per query token (may be negative)."""
-        medians = [float(np.median(v)) for v in self._by_bucket.values() if len(v) >= self.min_samples]
-        return float(np.median(medians)) if medians else 0.0
+        return self._slope
 
     def step_ms(self, bucket: tuple[int, int, int], curve_ms: float) -> float:
         """The corrected time of one step of ``bucket``: ``curve_ms + max(0, slope) · B · Q``."""
         b, q, _ = bucket
         return float(curve_ms) + max(0.0, self.slope_ms()) * b * q
+
+
+def _sorted_median(values: list[float]) -> float:
+    """The median of an already sorted list (the mean of the two middle values for an even count)."""
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 class StepClock:
