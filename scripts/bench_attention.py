@@ -207,10 +207,11 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# The decode kernel by itself (``bench_kernels.py attention-kernel``): both organisations of
+# The decode kernel by itself (``bench_kernels.py attention-kernel``): the organisations of
 # pallas_kernels/attention/decode_sm90.py at the real size, labels → keyword arguments.
 KERNEL_VARIANTS = {
     "split_cta": dict(organisation="split_cta"),
+    "split_cluster": dict(organisation="split_cluster"),
     "shared_qk": dict(organisation="shared_qk"),
     "shared_qk l_split=2": dict(organisation="shared_qk", l_split=2),
     "shared_qk l_split=5": dict(organisation="shared_qk", l_split=5),

@@ -57,6 +57,9 @@
 #                 reaches the engine's step; the runner's state is committed so serving finds the warm-up's
 #                 compiles): the V4.1 engine case with reuse on (greedy tokens = full-forward argmax), then the
 #                 4-layer slice of PRESET (default V4-Flash) cold, reuse on then off (SKIP_TESTS=1: only the runs);
+#   STAGE=cluster issue 9: the decode-attention kernel's "split_cluster" organisation (split_cta's two CTAs of a
+#                 token as one cluster, Q and KV tiles multicast: half the L2 reads): its GPU tests, then the kernel
+#                 at 1, 16 and 64 queries against split_cta;
 #   STAGE=pingpong  issue 9: the decode-attention kernel's "pingpong" organisation (two consumer warpgroups on
 #                 alternate KV blocks): its GPU tests, then the kernel variants at 1, 16 and 64 queries;
 #   STAGE=v4-autotune  issue 8: the V4-Flash 4-layer slice with GEMM autotuning off (compile time is mostly
@@ -65,7 +68,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -152,6 +155,11 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
     cd scripts && for r in 1 0; do DINFER_JAX_REUSE_KERNEL_LOWERINGS=$r timeout 200 python3 bench_serving.py \
       --preset $P --layers 4 --batch 64 $E $C --out "$OUT/${P}_reuse$r" 2>&1 | quiet \
       | grep "^|\|^warm-up\|Error"; done ;;
+  cluster)
+    [ "${SKIP_TESTS:-0}" = 1 ] || timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_decode_attention_gpu.py -k "cluster" 2>&1 | grep "^E \|passed\|failed\|Error" | head -30
+    timeout 300 python3 scripts/bench_kernels.py attention-kernel --batches 1 16 64 --variants split_cta \
+      split_cluster "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet | grep "^|\|copy\|peak" ;;
   pingpong)
     [ "${SKIP_TESTS:-0}" = 1 ] || timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_decode_attention_gpu.py -k "ping" 2>&1 | grep "^E \|passed\|failed\|Error" | head -30

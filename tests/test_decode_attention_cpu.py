@@ -36,6 +36,7 @@ from pallas_kernels.attention.tuning import decode_options
 SHARED = dict(organisation="shared_qk")
 PING32 = dict(organisation="pingpong", block_kv=32, num_stages=4)   # two 32-row tiles in flight per consumer
 PING64 = dict(organisation="pingpong", block_kv=64, num_stages=2)
+CLUSTER = dict(organisation="split_cluster")                        # split_cta's CTAs as a cluster, multicast
 
 
 def exact_contract(q, kv, valid, sink, scale: float, *, round_probs: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -190,6 +191,38 @@ def test_smem_bytes_match_mosaic(monkeypatch, organisation, block_kv, stages):
                          s((64,), jnp.float32)).lower(lowering_platforms=("cuda",))
 
 
+def test_split_cluster_config():
+    """``split_cluster``: ``split_cta``'s shared memory and block rule, clusters of 2–8 CTAs."""
+    assert check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, organisation="split_cluster") == 2
+    assert smem_bytes(512, 64, 2, "split_cluster") == smem_bytes(512, 64, 2, "split_cta")
+    with pytest.raises(ValueError, match="v_split must be 2 to 8"):
+        check_config(64, 256, 640, block_kv=64, num_stages=2, v_split=1, organisation="split_cluster")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        check_config(64, 512, 640, block_kv=32, num_stages=2, v_split=2, organisation="split_cluster")
+    with pytest.raises(ValueError, match="shared memory"):
+        check_config(64, 512, 640, block_kv=64, num_stages=3, v_split=2, organisation="split_cluster")
+
+
+def test_split_cluster_multicasts_in_one_cluster():
+    """``split_cluster``'s kernel is launched with a cluster of ``v_split`` CTAs and multicasts its Q and KV copies
+    over it (each CTA copies ``1 / v_split`` of a tile into all the cluster's shared memories), with a cluster-wide
+    "consumed" barrier; ``split_cta``'s kernel does none of that. Read from the kernel's jaxpr (the lowered Mosaic
+    module is bytecode); that the copies land where the compute reads them is the GPU test's part."""
+    s = jax.ShapeDtypeStruct
+    jaxprs = {}
+    for org in ("split_cta", "split_cluster"):
+        f = functools.partial(sparse_decode_attention, scale=0.1, organisation=org)
+        jaxprs[org] = str(jax.make_jaxpr(f)(s((64, 64, 512), jnp.bfloat16), s((64, 640, 512), jnp.bfloat16),
+                                            s((64, 640), jnp.bool_), s((64,), jnp.float32)))
+    copies = {org: [ln for ln in j.splitlines() if "copy_gmem_to_smem" in ln] for org, j in jaxprs.items()}
+    multicast = [ln for ln in copies["split_cluster"] if "collective_axes=('split',)" in ln]
+    # Q: 2 column chunks; KV: 2 chunks × 2 stages issued up front, 2 in the refill loop; local: the sink and the
+    # mask rows (2 up front, 1 in the loop)
+    assert len(multicast) == 8 and len(copies["split_cluster"]) == len(copies["split_cta"]) == 12
+    assert "cluster=(2,)" in jaxprs["split_cluster"] and "cluster_names=('split',)" in jaxprs["split_cluster"]
+    assert "cluster=()" in jaxprs["split_cta"] and "collective_axes=('split',)" not in jaxprs["split_cta"]
+
+
 def test_traffic_counts():
     t = traffic(64, 64, 512, 640)
     assert t["bytes_read"] == 64 * 640 * 512 * 2 + 64 * 64 * 512 * 2 + 64 * 640 * 4 + 64 * 4
@@ -201,6 +234,7 @@ def test_traffic_counts():
     assert shared["partial_bytes"] == 0
     assert traffic(64, 64, 512, 640, organisation="shared_qk", l_split=2)["partial_bytes"] == 2 * 2 * 64 * 64 * 514 * 4
     assert traffic(64, 64, 512, 640, organisation="pingpong") == t      # split_cta's reads and products
+    assert traffic(64, 64, 512, 640, organisation="split_cluster") == t  # the same from HBM; half the L2 reads
 
 
 @pytest.mark.parametrize("n, rows, want", [
@@ -241,6 +275,9 @@ def test_decode_options_rejects_bad_sizes():
     (64, 64, 512, 640, PING64),
     (1, 128, 512, 64, PING32),                                     # two KV steps: one each
     (3, 64, 256, 96, dict(PING32, v_split=1)),                     # three steps, no refill, odd stage count
+    (64, 64, 512, 640, CLUSTER),                                   # split_cluster at the real size
+    (4, 64, 512, 256, dict(CLUSTER, v_split=4)),                   # clusters of 4 CTAs
+    (1, 128, 512, 64, CLUSTER),                                    # one KV step: nothing refilled
 ])
 def test_kernel_lowers_for_cuda(n, h, d, rows, kw):
     """The Mosaic GPU kernel lowers for CUDA on this CPU-only machine (jax 0.10.2 and 0.11.2): the Pallas →
@@ -325,6 +362,7 @@ def _interpreter_shims(monkeypatch) -> None:
     (2, 64, 512, 640, PING32),                                     # pingpong: 20 steps through 4 stages
     (3, 128, 256, 192, dict(PING64, v_split=1)),                   # two head blocks, 3 steps: consumer 1 takes one
     (2, 64, 256, 64, PING64),                                      # one KV step: consumer 1 has none
+    (2, 64, 512, 640, CLUSTER),                                    # split_cluster: 10 steps, multicast tiles
 ])
 def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
     """The kernel (with the shims above) in the Mosaic GPU interpreter against the exact contract, with the GPU

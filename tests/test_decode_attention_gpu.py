@@ -131,6 +131,7 @@ def test_all_queries_masked_give_zeros(organisation):
 
 SHARED = dict(organisation="shared_qk")
 PING = dict(organisation="pingpong")
+CLUSTER = dict(organisation="split_cluster")
 
 
 @pytest.mark.parametrize("d,kw", [
@@ -145,9 +146,12 @@ PING = dict(organisation="pingpong")
     (512, dict(PING, block_kv=32, num_stages=4)),    # pingpong, 32-row tiles (64-byte swizzle), 4 stages
     (512, dict(PING, block_kv=32, num_stages=2)),
     (256, dict(PING, v_split=1, block_kv=64)),       # pingpong, no split of d, merge in 4 chunks
+    (512, dict(CLUSTER, v_split=4)),                 # split_cluster, clusters of 4 CTAs
+    (256, dict(CLUSTER, block_kv=128)),              # split_cluster, 128-row tiles
+    (128, dict(CLUSTER, num_stages=1)),              # split_cluster, every step waits for both CTAs' release
 ], ids=["d512-split4", "d256-split1-3stages", "d256-bkv128", "d128-1stage", "shared-d512-l2", "shared-d512-l10",
         "shared-d256-bkv128", "shared-d128-1stage", "ping-d512-bkv32-4stages", "ping-d512-bkv32-2stages",
-        "ping-d256-split1"])
+        "ping-d256-split1", "cluster-d512-split4", "cluster-d256-bkv128", "cluster-d128-1stage"])
 def test_kernel_configs(d, kw):
     _check(8, 128, d, 640, "random", seed=d, **kw)
 

@@ -14,9 +14,10 @@ Contract (the same as :func:`pallas_kernels.attention.reference.sparse_decode_at
     P is rounded to bf16 before the P·V product (fp32 accumulation); o is rounded to bf16. A query with no valid row
     gets o = 0 (all its mass is on the sink).
 
-Three organisations, chosen by ``sparse_decode_attention(..., organisation=...)``: ``"split_cta"`` (the default) and
-``"shared_qk"``, both below, and ``"pingpong"`` (``split_cta``'s grid with two compute warpgroups taking the KV blocks
-in turn, so one's softmax overlaps the other's WGMMAs; :mod:`pallas_kernels.attention.decode_pingpong_sm90`).
+Four organisations, chosen by ``sparse_decode_attention(..., organisation=...)``: ``"split_cta"`` (the default),
+``"split_cluster"`` and ``"shared_qk"``, all below, and ``"pingpong"`` (``split_cta``'s grid with two compute
+warpgroups taking the KV blocks in turn, so one's softmax overlaps the other's WGMMAs;
+:mod:`pallas_kernels.attention.decode_pingpong_sm90`).
 
 Organisation ``split_cta`` (one kernel launch, no combine step):
 
@@ -51,6 +52,21 @@ Organisation ``split_cta`` (one kernel launch, no combine step):
   it) and arrives on "consumed" only for steps whose stage is refilled (no barrier phase is left unobserved). There
   is no QK/softmax/PV overlap inside a CTA (one compute warpgroup); at decode sizes the launch is short (10 KV steps
   at L = 640) and the copies of the next stage overlap the current step's compute.
+
+Organisation ``split_cluster`` (``split_cta`` with each tile read once):
+
+* The same CTAs, warpgroups, buffers and per-step work as ``split_cta``, but the ``v_split`` CTAs of one (head
+  block, token) are launched as one thread-block cluster (grid ``(H / 64, N)``, cluster ``(v_split,)``). Every CTA
+  needs the whole Q and every whole KV tile; in ``split_cta`` each reads them itself (the repeats meant to hit L2),
+  here each CTA's TMA copies ``1 / v_split`` of each tile and multicasts it into all the cluster's shared memories
+  (Mosaic's collective copy: every CTA's "loaded" barrier expects the full tile). The point: half the L2 → SM
+  traffic at ``v_split = 2``, for a kernel whose time followed the KV bytes in flight (``pingpong``'s measurements,
+  docs/perf/attention_h200.md).
+* Because a refill writes into every CTA of the cluster, a stage's "consumed" barrier is a cluster barrier: each
+  compute warpgroup arrives on it in every CTA (``v_split`` arrivals per phase), and a producer refills a stage only
+  once all of them have released it. Every arrival a CTA receives is for a step its own producer waits on before
+  it finishes, and every tile written into it is one its compute warpgroup waits for, so no CTA exits with a peer
+  still writing to it. The mask rows and the sink stay per CTA.
 
 Organisation ``shared_qk`` (no duplicated QK product):
 
@@ -165,7 +181,8 @@ MEMORY_REGISTERS = 40
 SHARED_QK_COMPUTE_REGISTERS = 232
 SHARED_QK_CONSUMERS = 2       # compute warpgroups; consumer c owns output columns [c·d/2, (c+1)·d/2)
 SMEM_ALIGNMENT = 1024         # Pallas rounds every shared-memory scratch buffer up to 1 KiB
-ORGANISATIONS = ("split_cta", "shared_qk", "pingpong")   # pingpong: decode_pingpong_sm90.py
+ORGANISATIONS = ("split_cta", "split_cluster", "shared_qk", "pingpong")   # pingpong: decode_pingpong_sm90.py
+MAX_CLUSTER = 8                # the portable cluster size limit of Hopper
 LOG2E = math.log2(math.e)
 
 
@@ -174,10 +191,13 @@ def _aligned(nbytes: int) -> int:
 
 
 def _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_barriers, *, tok, row0, chunks: int,
-                block_kv: int, stages: int, kv_steps: int) -> None:
+                block_kv: int, stages: int, kv_steps: int, multicast: str | None = None) -> None:
     """The TMA warpgroup of both organisations: lowers its registers, issues the first ``stages`` KV tiles (each
     ``chunks`` column chunks plus the tile's mask row, all arriving on the stage's "loaded" barrier), then refills
-    a stage once its "consumed" barrier says the compute side is done with it. Rows from ``row0`` (the L split)."""
+    a stage once its "consumed" barrier says the compute side is done with it. Rows from ``row0`` (the L split).
+    ``multicast``: a cluster axis whose CTAs all need the same KV tiles (``split_cluster``): each CTA of it copies
+    its share of every column chunk and the TMA unit writes it into every CTA's shared memory (each CTA's "loaded"
+    barrier still expects the whole tile); the mask rows stay per CTA."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
@@ -185,7 +205,8 @@ def _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_
     def issue(step, slot):
         kv_rows = pl.ds(step * block_kv if isinstance(row0, int) and row0 == 0 else row0 + step * block_kv, block_kv)
         for c in range(chunks):
-            plgpu.copy_gmem_to_smem(kv_ref.at[tok, kv_rows, c], kv_smem.at[slot, c], loaded_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(kv_ref.at[tok, kv_rows, c], kv_smem.at[slot, c], loaded_barriers.at[slot],
+                                    **({} if multicast is None else dict(collective_axes=multicast)))
         plgpu.copy_gmem_to_smem(bias_ref.at[tok, kv_rows], bias_smem.at[slot], loaded_barriers.at[slot])
 
     for i in range(stages):
@@ -220,7 +241,7 @@ def smem_bytes(d: int, block_kv: int, stages: int, organisation: str = "split_ct
     (reused for O), the KV tiles, the mask rows, the sink (one copy per consumer), the two consumers' fp32 partial
     logits ``[64, block_kv]`` — plus the mbarriers; the kernel reserves no reduction scratch (its reductions stay
     inside a warp). ``pingpong``: :func:`pallas_kernels.attention.decode_pingpong_sm90.pingpong_smem_bytes`."""
-    if organisation == "split_cta":
+    if organisation in ("split_cta", "split_cluster"):
         return HEADS_PER_CTA * d * 2 + stages * (block_kv * d * 2 + block_kv * 4) + HEADS_PER_CTA * 4
     if organisation == "shared_qk":
         barriers = 2 + 2 * stages + 2                               # setup ×2, loaded/consumed ×stages, exchange ×2
@@ -251,6 +272,9 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
     if d // v_split > MAX_DH:
         raise ValueError(f"d / v_split = {d // v_split} > {MAX_DH}: the fp32 accumulator would not fit in registers "
                          f"(use v_split ≥ {-(-d // MAX_DH)})")
+    if organisation == "split_cluster" and not 2 <= v_split <= MAX_CLUSTER:
+        raise ValueError(f"organisation='split_cluster' launches the v_split CTAs of a token as one cluster: v_split "
+                         f"must be 2 to {MAX_CLUSTER}, got {v_split}")
     block_multiple = 32 if organisation == "pingpong" else 64
     if block_kv % block_multiple or block_kv <= 0:
         raise ValueError(f"block_kv={block_kv} must be a positive multiple of {block_multiple} ({organisation})")
@@ -268,7 +292,7 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
         raise ValueError(f"num_stages={num_stages}: organisation='pingpong' refills its stages, so their number must "
                          f"be even (a stage carries the KV blocks of one consumer warpgroup)")
     need = smem_bytes(d, block_kv, stages, organisation)
-    limit = SMEM_BYTES - (SMEM_RESERVE if organisation == "split_cta" else 0)   # the others reserve no scratch
+    limit = SMEM_BYTES - (SMEM_RESERVE if organisation in ("split_cta", "split_cluster") else 0)   # others: none
     if need > limit:
         raise ValueError(f"shared memory {need} B (d={d}, block_kv={block_kv}, stages={stages}, {organisation}) "
                          f"exceeds {limit} B per CTA; lower num_stages or block_kv")
@@ -276,8 +300,9 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
 
 
 def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
-                           block_kv: int, stages: int) -> jax.Array:
-    """The Mosaic GPU kernel on the split layouts.
+                           block_kv: int, stages: int, cluster: bool = False) -> jax.Array:
+    """The Mosaic GPU kernel on the split layouts (``cluster``: organisation ``split_cluster``, the ``v_split`` CTAs
+    of a (head block, token) launched as one cluster sharing their Q and KV copies; module docstring).
 
     Args:
       q4: ``bf16 [N, H, v_split, dh]`` (q with d split into ``v_split`` chunks; a free reshape).
@@ -295,6 +320,7 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
     hb = HEADS_PER_CTA
     qk_scale = float(scale) * LOG2E   # logits in base 2: exp(x) = exp2(x · log2 e)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    multicast = dict(collective_axes="split") if cluster else {}
 
     def body(q_ref, kv_ref, bias_ref, sink_ref, o_ref, q_smem, kv_smem, bias_smem, sink_smem, setup_barrier,
              loaded_barriers, consumed_barriers):
@@ -307,7 +333,7 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             for c in range(v_split):
-                plgpu.copy_gmem_to_smem(q_ref.at[tok, pl.ds(h0, hb), c], q_smem.at[c], setup_barrier)
+                plgpu.copy_gmem_to_smem(q_ref.at[tok, pl.ds(h0, hb), c], q_smem.at[c], setup_barrier, **multicast)
             plgpu.copy_gmem_to_smem(sink_ref.at[pl.ds(h0, hb)], sink_smem, setup_barrier)
             plgpu.barrier_wait(setup_barrier)
 
@@ -352,9 +378,14 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         @pl.when(wg == 1)
         def _memory():
             _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_barriers, tok=tok, row0=0,
-                        chunks=v_split, block_kv=block_kv, stages=stages, kv_steps=kv_steps)
+                        chunks=v_split, block_kv=block_kv, stages=stages, kv_steps=kv_steps,
+                        multicast="split" if cluster else None)
 
-    body.__name__ = f"sparse_decode_attention_d{v_split * dh}_bkv{block_kv}"
+    body.__name__ = f"sparse_decode_attention_d{v_split * dh}_bkv{block_kv}{'_cluster' if cluster else ''}"
+    # split_cluster: a stage is refilled (into both CTAs' shared memory) only once both CTAs' compute warpgroups
+    # are done with it, so its "consumed" barrier counts the arrivals of the whole cluster.
+    consumed = (plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1, num_barriers=stages) if cluster
+                else plgpu.Barrier(num_arrivals=1, num_barriers=stages))
     scratch = [
         plgpu.SMEM((v_split, hb, dh), jnp.bfloat16, transforms=tiled),
         plgpu.SMEM((stages, v_split, block_kv, dh), jnp.bfloat16, transforms=tiled),
@@ -362,14 +393,15 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         plgpu.SMEM((hb,), jnp.float32),
         plgpu.Barrier(num_arrivals=v_split + 1),
         plgpu.Barrier(num_arrivals=v_split + 1, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        consumed,
     ]
+    grid = (dict(grid=(h // hb, n), grid_names=("head_block", "token"), cluster=(v_split,), cluster_names=("split",))
+            if cluster else dict(grid=(v_split, h // hb, n), grid_names=("split", "head_block", "token")))
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(q4.shape, jnp.bfloat16),
         scratch_types=scratch,
-        grid=(v_split, h // hb, n),
-        grid_names=("split", "head_block", "token"),
+        **grid,
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -571,6 +603,8 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
       v_split: column chunks of d: ``split_cta``, CTAs per (token, head block), each producing ``d / v_split``
         output columns (also ``pingpong``); ``shared_qk``, its consumer warpgroups (must be 2).
       organisation: ``"split_cta"`` (default: ``v_split`` CTAs per token, each computing the whole QK product),
+        ``"split_cluster"`` (``split_cta``'s CTAs of a token as one cluster, each Q and KV tile read once from L2
+        and multicast to all of them; v_split 2–8),
         ``"shared_qk"`` (one CTA per token and head block, two consumer warpgroups sharing the QK product) or
         ``"pingpong"`` (``split_cta``'s CTAs, each with two consumer warpgroups on alternate KV blocks; an even
         ``num_stages`` when stages are refilled).
@@ -587,8 +621,9 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
     dh = d // v_split
     bias = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
     args = (q.reshape(n, h, v_split, dh), kv.reshape(n, rows, v_split, dh), bias, sink.astype(jnp.float32))
-    if organisation == "split_cta":
-        out = _split_cta_call(*args, scale=scale, block_kv=block_kv, stages=stages)
+    if organisation in ("split_cta", "split_cluster"):
+        out = _split_cta_call(*args, scale=scale, block_kv=block_kv, stages=stages,
+                              cluster=organisation == "split_cluster")
     elif organisation == "pingpong":
         from pallas_kernels.attention.decode_pingpong_sm90 import pingpong_call
         out = pingpong_call(*args, scale=scale, block_kv=block_kv, stages=stages)
