@@ -58,8 +58,9 @@
 #                 compiles): the V4.1 engine case with reuse on (greedy tokens = full-forward argmax), then the
 #                 4-layer slice of PRESET (default V4-Flash) cold, reuse on then off (SKIP_TESTS=1: only the runs);
 #   STAGE=cluster issue 9: the decode-attention kernel's "split_cluster" organisation (split_cta's two CTAs of a
-#                 token as one cluster, Q and KV tiles multicast: half the L2 reads): its GPU tests, then the kernel
-#                 at 1, 16 and 64 queries against split_cta;
+#                 token as one cluster, Q and KV tiles multicast: half the L2 reads) and qk_ahead (the next step's
+#                 QK in flight during this step's softmax): their GPU tests, then the kernel at 1, 16 and 64
+#                 queries against split_cta;
 #   STAGE=pingpong  issue 9: the decode-attention kernel's "pingpong" organisation (two consumer warpgroups on
 #                 alternate KV blocks): its GPU tests, then the kernel variants at 1, 16 and 64 queries;
 #   STAGE=v4-autotune  issue 8: the V4-Flash 4-layer slice with GEMM autotuning off (compile time is mostly
@@ -157,9 +158,10 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       | grep "^|\|^warm-up\|Error"; done ;;
   cluster)
     [ "${SKIP_TESTS:-0}" = 1 ] || timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_decode_attention_gpu.py -k "cluster" 2>&1 | grep "^E \|passed\|failed\|Error" | head -30
+      tests/test_decode_attention_gpu.py -k "cluster or ahead" 2>&1 | grep "^E \|passed\|failed\|Error" | head -30
     timeout 300 python3 scripts/bench_kernels.py attention-kernel --batches 1 16 64 --variants split_cta \
-      split_cluster "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet | grep "^|\|copy\|peak" ;;
+      split_cluster "split_cta ahead" "split_cluster ahead" "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet \
+      | grep "^|\|copy\|peak" ;;
   pingpong)
     [ "${SKIP_TESTS:-0}" = 1 ] || timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_decode_attention_gpu.py -k "ping" 2>&1 | grep "^E \|passed\|failed\|Error" | head -30

@@ -233,6 +233,12 @@ def _online_softmax_step(qk, bias, m_i, l_i, acc, *, qk_scale: float):
     return p.astype(jnp.bfloat16), acc, m_new, l_i
 
 
+def _reset_accumulator(acc_ref, zeros) -> None:
+    """Sets a WGMMA accumulator ref to ``zeros`` (a fresh accumulation for the next WGMMAs into it). Its own
+    function so that the CPU tests can stand in for the store, which jax 0.11.2's Mosaic GPU interpreter lacks."""
+    acc_ref[...] = zeros
+
+
 def smem_bytes(d: int, block_kv: int, stages: int, organisation: str = "split_cta") -> int:
     """Shared memory one CTA allocates.
 
@@ -300,7 +306,7 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
 
 
 def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
-                           block_kv: int, stages: int, cluster: bool = False) -> jax.Array:
+                           block_kv: int, stages: int, cluster: bool = False, qk_ahead: bool = False) -> jax.Array:
     """The Mosaic GPU kernel on the split layouts (``cluster``: organisation ``split_cluster``, the ``v_split`` CTAs
     of a (head block, token) launched as one cluster sharing their Q and KV copies; module docstring).
 
@@ -342,17 +348,10 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
             l_i = plgpu.layout_cast(jnp.full((hb,), 1.0, jnp.float32), row_layout)
             acc = plgpu.layout_cast(jnp.full((hb, dh), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def kv_step(step, carry):
+            def finish_step(step, qk, carry):
+                """Softmax and P·V of KV step ``step`` from its logits ``qk``; releases the stage."""
                 acc, m_i, l_i = carry
-                slot = lax.rem(step, jnp.array(stages, step.dtype))
-                plgpu.barrier_wait(loaded_barriers.at[slot])
-
-                def compute_qk(acc_ref):
-                    for c in range(v_split):
-                        plgpu.wgmma(acc_ref, q_smem.at[c], kv_smem.at[slot, c].transpose((1, 0)))
-                    return acc_ref[...]
-
-                qk = pl.run_scoped(compute_qk, plgpu.ACC((hb, block_kv), jnp.float32))
+                slot = lax.rem(step, jnp.array(stages, jnp.int32))
                 bias = load_whole(plgpu, bias_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))   # one per KV column
                 p16, acc, m_new, l_i = _online_softmax_step(qk, bias, m_i, l_i, acc, qk_scale=qk_scale)
 
@@ -367,7 +366,56 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
 
                 return acc, m_new, l_i
 
-            acc, m_i, l_i = lax.fori_loop(0, kv_steps, kv_step, (acc, m_i, l_i))
+            def issue_qk(step, s_ref):
+                """Waits for KV step ``step``'s tile and issues its ``S = Q Kᵀ`` WGMMAs into ``s_ref`` (async)."""
+                slot = lax.rem(step, jnp.array(stages, jnp.int32))
+                plgpu.barrier_wait(loaded_barriers.at[slot])
+                for c in range(v_split):
+                    plgpu.wgmma(s_ref, q_smem.at[c], kv_smem.at[slot, c].transpose((1, 0)))
+
+            if not qk_ahead:
+                def kv_step(step, carry):
+                    def compute_qk(acc_ref):
+                        issue_qk(step, acc_ref)
+                        return acc_ref[...]
+
+                    return finish_step(step, pl.run_scoped(compute_qk, plgpu.ACC((hb, block_kv), jnp.float32)),
+                                       carry)
+
+                acc, m_i, l_i = lax.fori_loop(0, kv_steps, kv_step, (acc, m_i, l_i))
+            else:
+                # QK of step j + 1 is issued before step j's softmax, into the other of two accumulators, so the
+                # tensor cores compute it while this warpgroup does the softmax. Each plgpu.wgmma call commits one
+                # WGMMA group and groups complete in order, so reading step j's logits waits until at most
+                # v_split groups (step j + 1's) are in flight — except on the last step, where nothing else is
+                # (wait_n=0). Parity picks the accumulator, so the loop runs over pairs of steps and the steps
+                # after the last pair are unrolled.
+                zeros = plgpu.layout_cast(jnp.full((hb, block_kv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+                def ahead(s_even, s_odd):
+                    refs = (s_even, s_odd)
+
+                    def step_with_next(step, parity: int, carry):
+                        nxt = refs[1 - parity]
+                        _reset_accumulator(nxt, zeros)   # a fresh accumulation (its previous logits were read)
+                        issue_qk(step + 1, nxt)
+                        qk = plgpu.wgmma_accumulator_load(refs[parity], wait_n=v_split)
+                        return finish_step(step, qk, carry)
+
+                    def pair(i, carry):
+                        carry = step_with_next(2 * i, 0, carry)
+                        return step_with_next(2 * i + 1, 1, carry)
+
+                    issue_qk(jnp.int32(0), s_even)
+                    carry = lax.fori_loop(0, (kv_steps - 1) // 2, pair, (acc, m_i, l_i))
+                    if (kv_steps - 1) % 2:
+                        carry = step_with_next(jnp.int32(kv_steps - 2), 0, carry)
+                    last = kv_steps - 1
+                    qk = plgpu.wgmma_accumulator_load(refs[last % 2], wait_n=0)
+                    return finish_step(jnp.int32(last), qk, carry)
+
+                acc, m_i, l_i = pl.run_scoped(ahead, plgpu.ACC((hb, block_kv), jnp.float32),
+                                              plgpu.ACC((hb, block_kv), jnp.float32))
             acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
             o_smem = q_smem.at[0]           # every QK product has been read: Q's buffer is free
             o_smem[...] = acc.astype(jnp.bfloat16)
@@ -381,7 +429,8 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
                         chunks=v_split, block_kv=block_kv, stages=stages, kv_steps=kv_steps,
                         multicast="split" if cluster else None)
 
-    body.__name__ = f"sparse_decode_attention_d{v_split * dh}_bkv{block_kv}{'_cluster' if cluster else ''}"
+    body.__name__ = (f"sparse_decode_attention_d{v_split * dh}_bkv{block_kv}{'_cluster' if cluster else ''}"
+                     f"{'_ahead' if qk_ahead else ''}")
     # split_cluster: a stage is refilled (into both CTAs' shared memory) only once both CTAs' compute warpgroups
     # are done with it, so its "consumed" barrier counts the arrivals of the whole cluster.
     consumed = (plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1, num_barriers=stages) if cluster
@@ -582,10 +631,10 @@ def _combine_parts(acc: jax.Array, ml: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "v_split", "organisation",
-                                             "l_split"))
+                                             "l_split", "qk_ahead"))
 def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink: jax.Array, *, scale: float,
                             block_kv: int = 64, num_stages: int = 2, v_split: int = 2,
-                            organisation: str = "split_cta", l_split: int = 1) -> jax.Array:
+                            organisation: str = "split_cta", l_split: int = 1, qk_ahead: bool = False) -> jax.Array:
     """Decode attention over each query's gathered rows on Hopper (organisations: module docstring).
 
     ``s = scale · q[n,h]·kv[n,l]`` (fp32); ``p = softmax({s : valid} ∪ {sink[h]})`` without the sink's entry;
@@ -610,6 +659,8 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
         ``num_stages`` when stages are refilled).
       l_split: ``shared_qk`` only: CTAs per (token, head block), each over ``L / l_split`` rows, their fp32 partial
         outputs merged by XLA after the kernel (must divide ``L / block_kv``).
+      qk_ahead: ``split_cta`` / ``split_cluster`` only: issue the next KV step's QK WGMMAs before this step's
+        softmax (into a second accumulator), so the tensor cores run them while the warpgroup does the softmax.
     Returns:
       ``o bf16 [N, H, d]``.
     """
@@ -618,12 +669,15 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
         raise ValueError(f"q and kv must be bf16, got {q.dtype} and {kv.dtype}")
     stages = check_config(h, d, rows, block_kv=block_kv, num_stages=num_stages, v_split=v_split,
                           organisation=organisation, l_split=l_split)
+    if qk_ahead and organisation not in ("split_cta", "split_cluster"):
+        raise ValueError(f"qk_ahead: only organisations 'split_cta' and 'split_cluster' issue QK ahead, "
+                         f"got {organisation!r}")
     dh = d // v_split
     bias = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
     args = (q.reshape(n, h, v_split, dh), kv.reshape(n, rows, v_split, dh), bias, sink.astype(jnp.float32))
     if organisation in ("split_cta", "split_cluster"):
         out = _split_cta_call(*args, scale=scale, block_kv=block_kv, stages=stages,
-                              cluster=organisation == "split_cluster")
+                              cluster=organisation == "split_cluster", qk_ahead=qk_ahead)
     elif organisation == "pingpong":
         from pallas_kernels.attention.decode_pingpong_sm90 import pingpong_call
         out = pingpong_call(*args, scale=scale, block_kv=block_kv, stages=stages)
