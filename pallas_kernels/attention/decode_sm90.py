@@ -53,6 +53,16 @@ Organisation ``split_cta`` (one kernel launch, no combine step):
   is no QK/softmax/PV overlap inside a CTA (one compute warpgroup); at decode sizes the launch is short (10 KV steps
   at L = 640) and the copies of the next stage overlap the current step's compute.
 
+``qk_ahead=True`` (``split_cta`` and ``split_cluster``): the compute warpgroup issues step ``j + 1``'s QK WGMMAs
+(into a second accumulator, reset to zero) before it reads step ``j``'s logits, so the tensor cores compute them
+during step ``j``'s softmax — the overlap FlashAttention 3 gets inside one warpgroup, without ``pingpong``'s second
+consumer (which halved the KV tiles in flight per consumer). Each ``plgpu.wgmma`` call commits one WGMMA group and
+groups complete in order, so reading step ``j``'s logits waits until at most ``v_split`` groups (step ``j + 1``'s)
+are in flight; the last step waits for all. The accumulator is picked by the step's parity, so the loop runs over
+pairs of steps (the odd remainder and the last step unrolled). P·V still waits for everything before the next step
+(its result is read into registers to be rescaled). Registers: one more fp32 ``[64, block_kv]`` tile (32 per thread
+at ``block_kv = 64``) than ``split_cta``.
+
 Organisation ``split_cluster`` (``split_cta`` with each tile read once):
 
 * The same CTAs, warpgroups, buffers and per-step work as ``split_cta``, but the ``v_split`` CTAs of one (head
