@@ -1,8 +1,10 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
-# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (2026-12-05, second session):
+# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after 2026-12-05, third
+# session, which got no device):
 #   1. STAGE=warmup-reuse (any H100/H200): lowering reuse after its two fixes — engine tokens with it, V4 warm-up
 #      on/off; 2. on an H200: PRESET=deepseek-v4.1-flash SKIP_TESTS=1 STAGE=warmup-reuse (V4.1 < 60 s?);
+#   2b. STAGE=cluster (any): the decode-attention kernel's split_cluster and qk_ahead, tests and timing;
 #   3. STAGE=mesh when nvidia-h200-x2 is lent, STAGE=lab4 on nvidia-h200-x4. Stages:
 #   STAGE=engram  issue 13: V4.1 4-layer slice, Engram tables on the device and read from pinned host memory by the
 #                 gather kernel, in one call (same machine, same process order), with the CUPTI busy share;
