@@ -213,6 +213,12 @@ def test_qk_ahead_only_for_the_split_organisations():
     with pytest.raises(ValueError, match="qk_ahead"):
         jax.jit(f).trace(s((2, 64, 512), jnp.bfloat16), s((2, 640, 512), jnp.bfloat16), s((2, 640), jnp.bool_),
                          s((64,), jnp.float32))
+    one_stage = functools.partial(sparse_decode_attention, scale=0.1, num_stages=1, qk_ahead=True)
+    with pytest.raises(ValueError, match="at least 2 pipeline stages"):       # it would wait for itself
+        jax.jit(one_stage).trace(s((2, 64, 512), jnp.bfloat16), s((2, 640, 512), jnp.bfloat16),
+                                 s((2, 640), jnp.bool_), s((64,), jnp.float32))
+    jax.jit(one_stage).trace(s((2, 64, 512), jnp.bfloat16), s((2, 64, 512), jnp.bfloat16),   # one step: fine
+                             s((2, 64), jnp.bool_), s((64,), jnp.float32))
 
 
 def test_split_cluster_multicasts_in_one_cluster():

@@ -61,7 +61,8 @@ groups complete in order, so reading step ``j``'s logits waits until at most ``v
 are in flight; the last step waits for all. The accumulator is picked by the step's parity, so the loop runs over
 pairs of steps (the odd remainder and the last step unrolled). P·V still waits for everything before the next step
 (its result is read into registers to be rescaled). Registers: one more fp32 ``[64, block_kv]`` tile (32 per thread
-at ``block_kv = 64``) than ``split_cta``.
+at ``block_kv = 64``) than ``split_cta``. It needs two pipeline stages or more (with one, the next step's tile could
+only arrive after this step releases the stage it still holds).
 
 Organisation ``split_cluster`` (``split_cta`` with each tile read once):
 
@@ -682,6 +683,11 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
     if qk_ahead and organisation not in ("split_cta", "split_cluster"):
         raise ValueError(f"qk_ahead: only organisations 'split_cta' and 'split_cluster' issue QK ahead, "
                          f"got {organisation!r}")
+    if qk_ahead and stages < 2 <= rows // block_kv:
+        # the next step's tile must be loading while this step's stage is still held (its P·V comes after)
+        raise ValueError(f"qk_ahead needs at least 2 pipeline stages (num_stages={num_stages}): with one, the next "
+                         f"step's tile can only arrive after this step releases the stage, which it does after it "
+                         f"has waited for that tile")
     dh = d // v_split
     bias = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
     args = (q.reshape(n, h, v_split, dh), kv.reshape(n, rows, v_split, dh), bias, sink.astype(jnp.float32))
