@@ -350,14 +350,21 @@ def _interpreter_shims(monkeypatch) -> None:
             a = staged
         real_wgmma(acc, a, b, **kw)
 
+    def staged_with_identity(x):
+        """``x [m, k]`` fp32 stored in the calling warpgroup's staging buffer, and a ``[k, k]`` identity beside it:
+        the operands of a WGMMA that adds ``x`` to an accumulator."""
+        k = x.shape[1]
+        x_ref, eye = mine("x").at[:, pl.ds(0, k)], mine("eye").at[pl.ds(0, k), pl.ds(0, k)]
+        x_ref[...] = x
+        eye[...] = (lax.broadcasted_iota(jnp.int32, (k, k), 0) == lax.broadcasted_iota(jnp.int32, (k, k), 1)
+                    ).astype(jnp.float32)
+        return x_ref, eye
+
     def run_state(f):
         def run(init):
             x = init._init
             m, k = x.shape
-            x_ref, eye = mine("x").at[:, pl.ds(0, k)], mine("eye").at[pl.ds(0, k), pl.ds(0, k)]
-            x_ref[...] = x
-            eye[...] = (lax.broadcasted_iota(jnp.int32, (k, k), 0) == lax.broadcasted_iota(jnp.int32, (k, k), 1)
-                        ).astype(jnp.float32)
+            x_ref, eye = staged_with_identity(x)
 
             def scope(acc_ref):
                 real_wgmma(acc_ref, x_ref, eye)
@@ -371,13 +378,7 @@ def _interpreter_shims(monkeypatch) -> None:
     def reset_accumulator(acc_ref, zeros):
         # acc := acc + (−acc) · I: x + (−x) is exactly +0 in fp32, and the interpreter's WGMMA is exact
         del zeros
-        x = acc_ref[...]
-        m, k = x.shape
-        x_ref, eye = mine("x").at[:, pl.ds(0, k)], mine("eye").at[pl.ds(0, k), pl.ds(0, k)]
-        x_ref[...] = -x
-        eye[...] = (lax.broadcasted_iota(jnp.int32, (k, k), 0) == lax.broadcasted_iota(jnp.int32, (k, k), 1)
-                    ).astype(jnp.float32)
-        real_wgmma(acc_ref, x_ref, eye)
+        real_wgmma(acc_ref, *staged_with_identity(-acc_ref[...]))
 
     monkeypatch.setattr(plgpu, "wgmma", wgmma)
     monkeypatch.setattr(plgpu, "kernel", kernel)

@@ -272,7 +272,7 @@ def smem_bytes(d: int, block_kv: int, stages: int, organisation: str = "split_ct
 
 
 def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v_split: int,
-                 organisation: str = "split_cta", l_split: int = 1) -> int:
+                 organisation: str = "split_cta", l_split: int = 1, qk_ahead: bool = False) -> int:
     """Validates the static configuration; returns the pipeline depth actually used (≤ the number of KV steps of a
     CTA)."""
     if organisation not in ORGANISATIONS:
@@ -308,6 +308,14 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
     if organisation == "pingpong" and stages < rows // block_kv and stages % 2:
         raise ValueError(f"num_stages={num_stages}: organisation='pingpong' refills its stages, so their number must "
                          f"be even (a stage carries the KV blocks of one consumer warpgroup)")
+    if qk_ahead and organisation not in ("split_cta", "split_cluster"):
+        raise ValueError(f"qk_ahead: only organisations 'split_cta' and 'split_cluster' issue QK ahead, "
+                         f"got {organisation!r}")
+    if qk_ahead and stages < 2 <= rows // block_kv:
+        # the next step's tile must be loading while this step's stage is still held (its P·V comes after)
+        raise ValueError(f"qk_ahead needs at least 2 pipeline stages (num_stages={num_stages}): with one, the next "
+                         f"step's tile can only arrive after this step releases the stage, which it does after it "
+                         f"has waited for that tile")
     need = smem_bytes(d, block_kv, stages, organisation)
     limit = SMEM_BYTES - (SMEM_RESERVE if organisation in ("split_cta", "split_cluster") else 0)   # others: none
     if need > limit:
@@ -679,15 +687,7 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
     if q.dtype != jnp.bfloat16 or kv.dtype != jnp.bfloat16:
         raise ValueError(f"q and kv must be bf16, got {q.dtype} and {kv.dtype}")
     stages = check_config(h, d, rows, block_kv=block_kv, num_stages=num_stages, v_split=v_split,
-                          organisation=organisation, l_split=l_split)
-    if qk_ahead and organisation not in ("split_cta", "split_cluster"):
-        raise ValueError(f"qk_ahead: only organisations 'split_cta' and 'split_cluster' issue QK ahead, "
-                         f"got {organisation!r}")
-    if qk_ahead and stages < 2 <= rows // block_kv:
-        # the next step's tile must be loading while this step's stage is still held (its P·V comes after)
-        raise ValueError(f"qk_ahead needs at least 2 pipeline stages (num_stages={num_stages}): with one, the next "
-                         f"step's tile can only arrive after this step releases the stage, which it does after it "
-                         f"has waited for that tile")
+                          organisation=organisation, l_split=l_split, qk_ahead=qk_ahead)
     dh = d // v_split
     bias = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
     args = (q.reshape(n, h, v_split, dh), kv.reshape(n, rows, v_split, dh), bias, sink.astype(jnp.float32))
