@@ -5,7 +5,11 @@
 #   1. STAGE=warmup-reuse (any H100/H200): lowering reuse after its two fixes — engine tokens with it, V4 warm-up
 #      on/off; 2. on an H200: PRESET=deepseek-v4.1-flash SKIP_TESTS=1 STAGE=warmup-reuse (V4.1 < 60 s?);
 #   2b. STAGE=cluster (any): the decode-attention kernel's split_cluster and qk_ahead, tests and timing;
-#   3. STAGE=mesh when nvidia-h200-x2 is lent, STAGE=lab4 on nvidia-h200-x4. Stages:
+#   3. STAGE=mesh when nvidia-h200-x2 is lent, STAGE=lab4 on nvidia-h200-x4. If only one call is likely (device
+#   starts failing), STAGE=first does the essentials of 1 and 2b in one call (~8 min). Stages:
+#   STAGE=first   one call for a session that may get only one: the split_cluster / qk_ahead GPU tests, their
+#                 timing against split_cta at 1, 16 and 64 queries, and the V4.1 engine case with kernel lowerings
+#                 reused (greedy tokens = full-forward argmax) — each part with its own time limit;
 #   STAGE=engram  issue 13: V4.1 4-layer slice, Engram tables on the device and read from pinned host memory by the
 #                 gather kernel, in one call (same machine, same process order), with the CUPTI busy share;
 #   STAGE=linear  issue 8: V4-Flash 4-layer slice with the FP8 linear kernel limited to decode calls (<= 64 tokens;
@@ -71,7 +75,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -164,6 +168,15 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
     timeout 300 python3 scripts/bench_kernels.py attention-kernel --batches 1 16 64 --variants split_cta \
       split_cluster "split_cta ahead" "split_cluster ahead" "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet \
       | grep "^|\|copy\|peak" ;;
+  first)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py \
+      -k "cluster or ahead" 2>&1 | grep "^E \|passed\|failed\|Error" | head -20
+    timeout 200 python3 scripts/bench_kernels.py attention-kernel --batches 1 16 64 --variants split_cta \
+      split_cluster "split_cta ahead" "split_cluster ahead" "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet \
+      | grep "^|\|copy\|peak"
+    DINFER_JAX_REUSE_KERNEL_LOWERINGS=1 timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      "tests/test_indexer_kernel_gpu.py::test_engine_greedy_with_the_kernel_equals_full_forward_argmax" \
+      2>&1 | grep "^E \|passed\|failed" | head -20 ;;
   pingpong)
     [ "${SKIP_TESTS:-0}" = 1 ] || timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_decode_attention_gpu.py -k "ping" 2>&1 | grep "^E \|passed\|failed\|Error" | head -30
