@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FETCH_SCRIPT = REPO_ROOT / "scripts" / "fetch_deepinfer_source.py"
@@ -331,6 +331,31 @@ def load_refs(module_relpath: str, *names: str, overrides: Mapping[str, Any] | N
 def load_ref(module_relpath: str, name: str, *, overrides: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     """One top-level function (or other value) of a DeepInfer / tile-kernels module; see :func:`load_refs`."""
     return load_refs(module_relpath, name, overrides=overrides)[0]
+
+
+TILELANG_OPS = "deepinfer/model_executor/layers/tilelang_ops/"   # DeepInfer's sampling / attention ops package
+
+
+class LogitsTransformInputs(NamedTuple):
+    """Stands in for DeepInfer's C++ ``LogitsTransformInputs`` (the ``_ref`` samplers read these three fields)."""
+    temperatures: object
+    top_ps: object
+    top_ks: object
+
+
+class SamplingKernelInputs(NamedTuple):
+    """Stands in for DeepInfer's C++ ``SamplingKernelInputs``."""
+    logits: object
+    seq_seeds: object
+    sample_positions: object
+
+
+def sampling_input_overrides(module: str) -> dict[str, Any]:
+    """``load_refs`` overrides putting the two stand-ins above into DeepInfer's ops module ``module`` (its last
+    name, e.g. ``"fused_sample"``)."""
+    prefix = TILELANG_OPS.rstrip("/").replace("/", ".") + f".{module}."
+    return {prefix + "SamplingKernelInputs": SamplingKernelInputs,
+            prefix + "LogitsTransformInputs": LogitsTransformInputs}
 
 
 def tile_kernels_clamp_overrides(ops: str) -> dict[str, Any]:

@@ -31,7 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_refs import load_refs, require_refs
+from deepinfer_refs import (
+    TILELANG_OPS,
+    LogitsTransformInputs,
+    SamplingKernelInputs,
+    load_refs,
+    require_refs,
+    sampling_input_overrides,
+)
 from dinfer_jax.sampling import (
     DRAFT_PROB_PENALTY,
     MTP_SEED_OFFSET,
@@ -48,32 +55,19 @@ from provision import require_module
 
 torch = require_module("torch")
 
-OPS = "deepinfer/model_executor/layers/tilelang_ops/"
 M64 = (1 << 64) - 1
 
-
-class _LTI(NamedTuple):  # stands in for the C++ LogitsTransformInputs
-    temperatures: object
-    top_ps: object
-    top_ks: object
-
-
-class _SKI(NamedTuple):  # stands in for the C++ SamplingKernelInputs
-    logits: object
-    seq_seeds: object
-    sample_positions: object
 
 
 @pytest.fixture(scope="module")
 def refs() -> SimpleNamespace:
     require_refs()
     ns = SimpleNamespace()
-    fs = "deepinfer.model_executor.layers.tilelang_ops.fused_sample."
     ns.fused_sample, ns.penalty = load_refs(
-        OPS + "fused_sample.py", "fused_sample_ref", "DRAFT_PROB_PENALTY",
-        overrides={fs + "SamplingKernelInputs": _SKI, fs + "LogitsTransformInputs": _LTI})
+        TILELANG_OPS + "fused_sample.py", "fused_sample_ref", "DRAFT_PROB_PENALTY",
+        overrides=sampling_input_overrides("fused_sample"))
     ns.random_sampling, ns.hash_to_uniform = load_refs(
-        OPS + "random_sampling.py", "random_sampling_ref", "_hash_to_uniform")
+        TILELANG_OPS + "random_sampling.py", "random_sampling_ref", "_hash_to_uniform")
     return ns
 
 
@@ -159,8 +153,8 @@ def _ref(refs, c: Case, tag: str, verify: bool = True):
                   last_next_n_token_ids=torch.from_numpy(c.draft_ids.copy()))
     out = refs.fused_sample(
         torch.from_numpy(c.logits.copy()),
-        _SKI(_LTI(torch.from_numpy(t), torch.from_numpy(p), torch.from_numpy(k)),
-             torch.from_numpy(c.seeds.copy()), torch.from_numpy(c.pos.copy())),
+        SamplingKernelInputs(LogitsTransformInputs(torch.from_numpy(t), torch.from_numpy(p), torch.from_numpy(k)),
+                             torch.from_numpy(c.seeds.copy()), torch.from_numpy(c.pos.copy())),
         tag=tag, **kw)
     return [None if o is None else o.numpy() for o in out]
 

@@ -16,14 +16,20 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 from types import SimpleNamespace
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_refs import load_refs, require_refs
+from deepinfer_refs import (
+    TILELANG_OPS,
+    LogitsTransformInputs,
+    SamplingKernelInputs,
+    load_refs,
+    require_refs,
+    sampling_input_overrides,
+)
 from dinfer_jax.sampling import (
     MTP_SEED_OFFSET,
     SamplingParams,
@@ -44,21 +50,9 @@ from provision import require_module
 
 torch = require_module("torch")
 
-OPS = "deepinfer/model_executor/layers/tilelang_ops/"
 M64 = (1 << 64) - 1
 _process = jax.jit(process_logits)
 
-
-class _LTI(NamedTuple):  # stands in for the C++ LogitsTransformInputs
-    temperatures: object
-    top_ps: object
-    top_ks: object
-
-
-class _SKI(NamedTuple):  # stands in for the C++ SamplingKernelInputs
-    logits: object
-    seq_seeds: object
-    sample_positions: object
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +60,12 @@ def refs() -> SimpleNamespace:
     require_refs()
     ns = SimpleNamespace()
     ns.random_sampling, ns.hash_to_uniform = load_refs(
-        OPS + "random_sampling.py", "random_sampling_ref", "_hash_to_uniform")
-    fs = "deepinfer.model_executor.layers.tilelang_ops.fused_sample."
+        TILELANG_OPS + "random_sampling.py", "random_sampling_ref", "_hash_to_uniform")
     ns.fused_sample, ns.top_p_top_k = load_refs(
-        OPS + "fused_sample.py", "fused_sample_ref", "apply_top_p_top_k_ref",
-        overrides={fs + "SamplingKernelInputs": _SKI, fs + "LogitsTransformInputs": _LTI})
-    sp = "deepinfer.model_executor.layers.tilelang_ops.sampler."
-    (ns.expand,) = load_refs(OPS + "sampler.py", "expand_sampling_params_ref",
-                             overrides={sp + "SamplingKernelInputs": _SKI, sp + "LogitsTransformInputs": _LTI})
+        TILELANG_OPS + "fused_sample.py", "fused_sample_ref", "apply_top_p_top_k_ref",
+        overrides=sampling_input_overrides("fused_sample"))
+    (ns.expand,) = load_refs(TILELANG_OPS + "sampler.py", "expand_sampling_params_ref",
+                             overrides=sampling_input_overrides("sampler"))
     return ns
 
 
@@ -445,8 +437,10 @@ def test_sample_matches_fused_sample_ref(refs, tag: str) -> None:
     ref_p, ref_k = np.asarray(st.top_p), np.asarray(st.top_k)  # DeepInfer's greedy substitution
     lp_ref, tok_ref, *_ = refs.fused_sample(
         torch.from_numpy(x.copy()),
-        _SKI(_LTI(torch.from_numpy(ref_t.copy()), torch.from_numpy(ref_p.copy()), torch.from_numpy(ref_k.copy())),
-             torch.from_numpy(seeds), torch.from_numpy(pos)),
+        SamplingKernelInputs(
+            LogitsTransformInputs(torch.from_numpy(ref_t.copy()), torch.from_numpy(ref_p.copy()),
+                                  torch.from_numpy(ref_k.copy())),
+            torch.from_numpy(seeds), torch.from_numpy(pos)),
         tag=tag)
     lp_ref, tok_ref = lp_ref.numpy(), tok_ref.numpy()
     offset = 0 if tag == "default" else MTP_SEED_OFFSET
@@ -614,8 +608,9 @@ def test_draft_positions_match_expand_sampling_params_ref(refs) -> None:
     base = rng.integers(0, 2**31, 6).astype(np.int32)
     row_to_req = np.repeat(np.arange(6), 4).astype(np.int32)
     local = np.tile(np.arange(4), 6).astype(np.int32)
-    params = _SKI(_LTI(torch.ones(6), torch.ones(6), torch.full((6,), -1, dtype=torch.int32)),
-                  torch.from_numpy(_seeds(rng, 6)), torch.from_numpy(base))
+    params = SamplingKernelInputs(
+        LogitsTransformInputs(torch.ones(6), torch.ones(6), torch.full((6,), -1, dtype=torch.int32)),
+        torch.from_numpy(_seeds(rng, 6)), torch.from_numpy(base))
     ref = refs.expand(params, torch.from_numpy(row_to_req), torch.from_numpy(local))
     ours = draft_positions(jnp.asarray(base[row_to_req]), jnp.asarray(local))
     np.testing.assert_array_equal(np.asarray(ours), ref.sample_positions.numpy())
