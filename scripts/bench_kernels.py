@@ -3,7 +3,11 @@
 ``python scripts/bench_kernels.py attention-kernel [--batches N ...] [--variants ...] [--out DIR]``,
 ``python scripts/bench_kernels.py prefill-attention [--chunks S START ...] [--out DIR]``,
 ``python scripts/bench_kernels.py indexer [--contexts N ...] [--batches N ...] [--out DIR]``,
-``python scripts/bench_kernels.py linear [--tokens N ...] [--out DIR]``.
+``python scripts/bench_kernels.py linear [--tokens N ...] [--out DIR]``,
+``python scripts/bench_kernels.py topk [--out DIR]``.
+
+``topk``: the indexer's top-k selection, ``lax.top_k`` against the sort-free radix selection
+(``scripts/bench_topk.py`` says what is measured).
 
 ``indexer``: the lightning indexer over paged keys, fp32 against bf16 products, and its top-k
 (``scripts/bench_indexer.py`` says what is measured).
@@ -276,7 +280,7 @@ def table(rows: list[dict], ceil: dict[str, float]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=["moe", "attention", "attention-kernel", "prefill-attention", "indexer",
-                                       "indexer-sweep", "linear"])
+                                       "indexer-sweep", "linear", "topk"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192], help="token counts to run")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="token counts at which to sweep block sizes")
     p.add_argument("--no-baseline", action="store_true", help="skip the XLA ragged_dot baseline")
@@ -339,6 +343,13 @@ def main() -> None:
             print(sweep)
             if args.out:
                 (Path(args.out) / "bench_indexer_sweep.md").write_text(sweep + "\n")
+        return
+    if args.what == "topk":
+        import bench_topk
+
+        rows = bench_topk.bench_topk(bench_topk.CASES, lambda f, *a: device_times(f, *a)[0], ceil["copy_GBps"] * 1e9,
+                                     on_row=saver("bench_topk", bench_topk.table))
+        print(bench_topk.table(rows))
         return
     if args.what == "linear":
         import bench_linear

@@ -9,7 +9,8 @@
 #   starts failing), STAGE=first does the essentials of 1 and 2b in one call (~8 min). Stages:
 #   STAGE=first   one call for a session that may get only one: the split_cluster / qk_ahead GPU tests, their
 #                 timing against split_cta at 1, 16 and 64 queries, and the V4.1 engine case with kernel lowerings
-#                 reused (greedy tokens = full-forward argmax) — each part with its own time limit;
+#                 reused (greedy tokens = full-forward argmax), and the indexer's top-k: lax.top_k against the radix
+#                 selection (scripts/bench_topk.py) — each part with its own time limit;
 #   STAGE=engram  issue 13: V4.1 4-layer slice, Engram tables on the device and read from pinned host memory by the
 #                 gather kernel, in one call (same machine, same process order), with the CUPTI busy share;
 #   STAGE=linear  issue 8: V4-Flash 4-layer slice with the FP8 linear kernel limited to decode calls (<= 64 tokens;
@@ -169,14 +170,15 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       split_cluster "split_cta ahead" "split_cluster ahead" "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet \
       | grep "^|\|copy\|peak" ;;
   first)
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py \
+    timeout 140 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py \
       -k "cluster or ahead" 2>&1 | grep "^E \|passed\|failed\|Error" | head -20
-    timeout 200 python3 scripts/bench_kernels.py attention-kernel --batches 1 16 64 --variants split_cta \
+    timeout 190 python3 scripts/bench_kernels.py attention-kernel --batches 1 16 64 --variants split_cta \
       split_cluster "split_cta ahead" "split_cluster ahead" "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet \
       | grep "^|\|copy\|peak"
-    DINFER_JAX_REUSE_KERNEL_LOWERINGS=1 timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    DINFER_JAX_REUSE_KERNEL_LOWERINGS=1 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
       "tests/test_indexer_kernel_gpu.py::test_engine_greedy_with_the_kernel_equals_full_forward_argmax" \
-      2>&1 | grep "^E \|passed\|failed" | head -20 ;;
+      2>&1 | grep "^E \|passed\|failed" | head -20
+    timeout 100 python3 scripts/bench_kernels.py topk --out "$OUT/topk" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
   pingpong)
     [ "${SKIP_TESTS:-0}" = 1 ] || timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_decode_attention_gpu.py -k "ping" 2>&1 | grep "^E \|passed\|failed\|Error" | head -30

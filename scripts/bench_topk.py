@@ -1,0 +1,99 @@
+"""The indexer's top-k selection: ``lax.top_k`` (``csa2.topk_select``, the model's) against the sort-free radix
+selection (``radix_select.radix_topk_select``), same indices required.
+
+``python scripts/bench_kernels.py topk [--out DIR]`` on the GPU (CUPTI device times, medians of 10, copy bandwidth
+measured in the same run); ``python scripts/bench_topk.py --smoke`` on any backend (wall times of small sizes: a
+check that the script runs, not a measurement).
+
+Shapes: decode steps of V4.1-Flash (top-k 512, ratio 2: context / 2 scores a row) and V4-Flash (ratio 4) at batch 1
+and 64 and contexts 4K / 32K / 128K, and one prefill chunk (1,024 queries over 16,384 rows). Scores are random
+normal with the invisible rows of a chunk at −inf (as ``index_scores`` leaves them). ``GB/s``: the fp32 scores read
+once (``rows · T · 4`` B) over the time — the least any selection reads; the radix selection reads them about ten
+times (8 counting passes, 2 running counts). ``same``: rows whose indices and mask equal ``lax.top_k``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dinfer_jax.models.csa2 import topk_select  # noqa: E402
+from dinfer_jax.models.radix_select import radix_topk_select  # noqa: E402
+
+TOPK = 512
+# (label, batch, queries per row, compressed rows T)
+CASES = [(f"{m} decode, {ctx // 1024}K", b, 1, ctx // ratio)
+         for m, ratio in (("V4.1", 2), ("V4", 4)) for b in (1, 64) for ctx in (4096, 32768, 131072)]
+CASES.append(("V4.1 prefill chunk, 1024 queries", 1, 1024, 16384))
+SMOKE = [("smoke decode", 2, 1, 2048), ("smoke chunk", 1, 16, 1024)]
+
+
+def _scores(batch: int, queries: int, t: int) -> jax.Array:
+    x = jax.random.normal(jax.random.key(batch * 7 + queries + t), (batch, queries, t), jnp.float32)
+    if queries > 1:   # a chunk's causal tail: query s sees the first t − (queries − 1 − s) rows
+        visible = t - (queries - 1 - jnp.arange(queries))
+        x = jnp.where(jnp.arange(t)[None, None, :] < visible[None, :, None], x, -jnp.inf)
+    return x
+
+
+def _wall_ms(f, *args, iterations: int = 5) -> float:
+    jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    for _ in range(iterations):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return 1e3 * (time.perf_counter() - t0) / iterations
+
+
+def bench_topk(cases, timer, copy_bw: float | None, on_row=lambda rows: None) -> list[dict]:
+    """Times both selections per case with ``timer(f, *args) -> ms``; rows of the table."""
+    sort = jax.jit(functools.partial(topk_select, k=TOPK))
+    radix = jax.jit(functools.partial(radix_topk_select, k=TOPK))
+    rows = []
+    for label, batch, queries, t in cases:
+        x = _scores(batch, queries, t)
+        (i_s, m_s), (i_r, m_r) = sort(x), radix(x)
+        same = int(np.sum(np.all(np.asarray(i_s) == np.asarray(i_r), axis=-1)
+                          & np.all(np.asarray(m_s) == np.asarray(m_r), axis=-1)))
+        ms_sort, ms_radix = timer(sort, x), timer(radix, x)
+        rows.append(dict(case=label, batch=batch, queries=queries, rows_T=t, sort_ms=ms_sort, radix_ms=ms_radix,
+                         bytes=x.size * 4, same=same, total=batch * queries,
+                         copy_GBps=None if copy_bw is None else copy_bw / 1e9))
+        on_row(rows)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| case | batch | queries | scores a row | lax.top_k ms (GB/s) | radix ms (GB/s) | top_k / radix | "
+             "same indices |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def rate(r: dict, ms: float) -> str:
+        gbps = r["bytes"] / (ms * 1e-3) / 1e9
+        pct = f", {100 * gbps / r['copy_GBps']:.0f}%" if r["copy_GBps"] else ""
+        return f"{ms:.3f} ({gbps:.0f}{pct})"
+
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['batch']} | {r['queries']} | {r['rows_T']} | {rate(r, r['sort_ms'])} | "
+                     f"{rate(r, r['radix_ms'])} | {r['sort_ms'] / r['radix_ms']:.2f}× | {r['same']} of {r['total']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="small sizes, wall times: the script runs (any backend)")
+    args = p.parse_args()
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} (wall times)")
+    print(table(bench_topk(SMOKE if args.smoke else CASES, _wall_ms, None)))
+
+
+if __name__ == "__main__":
+    main()
