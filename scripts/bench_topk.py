@@ -5,11 +5,13 @@ selection (``radix_select.radix_topk_select``), same indices required.
 measured in the same run); ``python scripts/bench_topk.py --smoke`` on any backend (wall times of small sizes: a
 check that the script runs, not a measurement).
 
-Shapes: decode steps of V4.1-Flash (top-k 512, ratio 2: context / 2 scores a row) and V4-Flash (ratio 4) at batch 1
-and 64 and contexts 4K / 32K / 128K, and one prefill chunk (1,024 queries over 16,384 rows). Scores are random
-normal with the invisible rows of a chunk at −inf (as ``index_scores`` leaves them). ``GB/s``: the fp32 scores read
-once (``rows · T · 4`` B) over the time — the least any selection reads; the radix selection reads them about ten
-times (8 counting passes, 2 running counts). ``same``: rows whose indices and mask equal ``lax.top_k``'s.
+Shapes: decode steps of V4.1-Flash (top-k 512, ratio 2: context / 2 scores a row) at batch 64 and contexts 4K /
+32K / 128K, V4-Flash (ratio 4) at 128K, V4.1-Flash at batch 1 and 128K, and one prefill chunk (1,024 queries over
+16,384 rows), for each radix variant of :data:`VARIANTS`. Scores are random normal with the invisible rows of a
+chunk at −inf (as ``index_scores`` leaves them). ``GB/s``: the fp32 scores read once (``rows · T · 4`` B) over
+``lax.top_k``'s time — the least any selection reads; a radix variant reads them once per counting pass
+(32 / bits) and twice for the running counts. ``same``: rows on which every variant's indices and mask equal
+``lax.top_k``'s.
 """
 
 from __future__ import annotations
@@ -31,10 +33,14 @@ from dinfer_jax.models.radix_select import radix_topk_select  # noqa: E402
 
 TOPK = 512
 # (label, batch, queries per row, compressed rows T)
-CASES = [(f"{m} decode, {ctx // 1024}K", b, 1, ctx // ratio)
-         for m, ratio in (("V4.1", 2), ("V4", 4)) for b in (1, 64) for ctx in (4096, 32768, 131072)]
-CASES.append(("V4.1 prefill chunk, 1024 queries", 1, 1024, 16384))
+CASES = [("V4.1 decode, 4K", 64, 1, 2048), ("V4.1 decode, 32K", 64, 1, 16384), ("V4.1 decode, 128K", 64, 1, 65536),
+         ("V4 decode, 128K", 64, 1, 32768), ("V4.1 decode, 128K", 1, 1, 65536),
+         ("V4.1 prefill chunk, 1024 queries", 1, 1024, 16384)]
 SMOKE = [("smoke decode", 2, 1, 2048), ("smoke chunk", 1, 16, 1024)]
+# radix selection variants (radix_select.kth_largest_key): bits per pass, and whether the per-digit counts are the
+# minor axis of the reduction ([R, T, digits] summed over T) or one row reduction per digit ([R, digits, T])
+VARIANTS = {"radix 4b": dict(digit_bits=4, counts_minor=True), "radix 4b rows": dict(digit_bits=4, counts_minor=False),
+            "radix 2b rows": dict(digit_bits=2, counts_minor=False), "radix 8b": dict(digit_bits=8, counts_minor=True)}
 
 
 def _scores(batch: int, queries: int, t: int) -> jax.Array:
@@ -55,26 +61,30 @@ def _wall_ms(f, *args, iterations: int = 5) -> float:
 
 
 def bench_topk(cases, timer, copy_bw: float | None, on_row=lambda rows: None) -> list[dict]:
-    """Times both selections per case with ``timer(f, *args) -> ms``; rows of the table."""
+    """Times ``lax.top_k`` and every radix variant per case with ``timer(f, *args) -> ms``; rows of the table
+    (``same``: the rows on which every variant equals ``lax.top_k``)."""
     sort = jax.jit(functools.partial(topk_select, k=TOPK))
-    radix = jax.jit(functools.partial(radix_topk_select, k=TOPK))
+    radix = {name: jax.jit(functools.partial(radix_topk_select, k=TOPK, **kw)) for name, kw in VARIANTS.items()}
     rows = []
     for label, batch, queries, t in cases:
         x = _scores(batch, queries, t)
-        (i_s, m_s), (i_r, m_r) = sort(x), radix(x)
-        same = int(np.sum(np.all(np.asarray(i_s) == np.asarray(i_r), axis=-1)
-                          & np.all(np.asarray(m_s) == np.asarray(m_r), axis=-1)))
-        ms_sort, ms_radix = timer(sort, x), timer(radix, x)
-        rows.append(dict(case=label, batch=batch, queries=queries, rows_T=t, sort_ms=ms_sort, radix_ms=ms_radix,
-                         bytes=x.size * 4, same=same, total=batch * queries,
+        i_s, m_s = map(np.asarray, sort(x))
+        same = np.ones(i_s.shape[:-1], bool)
+        for f in radix.values():
+            i_r, m_r = map(np.asarray, f(x))
+            same &= np.all(i_s == i_r, axis=-1) & np.all(m_s == m_r, axis=-1)
+        rows.append(dict(case=label, batch=batch, queries=queries, rows_T=t, sort_ms=timer(sort, x),
+                         radix_ms={name: timer(f, x) for name, f in radix.items()}, bytes=x.size * 4,
+                         same=int(same.sum()), total=batch * queries,
                          copy_GBps=None if copy_bw is None else copy_bw / 1e9))
         on_row(rows)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| case | batch | queries | scores a row | lax.top_k ms (GB/s) | radix ms (GB/s) | top_k / radix | "
-             "same indices |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| case | batch | queries | scores a row | lax.top_k ms (GB/s) | "
+             + " | ".join(f"{name} ms (× top_k)" for name in VARIANTS) + " | same indices |",
+             "|---|---:|---:|---:|---:|" + "---:|" * len(VARIANTS) + "---:|"]
 
     def rate(r: dict, ms: float) -> str:
         gbps = r["bytes"] / (ms * 1e-3) / 1e9
@@ -82,8 +92,9 @@ def table(rows: list[dict]) -> str:
         return f"{ms:.3f} ({gbps:.0f}{pct})"
 
     for r in rows:
+        radix = " | ".join(f"{ms:.3f} ({r['sort_ms'] / ms:.2f}×)" for ms in r["radix_ms"].values())
         lines.append(f"| {r['case']} | {r['batch']} | {r['queries']} | {r['rows_T']} | {rate(r, r['sort_ms'])} | "
-                     f"{rate(r, r['radix_ms'])} | {r['sort_ms'] / r['radix_ms']:.2f}× | {r['same']} of {r['total']} |")
+                     f"{radix} | {r['same']} of {r['total']} |")
     return "\n".join(lines)
 
 

@@ -35,7 +35,7 @@ def _scores(rng: np.random.Generator, kind: str, shape: tuple[int, ...]) -> np.n
 @pytest.mark.parametrize("kind", ["normal", "ties", "masked", "zeros", "extremes", "all_masked"])
 def test_equals_lax_top_k_selection(kind):
     rng = np.random.default_rng(len(kind))
-    for _ in range(12):
+    for _ in range(8):
         rows, t = int(rng.integers(1, 5)), int(rng.integers(1, 700))
         k = int(rng.integers(1, 2 * t + 2))                     # also k ≥ T (clipped to T)
         x = jnp.asarray(_scores(rng, kind, (rows, t)))
@@ -66,12 +66,15 @@ def test_keys_follow_total_order():
     assert (np.diff(keys.astype(np.int64)) > 0).all()
 
 
-def test_kth_largest_key_against_numpy():
+@pytest.mark.parametrize("digit_bits,counts_minor", [(4, True), (4, False), (2, False), (8, True)])
+def test_kth_largest_key_against_numpy(digit_bits, counts_minor):
     rng = np.random.default_rng(3)
     keys = rng.integers(0, 2**32, size=(5, 300), dtype=np.uint64).astype(np.uint32)
     keys[1, :150] = keys[1, 0]                                            # a long run of one key
+    keys[2] = rng.integers(0, 4, size=300)                                # small keys: many equal top bits
     for k in (1, 2, 150, 151, 299, 300):
-        key, take = map(np.asarray, kth_largest_key(jnp.asarray(keys), k))
+        key, take = map(np.asarray, kth_largest_key(jnp.asarray(keys), k, digit_bits=digit_bits,
+                                                    counts_minor=counts_minor))
         want = np.sort(keys, axis=1)[:, ::-1][:, k - 1]
         np.testing.assert_array_equal(key, want)
         np.testing.assert_array_equal(take, k - (keys > want[:, None]).sum(axis=1))
@@ -80,3 +83,8 @@ def test_kth_largest_key_against_numpy():
 def test_inclusive_counts_against_cumsum():
     mask = np.random.default_rng(4).random((3, 1000)) < 0.7                 # 1000 = 7 chunks and a partial one
     np.testing.assert_array_equal(np.asarray(inclusive_counts(jnp.asarray(mask))), np.cumsum(mask, axis=1))
+
+
+def test_rejects_digit_widths_that_do_not_divide_32():
+    with pytest.raises(ValueError, match="digit_bits=3 must divide 32"):
+        kth_largest_key(jnp.zeros((1, 4), jnp.uint32), 1, digit_bits=3)

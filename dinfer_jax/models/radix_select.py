@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-DIGIT_BITS = 4                 # bits decided per pass: 16 counts per row and pass, 8 passes for 32-bit keys
+DIGIT_BITS = 4                 # default bits decided per pass: 16 counts per row and pass, 8 passes
 CHUNK = 128                    # entries per running-count matrix product (counts ≤ 128 are exact in fp32)
 U32 = jnp.uint32
 
@@ -42,20 +42,32 @@ def order_keys(scores: jax.Array) -> jax.Array:
     return jnp.where(negative, ~bits, bits | U32(0x80000000))
 
 
-def kth_largest_key(keys: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def kth_largest_key(keys: jax.Array, k: int, *, digit_bits: int = DIGIT_BITS,
+                    counts_minor: bool = True) -> tuple[jax.Array, jax.Array]:
     """The ``k``-th largest of each row of ``keys [R, T]`` uint32 (``1 ≤ k ≤ T``): ``(K* [R] uint32, r [R] int32)``
-    with ``count(keys > K*) = k − r`` and ``1 ≤ r ≤ count(keys == K*)``."""
+    with ``count(keys > K*) = k − r`` and ``1 ≤ r ≤ count(keys == K*)``.
+
+    ``digit_bits`` (a divisor of 32) bits are decided per pass. ``counts_minor``: the per-digit counts are summed as
+    ``[R, T, digits]`` over ``T`` (each key read once, the digits side by side) rather than ``[R, digits, T]`` over
+    ``T`` (one row reduction per digit): the same counts; which one XLA runs faster is measured by
+    ``scripts/bench_topk.py``."""
+    if 32 % digit_bits:
+        raise ValueError(f"digit_bits={digit_bits} must divide 32")
     rows = keys.shape[0]
-    digits = jnp.arange(1 << DIGIT_BITS, dtype=U32)
+    n_digits = 1 << digit_bits
+    digits = jnp.arange(n_digits, dtype=U32)
     prefix = jnp.zeros((rows,), U32)
     rank = jnp.full((rows,), k, jnp.int32)                # the rank still sought among keys matching the prefix
-    for shift in range(32 - DIGIT_BITS, -1, -DIGIT_BITS):
-        want = (prefix >> shift)[:, None] | digits[None, :]                    # [R, 16]
-        counts = jnp.sum(((keys >> shift)[:, :, None] == want[:, None, :]).astype(jnp.int32), axis=1)
+    for shift in range(32 - digit_bits, -1, -digit_bits):
+        want = (prefix >> shift)[:, None] | digits[None, :]                    # [R, digits]
+        if counts_minor:
+            counts = jnp.sum(((keys >> shift)[:, :, None] == want[:, None, :]).astype(jnp.int32), axis=1)
+        else:
+            counts = jnp.sum(((keys >> shift)[:, None, :] == want[:, :, None]).astype(jnp.int32), axis=2)
         from_top = jnp.cumsum(counts[:, ::-1], axis=1)[:, ::-1]              # keys with digit ≥ d
         # the largest digit whose count from the top reaches the rank (digit 0 always does: the prefix holds it)
         reach = from_top >= rank[:, None]
-        digit = (1 << DIGIT_BITS) - 1 - jnp.argmax(reach[:, ::-1], axis=1)
+        digit = n_digits - 1 - jnp.argmax(reach[:, ::-1], axis=1)
         above = jnp.take_along_axis(from_top - counts, digit[:, None], axis=1)[:, 0]
         rank = rank - above
         prefix = prefix | (digit.astype(U32) << shift)
@@ -75,9 +87,10 @@ def inclusive_counts(mask: jax.Array) -> jax.Array:
     return (within + offsets[:, :, None]).reshape(rows, chunks * CHUNK)[:, :t]
 
 
-def radix_topk_select(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def radix_topk_select(scores: jax.Array, k: int, *, digit_bits: int = DIGIT_BITS,
+                      counts_minor: bool = True) -> tuple[jax.Array, jax.Array]:
     """Top-``k`` over the last axis, −inf entries dropped, ties lowest index first; the contract of
-    :func:`dinfer_jax.models.csa2.topk_select`.
+    :func:`dinfer_jax.models.csa2.topk_select`. ``digit_bits``, ``counts_minor``: :func:`kth_largest_key`.
 
     ``scores [..., T]`` float; ``k`` is clipped to ``T``. Returns ``(indices [..., k] int32, mask [..., T] bool)``:
     the selected indices in ascending order followed by −1, and the same selection as a mask.
@@ -87,7 +100,7 @@ def radix_topk_select(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     flat = scores.reshape(-1, t)
     rows = flat.shape[0]
     keys = order_keys(flat)
-    threshold, take_equal = kth_largest_key(keys, k)
+    threshold, take_equal = kth_largest_key(keys, k, digit_bits=digit_bits, counts_minor=counts_minor)
     equal = keys == threshold[:, None]
     first_equal = equal & (inclusive_counts(equal) <= take_equal[:, None])
     selected = ((keys > threshold[:, None]) | first_equal) & (flat.astype(jnp.float32) > -jnp.inf)
