@@ -103,7 +103,10 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="small sizes, wall times: the script runs (any backend)")
     args = p.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} (wall times)")
-    print(table(bench_topk(SMOKE if args.smoke else CASES, _wall_ms, None)))
+    # each finished row printed at once, so a run cut short by a time limit keeps what it measured
+    rows = bench_topk(SMOKE if args.smoke else CASES, _wall_ms, None,
+                      on_row=lambda rows: print(table(rows).splitlines()[-1], flush=True))
+    print(table(rows))
 
 
 if __name__ == "__main__":
