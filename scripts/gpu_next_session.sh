@@ -68,6 +68,8 @@
 #                 token as one cluster, Q and KV tiles multicast: half the L2 reads) and qk_ahead (the next step's
 #                 QK in flight during this step's softmax): their GPU tests, then the kernel at 1, 16 and 64
 #                 queries against split_cta;
+#   STAGE=topk-reuse  issue 9 / 8: the top-k benchmark alone (T s, default 250; long rows unmeasured so far), then
+#                 the V4.1 engine case with lowering reuse on (300 s);
 #   STAGE=pingpong  issue 9: the decode-attention kernel's "pingpong" organisation (two consumer warpgroups on
 #                 alternate KV blocks): its GPU tests, then the kernel variants at 1, 16 and 64 queries;
 #   STAGE=v4-autotune  issue 8: the V4-Flash 4-layer slice with GEMM autotuning off (compile time is mostly
@@ -76,7 +78,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -160,7 +162,7 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
     [ "${SKIP_TESTS:-0}" = 1 ] || DINFER_JAX_REUSE_KERNEL_LOWERINGS=1 timeout 200 python3 -m pytest -q -m gpu \
       -p no:cacheprovider "tests/test_indexer_kernel_gpu.py::test_engine_greedy_with_the_kernel_equals_full_forward_argmax" \
       2>&1 | grep "^E \|passed\|failed" | head -20
-    cd scripts && for r in 1 0; do DINFER_JAX_REUSE_KERNEL_LOWERINGS=$r timeout 200 python3 bench_serving.py \
+    cd scripts && for r in ${REUSE:-1 0}; do DINFER_JAX_REUSE_KERNEL_LOWERINGS=$r timeout ${T:-200} python3 bench_serving.py \
       --preset $P --layers 4 --batch 64 $E $C --out "$OUT/${P}_reuse$r" 2>&1 | quiet \
       | grep "^|\|^warm-up\|Error"; done ;;
   cluster)
@@ -179,6 +181,12 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       "tests/test_indexer_kernel_gpu.py::test_engine_greedy_with_the_kernel_equals_full_forward_argmax" \
       2>&1 | grep "^E \|passed\|failed" | head -20
     timeout 100 python3 scripts/bench_kernels.py topk --out "$OUT/topk" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
+  topk-reuse)
+    # the top-k bench alone first (rows printed as they finish), then the V4.1 engine case with lowering reuse on
+    timeout ${T:-250} python3 scripts/bench_kernels.py topk --out "$OUT/topk" 2>&1 | quiet | grep "^|\|copy\|Error"
+    DINFER_JAX_REUSE_KERNEL_LOWERINGS=1 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      "tests/test_indexer_kernel_gpu.py::test_engine_greedy_with_the_kernel_equals_full_forward_argmax" \
+      2>&1 | grep "^E \|passed\|failed" | head -20 ;;
   pingpong)
     [ "${SKIP_TESTS:-0}" = 1 ] || timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_decode_attention_gpu.py -k "ping" 2>&1 | grep "^E \|passed\|failed\|Error" | head -30
