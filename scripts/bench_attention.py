@@ -212,8 +212,6 @@ def table(rows: list[dict]) -> str:
 KERNEL_VARIANTS = {
     "split_cta": dict(organisation="split_cta"),
     "split_cluster": dict(organisation="split_cluster"),
-    "split_cta ahead": dict(organisation="split_cta", qk_ahead=True),
-    "split_cluster ahead": dict(organisation="split_cluster", qk_ahead=True),
     "shared_qk": dict(organisation="shared_qk"),
     "shared_qk l_split=2": dict(organisation="shared_qk", l_split=2),
     "shared_qk l_split=5": dict(organisation="shared_qk", l_split=5),

@@ -6,9 +6,8 @@ Whether the compiled kernel computes the right thing is the GPU test (tests/test
 slices, barriers and stage reuse, mask, sink, online softmax, column splits, output placement) in Pallas's Mosaic GPU
 interpreter. The interpreter runs neither a WGMMA with its A operand in registers nor ``pl.run_state`` over an
 initialised accumulator nor a store into an accumulator (jax 0.11.2), so that test stages P through shared memory,
-initialises the accumulator with a WGMMA against an identity matrix and resets one by adding its negation the same
-way (trace-time shims, see ``_interpreter_shims``); the register-operand WGMMA itself, and whether ``qk_ahead``'s
-reads wait for the right WGMMA groups (the interpreter's WGMMAs are synchronous), are checked on the GPU only.
+initialises the accumulator with a WGMMA against an identity matrix (trace-time shims, see
+``_interpreter_shims``); the register-operand WGMMA itself is checked on the GPU only.
 The interpreter runs each warpgroup as a host thread blocked in callbacks at its barriers; with a single host CPU
 device it can starve and hang (seen with ``shared_qk``'s three warpgroups on a 2-core machine), so these tests rely
 on conftest.py's 8 host devices.
@@ -31,7 +30,6 @@ import numpy as np
 import pytest
 from jax import lax
 
-from pallas_kernels.attention import decode_sm90
 from pallas_kernels.attention.decode_sm90 import check_config, smem_bytes, sparse_decode_attention, traffic
 from pallas_kernels.attention.reference import sparse_decode_attention_ref
 from pallas_kernels.attention.tuning import decode_options
@@ -40,7 +38,6 @@ SHARED = dict(organisation="shared_qk")
 PING32 = dict(organisation="pingpong", block_kv=32, num_stages=4)   # two 32-row tiles in flight per consumer
 PING64 = dict(organisation="pingpong", block_kv=64, num_stages=2)
 CLUSTER = dict(organisation="split_cluster")                        # split_cta's CTAs as a cluster, multicast
-AHEAD = dict(qk_ahead=True)                                         # the next step's QK issued before the softmax
 
 
 def exact_contract(q, kv, valid, sink, scale: float, *, round_probs: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -207,20 +204,6 @@ def test_split_cluster_config():
         check_config(64, 512, 640, block_kv=64, num_stages=3, v_split=2, organisation="split_cluster")
 
 
-def test_qk_ahead_only_for_the_split_organisations():
-    s = jax.ShapeDtypeStruct
-    f = functools.partial(sparse_decode_attention, scale=0.1, organisation="shared_qk", qk_ahead=True)
-    with pytest.raises(ValueError, match="qk_ahead"):
-        jax.jit(f).trace(s((2, 64, 512), jnp.bfloat16), s((2, 640, 512), jnp.bfloat16), s((2, 640), jnp.bool_),
-                         s((64,), jnp.float32))
-    one_stage = functools.partial(sparse_decode_attention, scale=0.1, num_stages=1, qk_ahead=True)
-    with pytest.raises(ValueError, match="at least 2 pipeline stages"):       # it would wait for itself
-        jax.jit(one_stage).trace(s((2, 64, 512), jnp.bfloat16), s((2, 640, 512), jnp.bfloat16),
-                                 s((2, 640), jnp.bool_), s((64,), jnp.float32))
-    jax.jit(one_stage).trace(s((2, 64, 512), jnp.bfloat16), s((2, 64, 512), jnp.bfloat16),   # one step: fine
-                             s((2, 64), jnp.bool_), s((64,), jnp.float32))
-
-
 def test_split_cluster_multicasts_in_one_cluster():
     """``split_cluster``'s kernel is launched with a cluster of ``v_split`` CTAs and multicasts its Q and KV copies
     over it (each CTA copies ``1 / v_split`` of a tile into all the cluster's shared memories), with a cluster-wide
@@ -296,10 +279,6 @@ def test_decode_options_rejects_bad_sizes():
     (64, 64, 512, 640, CLUSTER),                                   # split_cluster at the real size
     (4, 64, 512, 256, dict(CLUSTER, v_split=4)),                   # clusters of 4 CTAs
     (1, 128, 512, 64, CLUSTER),                                    # one KV step: nothing refilled
-    (64, 64, 512, 640, AHEAD),                                     # QK ahead at the real size
-    (64, 64, 512, 640, dict(CLUSTER, qk_ahead=True)),
-    (4, 64, 256, 256, dict(AHEAD, v_split=1, num_stages=3)),
-    (1, 128, 512, 64, AHEAD),                                      # one KV step: no pair, no step ahead
 ])
 def test_kernel_lowers_for_cuda(n, h, d, rows, kw):
     """The Mosaic GPU kernel lowers for CUDA on this CPU-only machine (jax 0.10.2 and 0.11.2): the Pallas →
@@ -375,15 +354,9 @@ def _interpreter_shims(monkeypatch) -> None:
 
         return run
 
-    def reset_accumulator(acc_ref, zeros):
-        # acc := acc + (−acc) · I: x + (−x) is exactly +0 in fp32, and the interpreter's WGMMA is exact
-        del zeros
-        real_wgmma(acc_ref, *staged_with_identity(-acc_ref[...]))
-
     monkeypatch.setattr(plgpu, "wgmma", wgmma)
     monkeypatch.setattr(plgpu, "kernel", kernel)
     monkeypatch.setattr(pl, "run_state", run_state)
-    monkeypatch.setattr(decode_sm90, "_reset_accumulator", reset_accumulator)
 
 
 @pytest.mark.parametrize("n,h,d,rows,kw", [
@@ -398,11 +371,6 @@ def _interpreter_shims(monkeypatch) -> None:
     (3, 128, 256, 192, dict(PING64, v_split=1)),                   # two head blocks, 3 steps: consumer 1 takes one
     (2, 64, 256, 64, PING64),                                      # one KV step: consumer 1 has none
     (2, 64, 512, 640, CLUSTER),                                    # split_cluster: 10 steps, multicast tiles
-    (2, 64, 512, 640, AHEAD),                                      # QK ahead: 4 pairs + 1 step + the last
-    (3, 128, 256, 192, dict(AHEAD, v_split=4, num_stages=3)),      # 3 steps: 1 pair + the last; 4 QK groups
-    (2, 64, 256, 128, AHEAD),                                      # 2 steps: 1 unpaired step + the last
-    (2, 64, 256, 64, AHEAD),                                       # 1 step: only the last
-    (2, 64, 512, 640, dict(CLUSTER, qk_ahead=True)),
 ])
 def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
     """The kernel (with the shims above) in the Mosaic GPU interpreter against the exact contract, with the GPU

@@ -124,16 +124,6 @@ def test_kernel_matches_reference(n, h, rows, mask, organisation):
     _check(n, h, 512, rows, mask, seed=n + h + rows, organisation=organisation)
 
 
-@pytest.mark.parametrize("organisation", ["split_cta", "split_cluster"])
-@pytest.mark.parametrize("mask", ["random", "prefix"])
-@pytest.mark.parametrize("rows", [64, 128, 640])
-@pytest.mark.parametrize("n", [1, 64])
-def test_qk_ahead_matches_reference(n, rows, mask, organisation):
-    """``qk_ahead``: the next step's QK WGMMAs in flight while this step's logits are read (``wait_n = v_split``)
-    and soft-maxed; 1, 2 and 10 KV steps (the last step's read must wait for everything)."""
-    _check(n, 64, 512, rows, mask, seed=n + rows + 7, organisation=organisation, qk_ahead=True)
-
-
 @pytest.mark.parametrize("organisation", ORGANISATIONS)
 def test_all_queries_masked_give_zeros(organisation):
     _check(64, 64, 512, 640, "all_false", organisation=organisation)
@@ -159,12 +149,9 @@ CLUSTER = dict(organisation="split_cluster")
     (512, dict(CLUSTER, v_split=4)),                 # split_cluster, clusters of 4 CTAs
     (256, dict(CLUSTER, block_kv=128)),              # split_cluster, 128-row tiles
     (128, dict(CLUSTER, num_stages=1)),              # split_cluster, every step waits for both CTAs' release
-    (512, dict(v_split=4, qk_ahead=True)),           # QK ahead with 4 WGMMA groups per step
-    (256, dict(v_split=1, num_stages=3, qk_ahead=True)),   # QK ahead, one group per step, 3 stages
 ], ids=["d512-split4", "d256-split1-3stages", "d256-bkv128", "d128-1stage", "shared-d512-l2", "shared-d512-l10",
         "shared-d256-bkv128", "shared-d128-1stage", "ping-d512-bkv32-4stages", "ping-d512-bkv32-2stages",
-        "ping-d256-split1", "cluster-d512-split4", "cluster-d256-bkv128", "cluster-d128-1stage",
-        "ahead-d512-split4", "ahead-d256-split1-3stages"])
+        "ping-d256-split1", "cluster-d512-split4", "cluster-d256-bkv128", "cluster-d128-1stage"])
 def test_kernel_configs(d, kw):
     _check(8, 128, d, 640, "random", seed=d, **kw)
 

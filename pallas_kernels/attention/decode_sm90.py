@@ -53,17 +53,6 @@ Organisation ``split_cta`` (one kernel launch, no combine step):
   is no QK/softmax/PV overlap inside a CTA (one compute warpgroup); at decode sizes the launch is short (10 KV steps
   at L = 640) and the copies of the next stage overlap the current step's compute.
 
-``qk_ahead=True`` (``split_cta`` and ``split_cluster``): the compute warpgroup issues step ``j + 1``'s QK WGMMAs
-(into a second accumulator, reset to zero) before it reads step ``j``'s logits, so the tensor cores compute them
-during step ``j``'s softmax — the overlap FlashAttention 3 gets inside one warpgroup, without ``pingpong``'s second
-consumer (which halved the KV tiles in flight per consumer). Each ``plgpu.wgmma`` call commits one WGMMA group and
-groups complete in order, so reading step ``j``'s logits waits until at most ``v_split`` groups (step ``j + 1``'s)
-are in flight; the last step waits for all. The accumulator is picked by the step's parity, so the loop runs over
-pairs of steps (the odd remainder and the last step unrolled). P·V still waits for everything before the next step
-(its result is read into registers to be rescaled). Registers: one more fp32 ``[64, block_kv]`` tile (32 per thread
-at ``block_kv = 64``) than ``split_cta``. It needs two pipeline stages or more (with one, the next step's tile could
-only arrive after this step releases the stage it still holds).
-
 Organisation ``split_cluster`` (``split_cta`` with each tile read once):
 
 * The same CTAs, warpgroups, buffers and per-step work as ``split_cta``, but the ``v_split`` CTAs of one (head
@@ -244,12 +233,6 @@ def _online_softmax_step(qk, bias, m_i, l_i, acc, *, qk_scale: float):
     return p.astype(jnp.bfloat16), acc, m_new, l_i
 
 
-def _reset_accumulator(acc_ref, zeros) -> None:
-    """Sets a WGMMA accumulator ref to ``zeros`` (a fresh accumulation for the next WGMMAs into it). Its own
-    function so that the CPU tests can stand in for the store, which jax 0.11.2's Mosaic GPU interpreter lacks."""
-    acc_ref[...] = zeros
-
-
 def smem_bytes(d: int, block_kv: int, stages: int, organisation: str = "split_cta") -> int:
     """Shared memory one CTA allocates.
 
@@ -272,7 +255,7 @@ def smem_bytes(d: int, block_kv: int, stages: int, organisation: str = "split_ct
 
 
 def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v_split: int,
-                 organisation: str = "split_cta", l_split: int = 1, qk_ahead: bool = False) -> int:
+                 organisation: str = "split_cta", l_split: int = 1) -> int:
     """Validates the static configuration; returns the pipeline depth actually used (≤ the number of KV steps of a
     CTA)."""
     if organisation not in ORGANISATIONS:
@@ -308,14 +291,6 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
     if organisation == "pingpong" and stages < rows // block_kv and stages % 2:
         raise ValueError(f"num_stages={num_stages}: organisation='pingpong' refills its stages, so their number must "
                          f"be even (a stage carries the KV blocks of one consumer warpgroup)")
-    if qk_ahead and organisation not in ("split_cta", "split_cluster"):
-        raise ValueError(f"qk_ahead: only organisations 'split_cta' and 'split_cluster' issue QK ahead, "
-                         f"got {organisation!r}")
-    if qk_ahead and stages < 2 <= rows // block_kv:
-        # the next step's tile must be loading while this step's stage is still held (its P·V comes after)
-        raise ValueError(f"qk_ahead needs at least 2 pipeline stages (num_stages={num_stages}): with one, the next "
-                         f"step's tile can only arrive after this step releases the stage, which it does after it "
-                         f"has waited for that tile")
     need = smem_bytes(d, block_kv, stages, organisation)
     limit = SMEM_BYTES - (SMEM_RESERVE if organisation in ("split_cta", "split_cluster") else 0)   # others: none
     if need > limit:
@@ -325,7 +300,7 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
 
 
 def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
-                           block_kv: int, stages: int, cluster: bool = False, qk_ahead: bool = False) -> jax.Array:
+                           block_kv: int, stages: int, cluster: bool = False) -> jax.Array:
     """The Mosaic GPU kernel on the split layouts (``cluster``: organisation ``split_cluster``, the ``v_split`` CTAs
     of a (head block, token) launched as one cluster sharing their Q and KV copies; module docstring).
 
@@ -392,49 +367,14 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
                 for c in range(v_split):
                     plgpu.wgmma(s_ref, q_smem.at[c], kv_smem.at[slot, c].transpose((1, 0)))
 
-            if not qk_ahead:
-                def kv_step(step, carry):
-                    def compute_qk(acc_ref):
-                        issue_qk(step, acc_ref)
-                        return acc_ref[...]
+            def kv_step(step, carry):
+                def compute_qk(acc_ref):
+                    issue_qk(step, acc_ref)
+                    return acc_ref[...]
 
-                    return finish_step(step, pl.run_scoped(compute_qk, plgpu.ACC((hb, block_kv), jnp.float32)),
-                                       carry)
+                return finish_step(step, pl.run_scoped(compute_qk, plgpu.ACC((hb, block_kv), jnp.float32)), carry)
 
-                acc, m_i, l_i = lax.fori_loop(0, kv_steps, kv_step, (acc, m_i, l_i))
-            else:
-                # QK of step j + 1 is issued before step j's softmax, into the other of two accumulators, so the
-                # tensor cores compute it while this warpgroup does the softmax. Each plgpu.wgmma call commits one
-                # WGMMA group and groups complete in order, so reading step j's logits waits until at most
-                # v_split groups (step j + 1's) are in flight — except on the last step, where nothing else is
-                # (wait_n=0). Parity picks the accumulator, so the loop runs over pairs of steps and the steps
-                # after the last pair are unrolled.
-                zeros = plgpu.layout_cast(jnp.full((hb, block_kv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-
-                def ahead(s_even, s_odd):
-                    refs = (s_even, s_odd)
-
-                    def step_with_next(step, parity: int, carry):
-                        nxt = refs[1 - parity]
-                        _reset_accumulator(nxt, zeros)   # a fresh accumulation (its previous logits were read)
-                        issue_qk(step + 1, nxt)
-                        qk = plgpu.wgmma_accumulator_load(refs[parity], wait_n=v_split)
-                        return finish_step(step, qk, carry)
-
-                    def pair(i, carry):
-                        carry = step_with_next(2 * i, 0, carry)
-                        return step_with_next(2 * i + 1, 1, carry)
-
-                    issue_qk(jnp.int32(0), s_even)
-                    carry = lax.fori_loop(0, (kv_steps - 1) // 2, pair, (acc, m_i, l_i))
-                    if (kv_steps - 1) % 2:
-                        carry = step_with_next(jnp.int32(kv_steps - 2), 0, carry)
-                    last = kv_steps - 1
-                    qk = plgpu.wgmma_accumulator_load(refs[last % 2], wait_n=0)
-                    return finish_step(jnp.int32(last), qk, carry)
-
-                acc, m_i, l_i = pl.run_scoped(ahead, plgpu.ACC((hb, block_kv), jnp.float32),
-                                              plgpu.ACC((hb, block_kv), jnp.float32))
+            acc, m_i, l_i = lax.fori_loop(0, kv_steps, kv_step, (acc, m_i, l_i))
             acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
             o_smem = q_smem.at[0]           # every QK product has been read: Q's buffer is free
             o_smem[...] = acc.astype(jnp.bfloat16)
@@ -448,8 +388,7 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
                         chunks=v_split, block_kv=block_kv, stages=stages, kv_steps=kv_steps,
                         multicast="split" if cluster else None)
 
-    body.__name__ = (f"sparse_decode_attention_d{v_split * dh}_bkv{block_kv}{'_cluster' if cluster else ''}"
-                     f"{'_ahead' if qk_ahead else ''}")
+    body.__name__ = f"sparse_decode_attention_d{v_split * dh}_bkv{block_kv}{'_cluster' if cluster else ''}"
     # split_cluster: a stage is refilled (into both CTAs' shared memory) only once both CTAs' compute warpgroups
     # are done with it, so its "consumed" barrier counts the arrivals of the whole cluster.
     consumed = (plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1, num_barriers=stages) if cluster
@@ -650,10 +589,10 @@ def _combine_parts(acc: jax.Array, ml: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "v_split", "organisation",
-                                             "l_split", "qk_ahead"))
+                                             "l_split"))
 def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink: jax.Array, *, scale: float,
                             block_kv: int = 64, num_stages: int = 2, v_split: int = 2,
-                            organisation: str = "split_cta", l_split: int = 1, qk_ahead: bool = False) -> jax.Array:
+                            organisation: str = "split_cta", l_split: int = 1) -> jax.Array:
     """Decode attention over each query's gathered rows on Hopper (organisations: module docstring).
 
     ``s = scale · q[n,h]·kv[n,l]`` (fp32); ``p = softmax({s : valid} ∪ {sink[h]})`` without the sink's entry;
@@ -678,8 +617,6 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
         ``num_stages`` when stages are refilled).
       l_split: ``shared_qk`` only: CTAs per (token, head block), each over ``L / l_split`` rows, their fp32 partial
         outputs merged by XLA after the kernel (must divide ``L / block_kv``).
-      qk_ahead: ``split_cta`` / ``split_cluster`` only: issue the next KV step's QK WGMMAs before this step's
-        softmax (into a second accumulator), so the tensor cores run them while the warpgroup does the softmax.
     Returns:
       ``o bf16 [N, H, d]``.
     """
@@ -687,13 +624,13 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
     if q.dtype != jnp.bfloat16 or kv.dtype != jnp.bfloat16:
         raise ValueError(f"q and kv must be bf16, got {q.dtype} and {kv.dtype}")
     stages = check_config(h, d, rows, block_kv=block_kv, num_stages=num_stages, v_split=v_split,
-                          organisation=organisation, l_split=l_split, qk_ahead=qk_ahead)
+                          organisation=organisation, l_split=l_split)
     dh = d // v_split
     bias = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
     args = (q.reshape(n, h, v_split, dh), kv.reshape(n, rows, v_split, dh), bias, sink.astype(jnp.float32))
     if organisation in ("split_cta", "split_cluster"):
         out = _split_cta_call(*args, scale=scale, block_kv=block_kv, stages=stages,
-                              cluster=organisation == "split_cluster", qk_ahead=qk_ahead)
+                              cluster=organisation == "split_cluster")
     elif organisation == "pingpong":
         from pallas_kernels.attention.decode_pingpong_sm90 import pingpong_call
         out = pingpong_call(*args, scale=scale, block_kv=block_kv, stages=stages)
