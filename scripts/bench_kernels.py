@@ -290,6 +290,10 @@ def main() -> None:
     p.add_argument("--ablate", type=int, nargs="*", default=[],
                    help="token counts at which to time the kernel without its scale / decode stages")
     p.add_argument("--out", default=None, help="directory for the table (markdown) and raw rows (JSON)")
+    p.add_argument("--topk-cases", type=int, nargs="*", default=None,
+                   help="topk: indices into bench_topk.CASES (default: all)")
+    p.add_argument("--topk-variants", nargs="*", default=None,
+                   help="topk: radix variants of bench_topk.VARIANTS (default: all)")
     import bench_attention  # scripts/ is on sys.path when run as a script
 
     bench_attention.add_arguments(p)
@@ -347,8 +351,15 @@ def main() -> None:
     if args.what == "topk":
         import bench_topk
 
-        rows = bench_topk.bench_topk(bench_topk.CASES, lambda f, *a: device_times(f, *a)[0], ceil["copy_GBps"] * 1e9,
-                                     on_row=saver("bench_topk", bench_topk.table))
+        cases = bench_topk.CASES if args.topk_cases is None else [bench_topk.CASES[i] for i in args.topk_cases]
+        save = saver("bench_topk", bench_topk.table)
+
+        def on_row(rows: list[dict]) -> None:
+            save(rows)
+            print(bench_topk.table(rows).splitlines()[-1], flush=True)
+
+        rows = bench_topk.bench_topk(cases, lambda f, *a: device_times(f, *a)[0], ceil["copy_GBps"] * 1e9,
+                                     on_row=on_row, variants=args.topk_variants)
         print(bench_topk.table(rows))
         return
     if args.what == "linear":

@@ -60,11 +60,17 @@ def _wall_ms(f, *args, iterations: int = 5) -> float:
     return 1e3 * (time.perf_counter() - t0) / iterations
 
 
-def bench_topk(cases, timer, copy_bw: float | None, on_row=lambda rows: None) -> list[dict]:
-    """Times ``lax.top_k`` and every radix variant per case with ``timer(f, *args) -> ms``; rows of the table
-    (``same``: the rows on which every variant equals ``lax.top_k``)."""
+def bench_topk(cases, timer, copy_bw: float | None, on_row=lambda rows: None,
+               variants: list[str] | None = None) -> list[dict]:
+    """Times ``lax.top_k`` and each radix variant named in ``variants`` (default: all of :data:`VARIANTS`) per case
+    with ``timer(f, *args) -> ms``; rows of the table (``same``: the rows on which every variant equals
+    ``lax.top_k``)."""
+    unknown = sorted(set(variants or ()) - set(VARIANTS))
+    if unknown:
+        raise ValueError(f"unknown radix variants {unknown}; known: {sorted(VARIANTS)}")
     sort = jax.jit(functools.partial(topk_select, k=TOPK))
-    radix = {name: jax.jit(functools.partial(radix_topk_select, k=TOPK, **kw)) for name, kw in VARIANTS.items()}
+    radix = {name: jax.jit(functools.partial(radix_topk_select, k=TOPK, **VARIANTS[name]))
+             for name in (variants or VARIANTS)}
     rows = []
     for label, batch, queries, t in cases:
         x = _scores(batch, queries, t)
@@ -82,9 +88,10 @@ def bench_topk(cases, timer, copy_bw: float | None, on_row=lambda rows: None) ->
 
 
 def table(rows: list[dict]) -> str:
+    names = list(rows[0]["radix_ms"]) if rows else []
     lines = ["| case | batch | queries | scores a row | lax.top_k ms (GB/s) | "
-             + " | ".join(f"{name} ms (× top_k)" for name in VARIANTS) + " | same indices |",
-             "|---|---:|---:|---:|---:|" + "---:|" * len(VARIANTS) + "---:|"]
+             + " | ".join(f"{name} ms (× top_k)" for name in names) + " | same indices |",
+             "|---|---:|---:|---:|---:|" + "---:|" * len(names) + "---:|"]
 
     def rate(r: dict, ms: float) -> str:
         gbps = r["bytes"] / (ms * 1e-3) / 1e9

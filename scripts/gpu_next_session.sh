@@ -4,10 +4,10 @@
 # session, which got no device):
 #   1. STAGE=warmup-reuse (any H100/H200): lowering reuse after its two fixes — engine tokens with it, V4 warm-up
 #      on/off; 2. on an H200: PRESET=deepseek-v4.1-flash SKIP_TESTS=1 STAGE=warmup-reuse (V4.1 < 60 s?);
-#   2b. STAGE=cluster (any): the decode-attention kernel's split_cluster and qk_ahead, tests and timing;
+#   2b. STAGE=cluster (any): the decode-attention kernel's split_cluster, tests and timing;
 #   3. STAGE=mesh when nvidia-h200-x2 is lent, STAGE=lab4 on nvidia-h200-x4. If only one call is likely (device
 #   starts failing), STAGE=first does the essentials of 1 and 2b in one call (~8 min). Stages:
-#   STAGE=first   one call for a session that may get only one: the split_cluster / qk_ahead GPU tests, their
+#   STAGE=first   one call for a session that may get only one: the split_cluster GPU tests, their
 #                 timing against split_cta at 1, 16 and 64 queries, and the V4.1 engine case with kernel lowerings
 #                 reused (greedy tokens = full-forward argmax), and the indexer's top-k: lax.top_k against the radix
 #                 selection (scripts/bench_topk.py) — each part with its own time limit;
@@ -65,8 +65,7 @@
 #                 compiles): the V4.1 engine case with reuse on (greedy tokens = full-forward argmax), then the
 #                 4-layer slice of PRESET (default V4-Flash) cold, reuse on then off (SKIP_TESTS=1: only the runs);
 #   STAGE=cluster issue 9: the decode-attention kernel's "split_cluster" organisation (split_cta's two CTAs of a
-#                 token as one cluster, Q and KV tiles multicast: half the L2 reads) and qk_ahead (the next step's
-#                 QK in flight during this step's softmax): their GPU tests, then the kernel at 1, 16 and 64
+#                 token as one cluster, Q and KV tiles multicast: half the L2 reads): its GPU tests, then the kernel at 1, 16 and 64
 #                 queries against split_cta;
 #   STAGE=topk-reuse  issue 9 / 8: the top-k benchmark alone (T s, default 250; long rows unmeasured so far), then
 #                 the V4.1 engine case with lowering reuse on (300 s);
@@ -167,15 +166,15 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       | grep "^|\|^warm-up\|Error"; done ;;
   cluster)
     [ "${SKIP_TESTS:-0}" = 1 ] || timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_decode_attention_gpu.py -k "cluster or ahead" 2>&1 | grep "^E \|passed\|failed\|Error" | head -30
+      tests/test_decode_attention_gpu.py -k "cluster" 2>&1 | grep "^E \|passed\|failed\|Error" | head -30
     timeout 300 python3 scripts/bench_kernels.py attention-kernel --batches 1 16 64 --variants split_cta \
-      split_cluster "split_cta ahead" "split_cluster ahead" "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet \
+      split_cluster "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet \
       | grep "^|\|copy\|peak" ;;
   first)
     timeout 140 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py \
-      -k "cluster or ahead" 2>&1 | grep "^E \|passed\|failed\|Error" | head -20
+      -k "cluster" 2>&1 | grep "^E \|passed\|failed\|Error" | head -20
     timeout 190 python3 scripts/bench_kernels.py attention-kernel --batches 1 16 64 --variants split_cta \
-      split_cluster "split_cta ahead" "split_cluster ahead" "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet \
+      split_cluster "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet \
       | grep "^|\|copy\|peak"
     DINFER_JAX_REUSE_KERNEL_LOWERINGS=1 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
       "tests/test_indexer_kernel_gpu.py::test_engine_greedy_with_the_kernel_equals_full_forward_argmax" \

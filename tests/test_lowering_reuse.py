@@ -98,6 +98,23 @@ def test_platform_from_env_only_on_a_gpu(monkeypatch, value):
     assert jax.default_backend() != "gpu" and platform_from_env() is None
 
 
+@pytest.mark.parametrize("value,expected", [(None, "cuda"), ("1", "cuda"), ("true", "cuda"), ("0", None),
+                                            ("False", None)])
+def test_platform_from_env_is_on_by_default_on_a_gpu(monkeypatch, value, expected):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    if value is None:
+        monkeypatch.delenv(lowering_reuse.ENV, raising=False)
+    else:
+        monkeypatch.setenv(lowering_reuse.ENV, value)
+    assert platform_from_env() == expected
+
+
+def test_platform_from_env_rejects_other_values(monkeypatch):
+    monkeypatch.setenv(lowering_reuse.ENV, "yes")
+    with pytest.raises(ValueError, match="DINFER_JAX_REUSE_KERNEL_LOWERINGS='yes'"):
+        platform_from_env()
+
+
 def _one_layer_step_lowering(pages: int, preset: str = "deepseek-v4-flash", layers: int = 1, **kw) -> str:
     """The serving step of the first ``layers`` layers of a real-dimension slice (abstract native weights, batch 8,
     the FP8 linear kernel) lowered for CUDA, as the one-device engine traces it unless ``kw`` says otherwise."""
@@ -124,16 +141,16 @@ def _one_layer_step_lowering(pages: int, preset: str = "deepseek-v4-flash", laye
 def test_the_engine_step_reuses_its_kernels_when_switched_on(monkeypatch):
     """The switch must reach the one-device engine's step (a default argument once kept it off there: the first
     H200 measurement of reuse measured nothing). Two decode programs differing only in their page-table width:
-    with ``DINFER_JAX_REUSE_KERNEL_LOWERINGS=1`` on a GPU (the backend query answered "gpu", lowering for CUDA
-    on this CPU) the first exports its FP8-linear, expert and Sinkhorn kernels, the second finds every one of
-    them exported, and both embed the same kernels as the direct lowering; a mesh program's step
+    with ``DINFER_JAX_REUSE_KERNEL_LOWERINGS`` unset (on by default) on a GPU (the backend query answered "gpu",
+    lowering for CUDA on this CPU) the first exports its FP8-linear, expert and Sinkhorn kernels, the second finds
+    every one of them exported, and both embed the same kernels as the direct lowering; a mesh program's step
     (``copies_manual`` ≥ 1) never reuses."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.delenv(lowering_reuse.ENV, raising=False)
+    monkeypatch.setenv(lowering_reuse.ENV, "0")
     lowering_reuse._exported.cache_clear()
     direct = _kernels(_one_layer_step_lowering(4))
     assert lowering_reuse._exported.cache_info().currsize == 0 and len(direct) >= 4
-    monkeypatch.setenv(lowering_reuse.ENV, "1")
+    monkeypatch.delenv(lowering_reuse.ENV)
     _one_layer_step_lowering(4, copies_manual=1)   # as the mesh engine calls it: no export
     assert lowering_reuse._exported.cache_info().currsize == 0
     first = _kernels(_one_layer_step_lowering(4))

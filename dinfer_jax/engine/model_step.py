@@ -78,9 +78,9 @@ def model_step(params: Mapping[str, Any], cache: ModelCache, inp: StepInput, *, 
     returned logits are then meaningless (no row samples).
     ``mhc_impl``: the mHC Sinkhorn's implementation (:class:`~dinfer_jax.models.layers.LayerOptions`).
     ``linear_impl``: the FP8 linears' implementation (:mod:`dinfer_jax.models.linear_impl`: ``"xla"`` or the
-    Mosaic GPU kernel, ``"pallas"``). With ``DINFER_JAX_REUSE_KERNEL_LOWERINGS=1`` on a GPU, the one-device step's
-    FP8-linear and expert kernels are lowered once per process and shape instead of once per program
-    (:mod:`pallas_kernels.lowering_reuse`).
+    Mosaic GPU kernel, ``"pallas"``). On a GPU the one-device step's Mosaic GPU kernels are lowered once per
+    process and shape instead of once per program (:mod:`pallas_kernels.lowering_reuse`; off with
+    ``DINFER_JAX_REUSE_KERNEL_LOWERINGS=0``).
     """
     reuse = None if (ep_manual or cp_manual or copies_manual) else platform_from_env()
     with (invariant_tracing(batch_invariant),
