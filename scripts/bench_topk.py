@@ -5,13 +5,13 @@ selection (``radix_select.radix_topk_select``), same indices required.
 measured in the same run); ``python scripts/bench_topk.py --smoke`` on any backend (wall times of small sizes: a
 check that the script runs, not a measurement).
 
-Shapes: decode steps of V4.1-Flash (top-k 512, ratio 2: context / 2 scores a row) at batch 64 and contexts 4K /
-32K / 128K, V4-Flash (ratio 4) at 128K, V4.1-Flash at batch 1 and 128K, and one prefill chunk (1,024 queries over
-16,384 rows), for each radix variant of :data:`VARIANTS`. Scores are random normal with the invisible rows of a
-chunk at −inf (as ``index_scores`` leaves them). ``GB/s``: the fp32 scores read once (``rows · T · 4`` B) over
-``lax.top_k``'s time — the least any selection reads; a radix variant reads them once per counting pass
-(32 / bits) and twice for the running counts. ``same``: rows on which every variant's indices and mask equal
-``lax.top_k``'s.
+Shapes: decode steps of V4.1-Flash (top-k 512, ratio 2: context / 2 scores a row) at batch 64 and contexts 4K / 32K
+/ 128K, V4-Flash (ratio 4) at 128K, V4.1-Flash at batch 1 and 128K, one prefill chunk (1,024 queries over 16,384
+rows), and V4.1-Flash at batch 64 and 8K / 16K (where the two cross), for each radix variant of :data:`VARIANTS`.
+Scores are random normal with the invisible rows of a chunk at −inf (as ``index_scores`` leaves them). ``GB/s``: the
+fp32 scores read once (``rows · T · 4`` B) over ``lax.top_k``'s time — the least any selection reads; a radix
+variant reads them once per counting pass (32 / bits) and twice for the running counts. ``same``: rows on which
+every variant's indices and mask equal ``lax.top_k``'s.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ TOPK = 512
 # (label, batch, queries per row, compressed rows T)
 CASES = [("V4.1 decode, 4K", 64, 1, 2048), ("V4.1 decode, 32K", 64, 1, 16384), ("V4.1 decode, 128K", 64, 1, 65536),
          ("V4 decode, 128K", 64, 1, 32768), ("V4.1 decode, 128K", 1, 1, 65536),
-         ("V4.1 prefill chunk, 1024 queries", 1, 1024, 16384)]
+         ("V4.1 prefill chunk, 1024 queries", 1, 1024, 16384), ("V4.1 decode, 8K", 64, 1, 4096),
+         ("V4.1 decode, 16K", 64, 1, 8192)]
 SMOKE = [("smoke decode", 2, 1, 2048), ("smoke chunk", 1, 16, 1024)]
 # radix selection variants (radix_select.kth_largest_key): bits per pass, and whether the per-digit counts are the
 # minor axis of the reduction ([R, T, digits] summed over T) or one row reduction per digit ([R, digits, T])
