@@ -11,7 +11,8 @@ rows), and V4.1-Flash at batch 64 and 8K / 16K (where the two cross), for each r
 Scores are random normal with the invisible rows of a chunk at −inf (as ``index_scores`` leaves them). ``GB/s``: the
 fp32 scores read once (``rows · T · 4`` B) over ``lax.top_k``'s time — the least any selection reads; a radix
 variant reads them once per counting pass (32 / bits) and twice for the running counts. ``same``: rows on which
-every variant's indices and mask equal ``lax.top_k``'s.
+every variant's indices and mask equal ``lax.top_k``'s. ``model rule``: ``csa2.topk_select`` as the model calls it,
+whose ``topk_impl`` picks one of the two by shape and backend.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ SMOKE = [("smoke decode", 2, 1, 2048), ("smoke chunk", 1, 16, 1024)]
 # minor axis of the reduction ([R, T, digits] summed over T) or one row reduction per digit ([R, digits, T])
 VARIANTS = {"radix 4b": dict(digit_bits=4, counts_minor=True), "radix 4b rows": dict(digit_bits=4, counts_minor=False),
             "radix 2b rows": dict(digit_bits=2, counts_minor=False), "radix 8b": dict(digit_bits=8, counts_minor=True)}
+MODEL = "model rule"   # the column of topk_select as the model calls it (csa2.topk_impl picks sort or radix)
 
 
 def _scores(batch: int, queries: int, t: int) -> jax.Array:
@@ -69,9 +71,10 @@ def bench_topk(cases, timer, copy_bw: float | None, on_row=lambda rows: None,
     unknown = sorted(set(variants or ()) - set(VARIANTS))
     if unknown:
         raise ValueError(f"unknown radix variants {unknown}; known: {sorted(VARIANTS)}")
-    sort = jax.jit(functools.partial(topk_select, k=TOPK))
+    sort = jax.jit(functools.partial(topk_select, k=TOPK, impl="sort"))
     radix = {name: jax.jit(functools.partial(radix_topk_select, k=TOPK, **VARIANTS[name]))
              for name in (variants or VARIANTS)}
+    radix[MODEL] = jax.jit(functools.partial(topk_select, k=TOPK))     # impl="auto": csa2's rule on this backend
     rows = []
     for label, batch, queries, t in cases:
         x = _scores(batch, queries, t)

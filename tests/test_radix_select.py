@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dinfer_jax.models.csa2 import topk_select
+from dinfer_jax.models import csa2
+from dinfer_jax.models.csa2 import topk_impl, topk_select
 from dinfer_jax.models.radix_select import inclusive_counts, kth_largest_key, order_keys, radix_topk_select
 
-_sorted = jax.jit(topk_select, static_argnums=1)
+_sorted = jax.jit(functools.partial(topk_select, impl="sort"), static_argnums=1)
 _radix = jax.jit(radix_topk_select, static_argnums=1)
 
 
@@ -88,3 +91,32 @@ def test_inclusive_counts_against_cumsum():
 def test_rejects_digit_widths_that_do_not_divide_32():
     with pytest.raises(ValueError, match="digit_bits=3 must divide 32"):
         kth_largest_key(jnp.zeros((1, 4), jnp.uint32), 1, digit_bits=3)
+
+
+def test_the_model_selection_picks_radix_only_for_many_long_rows_on_a_gpu():
+    """The measured crossover (H200; csa2's comment): radix from 16,384 scores a row with at least 64 rows."""
+    assert topk_impl(16384, 64, "gpu") == "radix" and topk_impl(65536, 1024, "gpu") == "radix"
+    assert topk_impl(16383, 64, "gpu") == "sort" and topk_impl(65536, 63, "gpu") == "sort"
+    assert topk_impl(65536, 1024, "cpu") == "sort"
+
+
+def test_the_model_selection_with_radix_equals_sort(monkeypatch):
+    """``topk_select`` as the model calls it (``impl="auto"``) on a GPU-sized shape with the backend answering
+    "gpu": the radix path is traced (its options as csa2 sets them) and gives lax.top_k's selection."""
+    rng = np.random.default_rng(11)
+    x = _scores(rng, "masked", (64, 1, 16384))
+    x[:, :, rng.random(16384) < 0.01] = 1.5                # ~164 equal scores a row, around the 512th largest
+    want = _sorted(jnp.asarray(x), 512)
+    calls = []
+    real = csa2.radix_topk_select
+    monkeypatch.setattr(csa2, "radix_topk_select", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    got = topk_select(jnp.asarray(x), 512)
+    assert calls == [csa2.RADIX_OPTIONS]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_topk_select_rejects_unknown_impl():
+    with pytest.raises(ValueError, match="impl='heap' is not one of"):
+        topk_select(jnp.zeros((2, 8)), 4, impl="heap")

@@ -11,10 +11,22 @@ exact ties.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from dinfer_jax.models.radix_select import radix_topk_select
+
 F32 = jnp.float32
+# On a GPU, XLA's top_k over long rows sorts each whole row; the sort-free radix selection (bits per pass and counting
+# layout as below) beats it from 16,384 scores a row when there are at least 64 rows (H200, top-512: 1.2x at 16K
+# rows, 1.35x at 32K, 1.83x at 64K, 1.52x for a 1,024-query prefill chunk over 16K) and loses below that (0.6-0.7x
+# at 4K-8K rows; 0.5-0.8x for a single row of 64K). docs/perf/attention_h200.md, fifth session of 2026-12-05.
+RADIX_MIN_SCORES = 16384
+RADIX_MIN_ROWS = 64
+RADIX_OPTIONS = dict(digit_bits=2, counts_minor=False)
+TOPK_IMPLS = ("auto", "sort", "radix")
 
 
 def pool_groups(score: jax.Array, latent: jax.Array, ratio: int) -> jax.Array:
@@ -52,14 +64,30 @@ def _scatter_mask(idx: jax.Array, size: int) -> jax.Array:
     return mask.reshape(*lead, size)
 
 
-def topk_select(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def topk_impl(num_scores: int, num_rows: int, backend: str) -> str:
+    """The selection :func:`topk_select` runs for ``impl="auto"``: ``"radix"`` on a GPU for rows of at least
+    :data:`RADIX_MIN_SCORES` scores, at least :data:`RADIX_MIN_ROWS` of them; else ``"sort"`` (``lax.top_k``)."""
+    if backend == "gpu" and num_scores >= RADIX_MIN_SCORES and num_rows >= RADIX_MIN_ROWS:
+        return "radix"
+    return "sort"
+
+
+def topk_select(scores: jax.Array, k: int, *, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
     """Top-``k`` over the last axis, −inf entries dropped, ties lowest index first.
 
     ``scores [..., T]`` float; ``k`` is clipped to ``T``. Returns ``(indices [..., k] int32, mask [..., T] bool)``:
     the selected indices in ascending order followed by −1 fill (DeepSelect's ``sorted_index`` order with −1 for
-    dropped picks), and the same selection as a mask.
+    dropped picks), and the same selection as a mask. ``impl``: ``"sort"`` (``lax.top_k``), ``"radix"``
+    (:func:`~dinfer_jax.models.radix_select.radix_topk_select`, the same result on every input) or ``"auto"``
+    (:func:`topk_impl`'s choice for the shape and the default backend).
     """
+    if impl not in TOPK_IMPLS:
+        raise ValueError(f"topk_select: impl={impl!r} is not one of {TOPK_IMPLS}")
     t = scores.shape[-1]
+    if impl == "auto":
+        impl = topk_impl(t, math.prod(scores.shape[:-1]), jax.default_backend())
+    if impl == "radix":
+        return radix_topk_select(scores, k, **RADIX_OPTIONS)
     k = min(k, t)
     vals, idx = jax.lax.top_k(scores, k)
     idx = jnp.where(vals > -jnp.inf, idx.astype(jnp.int32), t)
