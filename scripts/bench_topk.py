@@ -30,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dinfer_jax.models.csa2 import topk_select  # noqa: E402
+from dinfer_jax.models.group_select import group_topk_select  # noqa: E402
 from dinfer_jax.models.radix_select import radix_topk_select  # noqa: E402
 
 TOPK = 512
@@ -40,9 +41,15 @@ CASES = [("V4.1 decode, 4K", 64, 1, 2048), ("V4.1 decode, 32K", 64, 1, 16384), (
          ("V4.1 decode, 16K", 64, 1, 8192)]
 SMOKE = [("smoke decode", 2, 1, 2048), ("smoke chunk", 1, 16, 1024)]
 # radix selection variants (radix_select.kth_largest_key): bits per pass, and whether the per-digit counts are the
-# minor axis of the reduction ([R, T, digits] summed over T) or one row reduction per digit ([R, digits, T])
-VARIANTS = {"radix 4b": dict(digit_bits=4, counts_minor=True), "radix 4b rows": dict(digit_bits=4, counts_minor=False),
-            "radix 2b rows": dict(digit_bits=2, counts_minor=False), "radix 8b": dict(digit_bits=8, counts_minor=True)}
+# minor axis of the reduction ([R, T, digits] summed over T) or one row reduction per digit ([R, digits, T]); and the
+# group-maxima selection (group_select.group_topk_select) by entries per group
+VARIANTS = {"radix 4b": functools.partial(radix_topk_select, digit_bits=4, counts_minor=True),
+            "radix 4b rows": functools.partial(radix_topk_select, digit_bits=4, counts_minor=False),
+            "radix 2b rows": functools.partial(radix_topk_select, digit_bits=2, counts_minor=False),
+            "radix 8b": functools.partial(radix_topk_select, digit_bits=8, counts_minor=True),
+            "group 4": functools.partial(group_topk_select, group=4),
+            "group 8": functools.partial(group_topk_select, group=8),
+            "group 16": functools.partial(group_topk_select, group=16)}
 MODEL = "model rule"   # the column of topk_select as the model calls it (csa2.topk_impl picks sort or radix)
 
 
@@ -72,8 +79,7 @@ def bench_topk(cases, timer, copy_bw: float | None, on_row=lambda rows: None,
     if unknown:
         raise ValueError(f"unknown radix variants {unknown}; known: {sorted(VARIANTS)}")
     sort = jax.jit(functools.partial(topk_select, k=TOPK, impl="sort"))
-    radix = {name: jax.jit(functools.partial(radix_topk_select, k=TOPK, **VARIANTS[name]))
-             for name in (variants or VARIANTS)}
+    radix = {name: jax.jit(functools.partial(VARIANTS[name], k=TOPK)) for name in (variants or VARIANTS)}
     radix[MODEL] = jax.jit(functools.partial(topk_select, k=TOPK))     # impl="auto": csa2's rule on this backend
     rows = []
     for label, batch, queries, t in cases:

@@ -1,0 +1,95 @@
+"""The group-maxima top-k (:mod:`dinfer_jax.models.group_select`) against ``lax.top_k`` through
+:func:`csa2.topk_select` (``impl="sort"``): the same indices and mask bit for bit, on the inputs that stress the
+tie rule and the total order (``test_radix_select._scores``), with group sizes small enough that the rows recurse
+through several levels of group maxima."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dinfer_jax.models.csa2 import topk_select
+from dinfer_jax.models.group_select import group_topk_select, int_keys, top_indices
+from test_radix_select import _scores
+
+_sorted = jax.jit(functools.partial(topk_select, impl="sort"), static_argnums=1)
+_group = jax.jit(group_topk_select, static_argnums=1, static_argnames="group")
+
+
+def _levels(t: int, k: int, group: int) -> int:
+    """How many levels of group maxima ``top_indices`` goes through for a row of ``t``."""
+    levels = 0
+    while t >= 2 * k * group:
+        t, levels = -(-t // group), levels + 1
+    return levels
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "masked", "zeros", "extremes", "all_masked"])
+@pytest.mark.parametrize("group", [2, 3, 8])
+def test_equals_lax_top_k_selection(kind, group):
+    rng = np.random.default_rng(len(kind) + 10 * group)
+    deepest = 0
+    for _ in range(10):
+        rows, t = int(rng.integers(1, 4)), int(rng.integers(200, 1500))
+        k = int(np.exp(rng.uniform(0, np.log(max(2, t // (2 * group))))))   # log-uniform: small k recurse deeper
+        x = jnp.asarray(_scores(rng, kind, (rows, t)))
+        (want_idx, want_mask), (idx, mask) = _sorted(x, k), _group(x, k, group=group)
+        assert idx.shape == want_idx.shape and idx.dtype == want_idx.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx), err_msg=f"{kind} T={t} k={k}")
+        np.testing.assert_array_equal(np.asarray(mask), np.asarray(want_mask), err_msg=f"{kind} T={t} k={k}")
+        deepest = max(deepest, _levels(t, k, group))
+    assert deepest >= 2        # the cases went through group maxima of group maxima
+
+
+def test_ties_across_groups_pick_the_lowest_indices():
+    """The case the tie argument is about: the k-th best group maximum shared by many groups, and entries equal to
+    it inside groups with a larger maximum (which sit at lower or higher indices)."""
+    t, k, group = 4096, 16, 4
+    x = np.zeros((3, t), np.float32)
+    x[0, ::7] = 1.0                          # 586 groups of maximum 1; the top 16 are the first 16 ones
+    x[1, 100:4096:4] = 1.0
+    x[1, [3000, 3500]] = 2.0                 # two groups above the tie, each also holding a 1 at a lower index
+    x[1, [2999, 3499]] = 1.0
+    x[2] = np.round(np.random.default_rng(5).standard_normal(t))   # a handful of values, long runs of ties
+    (want_idx, want_mask), (idx, mask) = _sorted(jnp.asarray(x), k), _group(jnp.asarray(x), k, group=group)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
+    np.testing.assert_array_equal(np.asarray(mask), np.asarray(want_mask))
+
+
+def test_real_sizes_and_leading_dims():
+    """``[B, S, T]`` as the model passes them: the V4.1-Flash top-k (512) over 16,384 and 65,536 scores (one and two
+    levels of maxima at the default group of 8), with short visible prefixes (−inf tails)."""
+    rng = np.random.default_rng(9)
+    for t in (16384, 65536):
+        x = rng.standard_normal((2, 2, t)).astype(np.float32)
+        visible = np.array([300, t])
+        x = np.where(np.arange(t)[None, None, :] < visible[None, :, None], x, -np.inf).astype(np.float32)
+        (want_idx, want_mask), (idx, mask) = _sorted(jnp.asarray(x), 512), _group(jnp.asarray(x), 512)
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
+        np.testing.assert_array_equal(np.asarray(mask), np.asarray(want_mask))
+        assert (np.asarray(idx)[:, 0, 300:] == -1).all() and (np.asarray(idx)[:, 1] >= 0).all()
+
+
+def test_int_keys_follow_total_order():
+    values = np.array([-np.nan, -np.inf, -3e38, -1.0, -1e-45, -0.0, 0.0, 1e-45, 1.0, 3e38, np.inf, np.nan],
+                      np.float32)
+    values[0] = -np.abs(values[0])                                         # a NaN with the sign bit set
+    assert (np.diff(np.asarray(int_keys(jnp.asarray(values))).astype(np.int64)) > 0).all()
+
+
+def test_top_indices_is_lax_top_k_as_a_set():
+    keys = np.random.default_rng(2).integers(-2**31, 2**31, size=(4, 5000), dtype=np.int64).astype(np.int32)
+    keys[1] = keys[1] % 3                                                  # heavy ties
+    got = np.asarray(top_indices(jnp.asarray(keys), 40, group=4))
+    want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(keys), 40)[1]), axis=-1)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_k_beyond_the_row_is_clipped():
+    x = jnp.asarray([[0.5, -jnp.inf, 2.0, 1.0, jnp.nan]], jnp.float32)
+    for got, want in zip(_group(x, 9), _sorted(x, 9), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
