@@ -6,7 +6,7 @@
 ``python scripts/bench_kernels.py linear [--tokens N ...] [--out DIR]``,
 ``python scripts/bench_kernels.py topk [--out DIR]``.
 
-``topk``: the indexer's top-k selection, ``lax.top_k`` against the sort-free radix selection
+``topk``: the indexer's top-k selection, ``lax.top_k`` against the selection through group maxima
 (``scripts/bench_topk.py`` says what is measured).
 
 ``indexer``: the lightning indexer over paged keys, fp32 against bf16 products, and its top-k
@@ -293,7 +293,7 @@ def main() -> None:
     p.add_argument("--topk-cases", type=int, nargs="*", default=None,
                    help="topk: indices into bench_topk.CASES (default: all)")
     p.add_argument("--topk-variants", nargs="*", default=None,
-                   help="topk: radix variants of bench_topk.VARIANTS (default: all)")
+                   help="topk: variants of bench_topk.VARIANTS (default: all)")
     import bench_attention  # scripts/ is on sys.path when run as a script
 
     bench_attention.add_arguments(p)

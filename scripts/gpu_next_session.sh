@@ -9,8 +9,8 @@
 #   starts failing), STAGE=first does the essentials of 1 and 2b in one call (~8 min). Stages:
 #   STAGE=first   one call for a session that may get only one: the split_cluster GPU tests, their
 #                 timing against split_cta at 1, 16 and 64 queries, and the V4.1 engine case with kernel lowerings
-#                 reused (greedy tokens = full-forward argmax), and the indexer's top-k: lax.top_k against the radix
-#                 selection (scripts/bench_topk.py) — each part with its own time limit;
+#                 reused (greedy tokens = full-forward argmax), and the indexer's top-k: lax.top_k against the
+#                 group-maxima selection (scripts/bench_topk.py) — each part with its own time limit;
 #   STAGE=engram  issue 13: V4.1 4-layer slice, Engram tables on the device and read from pinned host memory by the
 #                 gather kernel, in one call (same machine, same process order), with the CUPTI busy share;
 #   STAGE=linear  issue 8: V4-Flash 4-layer slice with the FP8 linear kernel limited to decode calls (<= 64 tokens;

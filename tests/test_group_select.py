@@ -1,7 +1,7 @@
 """The group-maxima top-k (:mod:`dinfer_jax.models.group_select`) against ``lax.top_k`` through
-:func:`csa2.topk_select` (``impl="sort"``): the same indices and mask bit for bit, on the inputs that stress the
-tie rule and the total order (``test_radix_select._scores``), with group sizes small enough that the rows recurse
-through several levels of group maxima."""
+:func:`csa2.topk_select` (``impl="sort"``): the same indices and mask bit for bit, on inputs that stress the tie
+rule and the total order, with group sizes small enough that the rows recurse through several levels of group
+maxima; and the model's choice between the two (``csa2.topk_impl``)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,29 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dinfer_jax.models.csa2 import topk_select
+from dinfer_jax.models import csa2
+from dinfer_jax.models.csa2 import topk_impl, topk_select
 from dinfer_jax.models.group_select import group_topk_select, int_keys, top_indices
-from test_radix_select import _scores
 
 _sorted = jax.jit(functools.partial(topk_select, impl="sort"), static_argnums=1)
 _group = jax.jit(group_topk_select, static_argnums=1, static_argnames="group")
+
+
+def _scores(rng: np.random.Generator, kind: str, shape: tuple[int, ...]) -> np.ndarray:
+    x = rng.standard_normal(shape).astype(np.float32)
+    if kind == "ties":             # a handful of distinct values: the k-th falls inside a run of equal scores
+        x = np.round(x * 2) / 2
+    elif kind == "masked":         # invisible rows, as the indexer leaves them
+        x[rng.random(shape) < 0.6] = -np.inf
+    elif kind == "zeros":          # ±0 only: lax.top_k ranks −0 below +0
+        x = np.where(rng.random(shape) < 0.5, np.float32(0.0), np.float32(-0.0))
+    elif kind == "extremes":       # subnormals, infinities and NaNs of both signs
+        x = x * np.float32(1e-41)
+        for value, share in ((np.inf, 0.05), (-np.inf, 0.05), (np.nan, 0.03), (-np.nan, 0.03), (3e38, 0.02)):
+            x[rng.random(shape) < share] = value
+    elif kind == "all_masked":
+        x[:] = -np.inf
+    return x
 
 
 def _levels(t: int, k: int, group: int) -> int:
@@ -93,3 +110,32 @@ def test_k_beyond_the_row_is_clipped():
     x = jnp.asarray([[0.5, -jnp.inf, 2.0, 1.0, jnp.nan]], jnp.float32)
     for got, want in zip(_group(x, 9), _sorted(x, 9), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_model_selection_picks_groups_only_for_many_long_rows_on_a_gpu():
+    """The measured crossover (csa2's comment): groups from 16,384 scores a row with at least 64 rows."""
+    assert topk_impl(16384, 64, "gpu") == "group" and topk_impl(65536, 1024, "gpu") == "group"
+    assert topk_impl(16383, 64, "gpu") == "sort" and topk_impl(65536, 63, "gpu") == "sort"
+    assert topk_impl(65536, 1024, "cpu") == "sort"
+
+
+def test_the_model_selection_with_groups_equals_sort(monkeypatch):
+    """``topk_select`` as the model calls it (``impl="auto"``) on a GPU-sized shape with the backend answering
+    "gpu": the group path is traced and gives lax.top_k's selection, ties at the threshold included."""
+    rng = np.random.default_rng(11)
+    x = _scores(rng, "masked", (64, 1, 16384))
+    x[:, :, rng.random(16384) < 0.01] = 1.5                # ~164 equal scores a row, around the 512th largest
+    want = _sorted(jnp.asarray(x), 512)
+    calls = []
+    real = csa2.group_topk_select
+    monkeypatch.setattr(csa2, "group_topk_select", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    got = topk_select(jnp.asarray(x), 512)
+    assert calls == [512]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_topk_select_rejects_unknown_impl():
+    with pytest.raises(ValueError, match="impl='heap' is not one of"):
+        topk_select(jnp.zeros((2, 8)), 4, impl="heap")

@@ -16,17 +16,16 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.models.radix_select import radix_topk_select
+from dinfer_jax.models.group_select import group_topk_select
 
 F32 = jnp.float32
-# On a GPU, XLA's top_k over long rows sorts each whole row; the sort-free radix selection (bits per pass and counting
-# layout as below) beats it from 16,384 scores a row when there are at least 64 rows (H200, top-512: 1.2x at 16K
-# rows, 1.35x at 32K, 1.83x at 64K, 1.52x for a 1,024-query prefill chunk over 16K) and loses below that (0.6-0.7x
-# at 4K-8K rows; 0.5-0.8x for a single row of 64K). docs/perf/attention_h200.md, fifth session of 2026-12-05.
-RADIX_MIN_SCORES = 16384
-RADIX_MIN_ROWS = 64
-RADIX_OPTIONS = dict(digit_bits=2, counts_minor=False)
-TOPK_IMPLS = ("auto", "sort", "radix")
+# On a GPU, XLA's top_k over long rows sorts each whole row; selecting through the maxima of groups of 4 entries
+# (two short top_k calls) beats it from 16,384 scores a row when there are at least 64 rows (H100, top-512: 1.8x at
+# 16K scores, 3.0x at 32K, 5.0x at 64K, 2.8x for a 1,024-query prefill chunk over 16K) and loses below that
+# (0.8-0.96x at 2K-8K scores; 0.56x for a single row of 64K). docs/perf/attention_h200.md, fifth session of 2026-12-05.
+GROUP_MIN_SCORES = 16384
+GROUP_MIN_ROWS = 64
+TOPK_IMPLS = ("auto", "sort", "group")
 
 
 def pool_groups(score: jax.Array, latent: jax.Array, ratio: int) -> jax.Array:
@@ -65,10 +64,10 @@ def _scatter_mask(idx: jax.Array, size: int) -> jax.Array:
 
 
 def topk_impl(num_scores: int, num_rows: int, backend: str) -> str:
-    """The selection :func:`topk_select` runs for ``impl="auto"``: ``"radix"`` on a GPU for rows of at least
-    :data:`RADIX_MIN_SCORES` scores, at least :data:`RADIX_MIN_ROWS` of them; else ``"sort"`` (``lax.top_k``)."""
-    if backend == "gpu" and num_scores >= RADIX_MIN_SCORES and num_rows >= RADIX_MIN_ROWS:
-        return "radix"
+    """The selection :func:`topk_select` runs for ``impl="auto"``: ``"group"`` on a GPU for rows of at least
+    :data:`GROUP_MIN_SCORES` scores, at least :data:`GROUP_MIN_ROWS` of them; else ``"sort"`` (``lax.top_k``)."""
+    if backend == "gpu" and num_scores >= GROUP_MIN_SCORES and num_rows >= GROUP_MIN_ROWS:
+        return "group"
     return "sort"
 
 
@@ -77,8 +76,8 @@ def topk_select(scores: jax.Array, k: int, *, impl: str = "auto") -> tuple[jax.A
 
     ``scores [..., T]`` float; ``k`` is clipped to ``T``. Returns ``(indices [..., k] int32, mask [..., T] bool)``:
     the selected indices in ascending order followed by −1 fill (DeepSelect's ``sorted_index`` order with −1 for
-    dropped picks), and the same selection as a mask. ``impl``: ``"sort"`` (``lax.top_k``), ``"radix"``
-    (:func:`~dinfer_jax.models.radix_select.radix_topk_select`, the same result on every input) or ``"auto"``
+    dropped picks), and the same selection as a mask. ``impl``: ``"sort"`` (``lax.top_k``), ``"group"``
+    (:func:`~dinfer_jax.models.group_select.group_topk_select`, the same result on every input) or ``"auto"``
     (:func:`topk_impl`'s choice for the shape and the default backend).
     """
     if impl not in TOPK_IMPLS:
@@ -86,8 +85,8 @@ def topk_select(scores: jax.Array, k: int, *, impl: str = "auto") -> tuple[jax.A
     t = scores.shape[-1]
     if impl == "auto":
         impl = topk_impl(t, math.prod(scores.shape[:-1]), jax.default_backend())
-    if impl == "radix":
-        return radix_topk_select(scores, k, **RADIX_OPTIONS)
+    if impl == "group":
+        return group_topk_select(scores, k)
     k = min(k, t)
     vals, idx = jax.lax.top_k(scores, k)
     idx = jnp.where(vals > -jnp.inf, idx.astype(jnp.int32), t)
