@@ -1,12 +1,11 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
-# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after 2026-12-05, third
-# session, which got no device):
-#   1. STAGE=warmup-reuse (any H100/H200): lowering reuse after its two fixes — engine tokens with it, V4 warm-up
-#      on/off; 2. on an H200: PRESET=deepseek-v4.1-flash SKIP_TESTS=1 STAGE=warmup-reuse (V4.1 < 60 s?);
-#   2b. STAGE=cluster (any): the decode-attention kernel's split_cluster, tests and timing;
-#   3. STAGE=mesh when nvidia-h200-x2 is lent, STAGE=lab4 on nvidia-h200-x4. If only one call is likely (device
-#   starts failing), STAGE=first does the essentials of 1 and 2b in one call (~8 min). Stages:
+# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after 2026-12-05, fifth
+# session: reuse of kernel lowerings now on by default, the top-k through group maxima from 16K scores a row):
+#   1. on an H200: STAGE=topk-model — the group top-k against lax.top_k on the H200 (measured on an H100 so far),
+#      then decode attention + indexer + top-k at 32K / 128K context as the model runs them (bench_kernels.py
+#      attention), to compare with the tables of docs/perf/attention_h200.md;
+#   2. STAGE=mesh when nvidia-h200-x2 is lent, STAGE=lab4 on nvidia-h200-x4 (issues 10, 14). Stages:
 #   STAGE=first   one call for a session that may get only one: the split_cluster GPU tests, their
 #                 timing against split_cta at 1, 16 and 64 queries, and the V4.1 engine case with kernel lowerings
 #                 reused (greedy tokens = full-forward argmax), and the indexer's top-k: lax.top_k against the
@@ -67,6 +66,9 @@
 #   STAGE=cluster issue 9: the decode-attention kernel's "split_cluster" organisation (split_cta's two CTAs of a
 #                 token as one cluster, Q and KV tiles multicast: half the L2 reads): its GPU tests, then the kernel at 1, 16 and 64
 #                 queries against split_cta;
+#   STAGE=topk-model  issue 9: the top-k variants (lax.top_k, group 4 / 8, the model's rule) at decode and chunk
+#                 shapes, then bench_kernels.py attention at batch 64 and 32K / 128K (the indexer column includes the
+#                 model's top-k);
 #   STAGE=topk-reuse  issue 9 / 8: the top-k benchmark alone (T s, default 250; long rows unmeasured so far), then
 #                 the V4.1 engine case with lowering reuse on (300 s);
 #   STAGE=pingpong  issue 9: the decode-attention kernel's "pingpong" organisation (two consumer warpgroups on
@@ -77,7 +79,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -180,6 +182,11 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       "tests/test_indexer_kernel_gpu.py::test_engine_greedy_with_the_kernel_equals_full_forward_argmax" \
       2>&1 | grep "^E \|passed\|failed" | head -20
     timeout 100 python3 scripts/bench_kernels.py topk --out "$OUT/topk" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
+  topk-model)
+    timeout 200 python3 scripts/bench_kernels.py topk --topk-variants "group 4" "group 8" --out "$OUT/topk" 2>&1 \
+      | quiet | grep "^|\|copy\|Error"
+    timeout 300 python3 scripts/bench_kernels.py attention --contexts 32768 131072 --batches 64 \
+      --out "$OUT/attention" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
   topk-reuse)
     # the top-k bench alone first (rows printed as they finish), then the V4.1 engine case with lowering reuse on
     timeout ${T:-250} python3 scripts/bench_kernels.py topk --out "$OUT/topk" 2>&1 | quiet | grep "^|\|copy\|Error"
