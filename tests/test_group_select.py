@@ -45,21 +45,28 @@ def _levels(t: int, k: int, group: int) -> int:
     return levels
 
 
+# (T, k): three and two levels of group maxima at every group size tested, one level, none (T < 2·k·g), and k > T
+SHAPES = [(1499, 1), (1000, 5), (700, 40), (300, 299), (50, 60)]
+
+
 @pytest.mark.parametrize("kind", ["normal", "ties", "masked", "zeros", "extremes", "all_masked"])
 @pytest.mark.parametrize("group", [2, 3, 8])
 def test_equals_lax_top_k_selection(kind, group):
     rng = np.random.default_rng(len(kind) + 10 * group)
-    deepest = 0
-    for _ in range(10):
-        rows, t = int(rng.integers(1, 4)), int(rng.integers(200, 1500))
-        k = int(np.exp(rng.uniform(0, np.log(max(2, t // (2 * group))))))   # log-uniform: small k recurse deeper
-        x = jnp.asarray(_scores(rng, kind, (rows, t)))
+    for t, k in SHAPES:
+        x = jnp.asarray(_scores(rng, kind, (3, t)))
         (want_idx, want_mask), (idx, mask) = _sorted(x, k), _group(x, k, group=group)
         assert idx.shape == want_idx.shape and idx.dtype == want_idx.dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx), err_msg=f"{kind} T={t} k={k}")
         np.testing.assert_array_equal(np.asarray(mask), np.asarray(want_mask), err_msg=f"{kind} T={t} k={k}")
-        deepest = max(deepest, _levels(t, k, group))
-    assert deepest >= 2        # the cases went through group maxima of group maxima
+
+
+def test_the_shapes_cover_every_depth():
+    """At each group size of the test above, SHAPES include a plain top_k (no level) and rows that recurse through
+    at least three levels of group maxima (so the recursion and the padding of partial groups are exercised)."""
+    for group in (2, 3, 8):
+        levels = {_levels(t, min(k, t), group) for t, k in SHAPES}
+        assert 0 in levels and max(levels) >= 3, (group, levels)
 
 
 def test_ties_across_groups_pick_the_lowest_indices():
