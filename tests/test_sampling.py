@@ -39,6 +39,7 @@ from dinfer_jax.sampling import (
     process_logits,
     random_sampling,
     sample,
+    sampler,
     seeds_to_u64,
     top_p_top_k_mask,
     uniform_u53,
@@ -418,6 +419,86 @@ def test_top_p_top_k_matches_apply_top_p_top_k_ref(refs) -> None:
     # closed-form sanity of the reference semantics on the same rows
     assert (ours.sum(axis=1) <= np.where(top_k < 0, v, np.minimum(top_k, v))).all()
     assert ours[np.arange(n), np.argmax(np.where(scaled == 0, 0, scaled), axis=1)].all()
+
+
+def test_candidate_filters_are_exact_where_they_say_so(refs) -> None:
+    """The filters decided from the C most likely tokens (the GPU path for large vocabularies) against the full
+    sorts and against DeepInfer's ``apply_top_p_top_k_ref``: on every row the candidate mask claims exact, the same
+    mask bit for bit; each of the three reasons for exactness occurs, and so do rows that are not (which the full
+    sorts then decide)."""
+    rng = np.random.default_rng(12)
+    n, v, c = 1024, 1024, 64
+    x = _mixed_logits(rng, n, v)
+    temps, top_p, top_k = _filter_params(rng, n, v)
+    top_k[rng.integers(0, 8, n) == 0] = 0
+    scaled = x * (np.float32(1.0) / temps)[:, None]
+    args = tuple(map(jnp.asarray, (scaled, top_p, top_k)))
+    probs = jax.nn.softmax(args[0], axis=-1)
+    keep, exact = map(np.asarray, jax.jit(sampler._candidate_top_p_top_k_mask, static_argnums=4)(
+        args[0], probs, args[1], args[2], c))
+    full = np.asarray(jax.jit(sampler._full_top_p_top_k_mask)(args[0], probs, args[1], args[2]))
+    unfiltered = (top_p >= 1.0) & (top_k < 0)
+    keep = keep | unfiltered[:, None]
+    np.testing.assert_array_equal(keep[exact], full[exact])
+    by_top_p = exact & (top_p < 1.0) & ~((top_k >= 0) & (top_k < c))
+    by_top_k = exact & (top_p >= 1.0) & (top_k >= 0)
+    assert by_top_p.sum() > 20 and by_top_k.sum() > 20 and (exact & unfiltered).sum() > 20 and (~exact).sum() > 20
+    ref_logits = torch.from_numpy(scaled.copy())
+    refs.top_p_top_k(ref_logits, torch.from_numpy(top_p), torch.from_numpy(top_k))
+    ref_keep = np.isfinite(ref_logits.numpy())
+    _check_masks((keep & np.isfinite(scaled))[exact], ref_keep[exact], np.asarray(probs)[exact], top_p[exact])
+
+
+def test_top_p_top_k_mask_with_candidates_equals_the_full_sorts() -> None:
+    """Through ``top_p_top_k_mask(..., candidates=C)``: a batch every row of which the candidates decide (peaked
+    rows, top-p 0.9 or a small top-k, unfiltered rows) and the same batch with one flat row whose top-p cut lies
+    beyond the candidates (the ``lax.cond`` falls back to the full sorts): the full sorts' mask in both cases; and
+    ``processed_logprobs`` likewise."""
+    rng = np.random.default_rng(13)
+    n, v, c = 32, 4096, 64
+    x = (rng.standard_normal((n, v)) * 4).astype(np.float32)
+    top_p = np.where(np.arange(n) % 3 == 0, 0.9, 1.0).astype(np.float32)
+    top_k = np.where(np.arange(n) % 3 == 1, 20, -1).astype(np.int32)
+    mask = jax.jit(top_p_top_k_mask, static_argnames="candidates")
+    for flat_row in (False, True):
+        xb = x.copy()
+        if flat_row:
+            xb[5] = rng.standard_normal(v).astype(np.float32) * 1e-3       # near-uniform, top-p 0.9: ~3700 tokens
+            assert top_p[5] == np.float32(0.9) or top_p[6] == np.float32(0.9)
+            xb[6] = xb[5]
+        args = tuple(map(jnp.asarray, (xb, top_p, top_k)))
+        _, exact = sampler._candidate_top_p_top_k_mask(args[0], jax.nn.softmax(args[0], axis=-1), *args[1:], c)
+        assert bool(np.asarray(exact).all()) != flat_row
+        np.testing.assert_array_equal(np.asarray(mask(*args, candidates=c)), np.asarray(mask(*args)))
+        temps = jnp.ones(n, jnp.float32)
+        got = sampler.processed_logprobs(args[0], temps, args[1], args[2], candidates=c)
+        want = sampler.processed_logprobs(args[0], temps, args[1], args[2], candidates=None)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_candidates_do_not_claim_rows_where_equal_probabilities_hide_a_logit_order() -> None:
+    """Logits 0 and 1e-9 give the same fp32 probability (exp rounds both to 1), but top-k ranks by logits: the
+    token of logit 1e-9 at a high column is outside the 64 candidates (ties go to lower columns) yet the full sorts
+    keep it. The candidate mask must not call that row exact (the ``top_k``-th probability equals the 64th), and
+    ``top_p_top_k_mask`` must return the full sorts' mask."""
+    v, c = 1024, 64
+    x = np.full((2, v), -np.inf, np.float32)
+    x[:, :200] = 0.0
+    x[0, 150] = np.float32(1e-9)
+    probs = jax.nn.softmax(jnp.asarray(x), axis=-1)
+    assert np.asarray(probs)[0, 150] == np.asarray(probs)[0, 0]
+    args = (jnp.asarray(x), jnp.ones(2, jnp.float32), jnp.asarray([10, 10], jnp.int32))
+    keep, exact = sampler._candidate_top_p_top_k_mask(args[0], probs, args[1], args[2], c)
+    assert not bool(exact[0])
+    full = np.asarray(sampler._full_top_p_top_k_mask(args[0], probs, args[1], args[2]))
+    assert full[0, 150] and not np.asarray(keep)[0, 150]
+    np.testing.assert_array_equal(np.asarray(top_p_top_k_mask(*args, candidates=c)), full)
+
+
+def test_filter_candidates_only_for_large_vocabularies_on_a_gpu() -> None:
+    assert sampler.filter_candidates(129280, "gpu") == sampler.FILTER_CANDIDATES
+    assert sampler.filter_candidates(16 * sampler.FILTER_CANDIDATES - 1, "gpu") is None
+    assert sampler.filter_candidates(129280, "cpu") is None
 
 
 @pytest.mark.parametrize("tag", ["default", "mtp"])

@@ -40,11 +40,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dinfer_jax.models.group_select import int_keys, top_indices
+
 from ._u64 import U64
 from .params import SamplingTensors
 from .random import add_seed_offset, random_sampling
 
 LOGPROBS_MODES = ("processed", "raw")
+# On a GPU the two stable sorts of a [64, 129280] vocabulary took 2.8 ms of a decode step (serving_h200.md); the
+# filters then look at the FILTER_CANDIDATES most likely tokens only, which decide them whenever the cut falls inside
+# that prefix (top_p_top_k_mask says when). Only where the vocabulary is at least 16 times that many.
+FILTER_CANDIDATES = 1024
 
 
 class SampleLogprobs(NamedTuple):
@@ -79,18 +85,15 @@ def _unpermute(order: jax.Array, values: jax.Array) -> jax.Array:
     return jnp.zeros_like(values).at[rows, order].set(values, unique_indices=True)
 
 
-def top_p_top_k_mask(logits: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
-    """Tokens kept by DeepInfer's stable top-p then top-k (``apply_top_p_top_k_ref``).
+def filter_candidates(vocab: int, backend: str) -> int | None:
+    """How many most likely tokens :func:`top_p_top_k_mask` examines first: :data:`FILTER_CANDIDATES` on a GPU when
+    the vocabulary has at least 16 times as many; None (the whole vocabulary sorted) otherwise."""
+    return FILTER_CANDIDATES if backend == "gpu" and vocab >= 16 * FILTER_CANDIDATES else None
 
-    Args:
-        logits: [N, V] f32, temperature already applied (``-inf`` allowed, at least one finite per row).
-        top_p: [N] f32 in (0, 1]; ``>= 1`` disables.
-        top_k: [N] int32; ``-1`` (any negative) disables.
-    Returns:
-        [N, V] bool keep-mask.
-    """
+
+def _full_top_p_top_k_mask(logits: jax.Array, probs: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+    """The mask from the two stable sorts of the whole vocabulary (DeepInfer's reference, literally)."""
     n, v = logits.shape
-    probs = jax.nn.softmax(logits, axis=-1)
     order = _stable_descending_order(probs)
     sorted_p = jnp.take_along_axis(probs, order, axis=-1)
     exclusive = jnp.cumsum(sorted_p, axis=-1) - sorted_p
@@ -102,6 +105,68 @@ def top_p_top_k_mask(logits: jax.Array, top_p: jax.Array, top_k: jax.Array) -> j
     ranks = _unpermute(order_k, jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (n, v)))
     remove_k = (top_k[:, None] >= 0) & (ranks >= jnp.minimum(top_k, v)[:, None])
     return keep & ~remove_k
+
+
+def _candidate_top_p_top_k_mask(logits: jax.Array, probs: jax.Array, top_p: jax.Array, top_k: jax.Array,
+                                candidates: int) -> tuple[jax.Array, jax.Array]:
+    """The same mask from the ``C = candidates`` most likely tokens, and ``[N]`` bool: whether it is exact for the
+    row. Tokens outside the ``C`` are dropped, so the row is exact when the full filters drop them too:
+
+    * top-p removes rank ``C − 1`` itself, hence every later rank: a later rank's ``cumsum − p`` is at least rank
+      ``C − 1``'s (a larger or equal cumsum minus a smaller or equal probability; rounding is monotone). This relies
+      on the cumsum of the ``C`` being the full cumsum's prefix bit for bit — so on XLA:CPU (a left-to-right
+      reduction; tested); a GPU may associate a 129K-long cumsum differently, which can move a cut that falls on
+      an ulp-level tie with ``top_p`` by one token;
+    * or top-k keeps fewer than ``C`` ranks and the ``top_k``-th probability is above the ``C``-th: every token
+      outside has a smaller probability, hence a smaller logit, than ``top_k`` tokens that survive top-p (top-p
+      keeps a prefix of the probability order), so its logit rank is at least ``top_k``;
+    * or the row has no filter (``top_p >= 1`` and ``top_k < 0``): the caller keeps everything.
+    """
+    n, v = logits.shape
+    c = candidates
+    # the C most likely columns, as a set (ties: lower column), then in the stable descending order of the full sort
+    cols = top_indices(int_keys(_canonical_zero(probs)), c)                    # [N, C] ascending
+    cand_p = jnp.take_along_axis(probs, cols, axis=-1)
+    order = _stable_descending_order(cand_p)
+    cols = jnp.take_along_axis(cols, order, axis=-1)
+    sorted_p = jnp.take_along_axis(cand_p, order, axis=-1)
+    remove_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p > top_p[:, None]) & (top_p[:, None] < 1.0)
+    masked = jnp.where(remove_sorted, -jnp.inf, jnp.take_along_axis(logits, cols, axis=-1))
+    order_k = _stable_descending_order(masked)
+    ranks = _unpermute(order_k, jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (n, c)))
+    keep_sorted = ~remove_sorted & ~((top_k[:, None] >= 0) & (ranks >= jnp.minimum(top_k, v)[:, None]))
+    rows = lax.broadcasted_iota(jnp.int32, cols.shape, 0)
+    keep = jnp.zeros((n, v), bool).at[rows, cols].set(keep_sorted, unique_indices=True)
+
+    p_at_k = jnp.take_along_axis(sorted_p, jnp.clip(top_k - 1, 0, c - 1)[:, None], axis=-1)[:, 0]
+    exact = remove_sorted[:, -1] \
+        | ((top_k == 0) | ((top_k > 0) & (top_k < c) & (p_at_k > sorted_p[:, -1]))) \
+        | ((top_p >= 1.0) & (top_k < 0))
+    return keep, exact
+
+
+def top_p_top_k_mask(logits: jax.Array, top_p: jax.Array, top_k: jax.Array, *,
+                     candidates: int | None = None) -> jax.Array:
+    """Tokens kept by DeepInfer's stable top-p then top-k (``apply_top_p_top_k_ref``).
+
+    Args:
+        logits: [N, V] f32, temperature already applied (``-inf`` allowed, at least one finite per row).
+        top_p: [N] f32 in (0, 1]; ``>= 1`` disables.
+        top_k: [N] int32; ``-1`` (any negative) disables.
+        candidates: static; None sorts the whole vocabulary twice. An int ``C`` (< V / 2) decides the filters from
+            the ``C`` most likely tokens (found without a full sort; :mod:`dinfer_jax.models.group_select`) and falls
+            back to the full sorts, under a ``lax.cond``, only when some row's cut lies beyond them
+            (:func:`_candidate_top_p_top_k_mask`); the same mask either way.
+    Returns:
+        [N, V] bool keep-mask.
+    """
+    probs = jax.nn.softmax(logits, axis=-1)
+    if candidates is None or 2 * candidates > logits.shape[-1]:
+        return _full_top_p_top_k_mask(logits, probs, top_p, top_k)
+    keep, exact = _candidate_top_p_top_k_mask(logits, probs, top_p, top_k, candidates)
+    unfiltered = (top_p >= 1.0) & (top_k < 0)
+    keep = keep | unfiltered[:, None]
+    return lax.cond(jnp.all(exact), lambda: keep, lambda: _full_top_p_top_k_mask(logits, probs, top_p, top_k))
 
 
 def min_p_mask(logits: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -120,6 +185,7 @@ def processed_logprobs(
     min_p: jax.Array | None = None,
     *,
     use_filters: bool = True,
+    candidates: int | None | str = "auto",
 ) -> jax.Array:
     """Steps 1-4 of the module docstring on explicit per-row arrays (shared by :func:`process_logits` and
     :func:`~dinfer_jax.sampling.fused_sample`).
@@ -130,15 +196,19 @@ def processed_logprobs(
         top_p: [N] f32; ``>= 1`` disables. top_k: [N] int32; negative disables.
         min_p: [N] f32 or None (no min-p step at all).
         use_filters: static; False skips top-p / top-k / min-p (no sorts).
+        candidates: static; :func:`top_p_top_k_mask`'s (default: :func:`filter_candidates` for this vocabulary and
+            the default backend).
     Returns:
         [N, V] f32 processed logprobs; filtered tokens are ``-inf``.
     """
     x = logits.astype(jnp.float32)
     inv_t = jnp.float32(1.0) / temperature
     x = x * inv_t[:, None]
+    if candidates == "auto":
+        candidates = filter_candidates(x.shape[-1], jax.default_backend())
     if use_filters:
         def filtered(z: jax.Array) -> jax.Array:
-            keep = top_p_top_k_mask(z, top_p, top_k)
+            keep = top_p_top_k_mask(z, top_p, top_k, candidates=candidates)
             if min_p is not None:
                 keep = keep & min_p_mask(jnp.where(keep, z, -jnp.inf), min_p)
             return keep
