@@ -181,7 +181,8 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
     out = llm.generate([long_prompt], greedy, use_tqdm=False)
     prefill_s = time.perf_counter() - t0
     prompts = [rng.integers(10, cfg.vocab_size - 10, args.prompt_len).tolist() for _ in range(args.batch)]
-    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+                        ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)
     m0 = llm.metrics()
     prof = None
@@ -204,7 +205,8 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
     dtoks = m1["decode_tokens"] - m0["decode_tokens"]
     # decode time ≈ total minus the prefill steps, which we time separately as one batched prefill
     t0 = time.perf_counter()
-    llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    llm.generate(prompts, SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                         max_tokens=1, ignore_eos=True), use_tqdm=False)
     short_prefill_s = time.perf_counter() - t0
     decode_s = max(gen_s - short_prefill_s, 1e-9)
     step_ms = 1e3 * decode_s / max(dsteps, 1)
@@ -337,6 +339,9 @@ def main() -> None:
                     help="compile only decode batch --batch and prefill [1, --prefill-tokens] (times the minimum)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="decode sampling temperature (0 = greedy; > 0 runs the sampler's draw variant)")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="decode top-p (with --temperature > 0: the sampler's filters, < 1 runs them)")
+    ap.add_argument("--top-k", type=int, default=-1, help="decode top-k (with --temperature > 0; -1 disables)")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile the timed decode run and print the host functions by own time")
     ap.add_argument("--breakdown", action="store_true",

@@ -5,6 +5,10 @@
 #   1. on an H200: STAGE=topk-model — the group top-k against lax.top_k on the H200 (measured on an H100 so far),
 #      then decode attention + indexer + top-k at 32K / 128K context as the model runs them (bench_kernels.py
 #      attention), to compare with the tables of docs/perf/attention_h200.md;
+#   1b. STAGE=sampler — sampled decoding with the filters decided from 1,024 candidates (no vocabulary sorts when
+#      the cut falls inside them): batch-64 V4-Flash 4-layer slice, temperature 1 with top-k 50, with top-p 0.95
+#      (random weights: a flat distribution, so the candidates rarely decide it and the full sorts run — the
+#      fallback's cost), and without filters; the decode step ms of the three rows;
 #   2. STAGE=mesh when nvidia-h200-x2 is lent, STAGE=lab4 on nvidia-h200-x4 (issues 10, 14). Stages:
 #   STAGE=first   one call for a session that may get only one: the split_cluster GPU tests, their
 #                 timing against split_cta at 1, 16 and 64 queries, and the V4.1 engine case with kernel lowerings
@@ -79,7 +83,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -182,6 +186,10 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       "tests/test_indexer_kernel_gpu.py::test_engine_greedy_with_the_kernel_equals_full_forward_argmax" \
       2>&1 | grep "^E \|passed\|failed" | head -20
     timeout 100 python3 scripts/bench_kernels.py topk --out "$OUT/topk" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
+  sampler)
+    cd scripts && for f in "--top-k 50" "--top-p 0.95" ""; do timeout 170 python3 bench_serving.py --preset \
+      deepseek-v4-flash --layers 4 --batch 64 $C --temperature 1.0 $f --out "$OUT/sampler" 2>&1 | quiet \
+      | grep "^| 4 \|Error" | sed "s/^/[$f] /"; done ;;
   topk-model)
     timeout 200 python3 scripts/bench_kernels.py topk --topk-variants "group 4" "group 8" --out "$OUT/topk" 2>&1 \
       | quiet | grep "^|\|copy\|Error"
