@@ -16,7 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.models.group_select import group_topk_select
+from dinfer_jax.models.group_select import group_topk_select, selection_output
 
 F32 = jnp.float32
 # On a GPU, XLA's top_k over long rows sorts each whole row; selecting through the maxima of groups of 4 entries
@@ -53,16 +53,6 @@ def _visible_len(visible_len: jax.Array, batch: int, seq: int) -> jax.Array:
     return jnp.broadcast_to(jnp.asarray(visible_len, jnp.int32), (batch, seq))
 
 
-def _scatter_mask(idx: jax.Array, size: int) -> jax.Array:
-    """``idx [..., k]`` int32 (−1 = none) → bool ``[..., size]``, True at the listed indices."""
-    lead = idx.shape[:-1]
-    flat = idx.reshape(-1, idx.shape[-1])
-    rows = jnp.arange(flat.shape[0])[:, None]
-    cols = jnp.where(flat < 0, size, flat)  # out of range: dropped
-    mask = jnp.zeros((flat.shape[0], size), bool).at[rows, cols].set(True, mode="drop")
-    return mask.reshape(*lead, size)
-
-
 def topk_impl(num_scores: int, num_rows: int, backend: str) -> str:
     """The selection :func:`topk_select` runs for ``impl="auto"``: ``"group"`` on a GPU for rows of at least
     :data:`GROUP_MIN_SCORES` scores, at least :data:`GROUP_MIN_ROWS` of them; else ``"sort"`` (``lax.top_k``)."""
@@ -87,12 +77,8 @@ def topk_select(scores: jax.Array, k: int, *, impl: str = "auto") -> tuple[jax.A
         impl = topk_impl(t, math.prod(scores.shape[:-1]), jax.default_backend())
     if impl == "group":
         return group_topk_select(scores, k)
-    k = min(k, t)
-    vals, idx = jax.lax.top_k(scores, k)
-    idx = jnp.where(vals > -jnp.inf, idx.astype(jnp.int32), t)
-    idx = jnp.sort(idx, axis=-1)
-    idx = jnp.where(idx == t, -1, idx)
-    return idx, _scatter_mask(idx, t)
+    vals, idx = jax.lax.top_k(scores, min(k, t))
+    return selection_output(vals, idx, t)
 
 
 def candidate_block_scores(scores: jax.Array, visible_len: jax.Array, block_size: int) -> jax.Array:

@@ -57,6 +57,17 @@ def top_indices(keys: jax.Array, k: int, group: int = GROUP) -> jax.Array:
     return jnp.sort(jnp.take_along_axis(candidates, picked, axis=1), axis=-1)
 
 
+def selection_output(values: jax.Array, idx: jax.Array, t: int) -> tuple[jax.Array, jax.Array]:
+    """The ``topk_select`` outputs from a top-``k`` pick: ``values [..., k]`` the picked scores, ``idx [..., k]``
+    their columns among ``t``. Picks whose score is not above −inf (−inf, NaN) are dropped. Returns
+    ``(indices [..., k] int32, mask [..., t] bool)``: the kept columns ascending, then −1; the same set as a mask."""
+    idx = jnp.sort(jnp.where(values > -jnp.inf, idx.astype(jnp.int32), t), axis=-1)     # t: dropped, sorts last
+    flat = idx.reshape(-1, idx.shape[-1])
+    rows = jnp.arange(flat.shape[0])[:, None]
+    mask = jnp.zeros((flat.shape[0], t), bool).at[rows, flat].set(True, mode="drop")   # column t: out of range
+    return jnp.where(idx == t, -1, idx), mask.reshape(*idx.shape[:-1], t)
+
+
 def group_topk_select(scores: jax.Array, k: int, *, group: int = GROUP) -> tuple[jax.Array, jax.Array]:
     """Top-``k`` over the last axis, −inf entries dropped, ties lowest index first; the contract of
     :func:`dinfer_jax.models.csa2.topk_select`.
@@ -67,14 +78,9 @@ def group_topk_select(scores: jax.Array, k: int, *, group: int = GROUP) -> tuple
     lead, t = scores.shape[:-1], scores.shape[-1]
     k = min(k, t)
     flat = scores.reshape(-1, t).astype(jnp.float32)
-    rows = flat.shape[0]
     idx = top_indices(int_keys(flat), k, group)
-    keep = jnp.take_along_axis(flat, idx, axis=1) > -jnp.inf                    # drops −inf and NaN picks
-    idx = jnp.sort(jnp.where(keep, idx, t), axis=-1)
-    idx = jnp.where(idx == t, -1, idx)
-    mask = jnp.zeros((rows, t), bool).at[jnp.arange(rows)[:, None], jnp.where(idx < 0, t, idx)].set(
-        True, mode="drop")
+    idx, mask = selection_output(jnp.take_along_axis(flat, idx, axis=1), idx, t)
     return idx.reshape(*lead, k), mask.reshape(*lead, t)
 
 
-__all__ = ["GROUP", "MIN_REDUCTION", "group_topk_select", "int_keys", "top_indices"]
+__all__ = ["GROUP", "MIN_REDUCTION", "group_topk_select", "int_keys", "selection_output", "top_indices"]

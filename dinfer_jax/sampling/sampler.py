@@ -91,20 +91,22 @@ def filter_candidates(vocab: int, backend: str) -> int | None:
     return FILTER_CANDIDATES if backend == "gpu" and vocab >= 16 * FILTER_CANDIDATES else None
 
 
+def _top_k_removed(masked: jax.Array, top_k: jax.Array, vocab: int) -> jax.Array:
+    """[N, M] bool: the entries of ``masked [N, M]`` (top-p survivors' logits, −inf elsewhere) whose stable
+    descending rank is ``top_k`` or more (``top_k [N]``, negative: none; clipped to the vocabulary)."""
+    n, m = masked.shape
+    ranks = _unpermute(_stable_descending_order(masked), jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (n, m)))
+    return (top_k[:, None] >= 0) & (ranks >= jnp.minimum(top_k, vocab)[:, None])
+
+
 def _full_top_p_top_k_mask(logits: jax.Array, probs: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
     """The mask from the two stable sorts of the whole vocabulary (DeepInfer's reference, literally)."""
-    n, v = logits.shape
     order = _stable_descending_order(probs)
     sorted_p = jnp.take_along_axis(probs, order, axis=-1)
     exclusive = jnp.cumsum(sorted_p, axis=-1) - sorted_p
     remove_sorted = (exclusive > top_p[:, None]) & (top_p[:, None] < 1.0)
     keep = ~_unpermute(order, remove_sorted)
-
-    masked = jnp.where(keep, logits, -jnp.inf)
-    order_k = _stable_descending_order(masked)
-    ranks = _unpermute(order_k, jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (n, v)))
-    remove_k = (top_k[:, None] >= 0) & (ranks >= jnp.minimum(top_k, v)[:, None])
-    return keep & ~remove_k
+    return keep & ~_top_k_removed(jnp.where(keep, logits, -jnp.inf), top_k, logits.shape[-1])
 
 
 def _candidate_top_p_top_k_mask(logits: jax.Array, probs: jax.Array, top_p: jax.Array, top_k: jax.Array,
@@ -132,9 +134,7 @@ def _candidate_top_p_top_k_mask(logits: jax.Array, probs: jax.Array, top_p: jax.
     sorted_p = jnp.take_along_axis(cand_p, order, axis=-1)
     remove_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p > top_p[:, None]) & (top_p[:, None] < 1.0)
     masked = jnp.where(remove_sorted, -jnp.inf, jnp.take_along_axis(logits, cols, axis=-1))
-    order_k = _stable_descending_order(masked)
-    ranks = _unpermute(order_k, jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (n, c)))
-    keep_sorted = ~remove_sorted & ~((top_k[:, None] >= 0) & (ranks >= jnp.minimum(top_k, v)[:, None]))
+    keep_sorted = ~remove_sorted & ~_top_k_removed(masked, top_k, v)
     rows = lax.broadcasted_iota(jnp.int32, cols.shape, 0)
     keep = jnp.zeros((n, v), bool).at[rows, cols].set(keep_sorted, unique_indices=True)
 
