@@ -4,7 +4,11 @@
 ``python scripts/bench_kernels.py prefill-attention [--chunks S START ...] [--out DIR]``,
 ``python scripts/bench_kernels.py indexer [--contexts N ...] [--batches N ...] [--out DIR]``,
 ``python scripts/bench_kernels.py linear [--tokens N ...] [--out DIR]``,
-``python scripts/bench_kernels.py topk [--out DIR]``.
+``python scripts/bench_kernels.py topk [--out DIR]``,
+``python scripts/bench_kernels.py sampler [--out DIR]``.
+
+``sampler``: the sampler's top-p / top-k filters, two whole-vocabulary sorts against the 1,024-candidate decision
+(``scripts/bench_sampler.py`` says what is measured).
 
 ``topk``: the indexer's top-k selection, ``lax.top_k`` against the selection through group maxima
 (``scripts/bench_topk.py`` says what is measured).
@@ -280,7 +284,7 @@ def table(rows: list[dict], ceil: dict[str, float]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=["moe", "attention", "attention-kernel", "prefill-attention", "indexer",
-                                       "indexer-sweep", "linear", "topk"])
+                                       "indexer-sweep", "linear", "topk", "sampler"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192], help="token counts to run")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="token counts at which to sweep block sizes")
     p.add_argument("--no-baseline", action="store_true", help="skip the XLA ragged_dot baseline")
@@ -361,6 +365,20 @@ def main() -> None:
         rows = bench_topk.bench_topk(cases, lambda f, *a: device_times(f, *a)[0], ceil["copy_GBps"] * 1e9,
                                      on_row=on_row, variants=args.topk_variants)
         print(bench_topk.table(rows))
+        return
+    if args.what == "sampler":
+        import bench_sampler
+
+        save = saver("bench_sampler", bench_sampler.table)
+
+        def on_sampler_row(rows: list[dict]) -> None:
+            save(rows)
+            print(bench_sampler.table(rows).splitlines()[-1], flush=True)
+
+        rows = bench_sampler.bench_sampler(bench_sampler.BATCHES, bench_sampler.VOCAB,
+                                           bench_sampler.FILTER_CANDIDATES, lambda f, *a: device_times(f, *a)[0],
+                                           wall_time, on_row=on_sampler_row)
+        print(bench_sampler.table(rows))
         return
     if args.what == "linear":
         import bench_linear

@@ -6,9 +6,9 @@
 #      then decode attention + indexer + top-k at 32K / 128K context as the model runs them (bench_kernels.py
 #      attention), to compare with the tables of docs/perf/attention_h200.md;
 #   1b. STAGE=sampler — sampled decoding with the filters decided from 1,024 candidates (no vocabulary sorts when
-#      the cut falls inside them): batch-64 V4-Flash 4-layer slice, temperature 1 with top-k 50, with top-p 0.95
-#      (random weights: a flat distribution, so the candidates rarely decide it and the full sorts run — the
-#      fallback's cost), and without filters; the decode step ms of the three rows;
+#      the cut falls inside them): the filters alone, full sorts against candidates (bench_kernels.py sampler:
+#      Zipf and flat logits, batch 1 / 64 / 256), then the batch-64 V4-Flash 4-layer slice at temperature 1 with
+#      top-k 50 and without filters: the decode step ms of the two rows;
 #   2. STAGE=mesh when nvidia-h200-x2 is lent, STAGE=lab4 on nvidia-h200-x4 (issues 10, 14). Stages:
 #   STAGE=first   one call for a session that may get only one: the split_cluster GPU tests, their
 #                 timing against split_cta at 1, 16 and 64 queries, and the V4.1 engine case with kernel lowerings
@@ -187,7 +187,8 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       2>&1 | grep "^E \|passed\|failed" | head -20
     timeout 100 python3 scripts/bench_kernels.py topk --out "$OUT/topk" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
   sampler)
-    cd scripts && for f in "--top-k 50" "--top-p 0.95" ""; do timeout 170 python3 bench_serving.py --preset \
+    timeout 170 python3 scripts/bench_kernels.py sampler --out "$OUT/sampler_kernel" 2>&1 | quiet | grep "^|\|copy\|Error"
+    cd scripts && for f in "--top-k 50" ""; do timeout 165 python3 bench_serving.py --preset \
       deepseek-v4-flash --layers 4 --batch 64 $C --temperature 1.0 $f --out "$OUT/sampler" 2>&1 | quiet \
       | grep "^| 4 \|Error" | sed "s/^/[$f] /"; done ;;
   topk-model)
