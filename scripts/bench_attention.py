@@ -212,6 +212,9 @@ def table(rows: list[dict]) -> str:
 KERNEL_VARIANTS = {
     "split_cta": dict(organisation="split_cta"),
     "split_cluster": dict(organisation="split_cluster"),
+    "split_cta early": dict(organisation="split_cta", early_release=True),
+    "split_cta bkv=32 stages=4": dict(organisation="split_cta", block_kv=32, num_stages=4),
+    "split_cta bkv=32 stages=4 early": dict(organisation="split_cta", block_kv=32, num_stages=4, early_release=True),
     "shared_qk": dict(organisation="shared_qk"),
     "shared_qk l_split=2": dict(organisation="shared_qk", l_split=2),
     "shared_qk l_split=5": dict(organisation="shared_qk", l_split=5),
@@ -276,7 +279,7 @@ def bench_decode_kernel(batches, device_times, copy_bw: float, *, h: int = 64, d
                 ms, per_kernel = device_times(f, *args)
                 kernel_ms = sum(t for k, t in per_kernel.items() if "sparse_decode_attention" in k) or float("nan")
                 shape_kw = {k: v for k, v in kw.items() if k in ("v_split", "organisation", "l_split")}
-                t = traffic(n, h, d, rows, **shape_kw)     # block_kv and stages do not change the bytes
+                t = traffic(n, h, d, rows, **shape_kw)     # block_kv, stages, early_release: the same bytes
                 row.update(call_us=ms * 1e3, kernel_us=kernel_ms * 1e3, kernels=per_kernel,
                            GBps=t["bytes"] / (ms * 1e-3) / 1e9,
                            TFLOPs_useful=t["flops_useful"] / (ms * 1e-3) / 1e12,

@@ -83,7 +83,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -191,6 +191,16 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
     cd scripts && for f in "--top-k 50" ""; do timeout 165 python3 bench_serving.py --preset \
       deepseek-v4-flash --layers 4 --batch 64 $C --temperature 1.0 $f --out "$OUT/sampler" 2>&1 | quiet \
       | grep "^| 4 \|Error" | sed "s/^/[$f] /"; done ;;
+  early)
+    # the split_cta kernel with more KV bytes in flight (32-row tiles x 4 stages; the other CTAs' column chunks
+    # released after the QK product), then the sampler's filters alone
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py \
+      -k "bkv32 or early" 2>&1 | grep "^E \|passed\|failed\|Error" | head -20
+    timeout 200 python3 scripts/bench_kernels.py attention-kernel --batches 1 16 64 --variants split_cta \
+      "split_cta early" "split_cta bkv=32 stages=4" "split_cta bkv=32 stages=4 early" --out "$OUT/attn_kernel" 2>&1 \
+      | quiet | grep "^|\|copy\|Error"
+    timeout 170 python3 scripts/bench_kernels.py sampler --out "$OUT/sampler_kernel" 2>&1 | quiet \
+      | grep "^|\|copy\|Error" ;;
   topk-model)
     timeout 200 python3 scripts/bench_kernels.py topk --topk-variants "group 4" "group 8" --out "$OUT/topk" 2>&1 \
       | quiet | grep "^|\|copy\|Error"

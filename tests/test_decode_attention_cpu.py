@@ -38,6 +38,8 @@ SHARED = dict(organisation="shared_qk")
 PING32 = dict(organisation="pingpong", block_kv=32, num_stages=4)   # two 32-row tiles in flight per consumer
 PING64 = dict(organisation="pingpong", block_kv=64, num_stages=2)
 CLUSTER = dict(organisation="split_cluster")                        # split_cta's CTAs as a cluster, multicast
+BKV32 = dict(block_kv=32, num_stages=4)                             # split_cta: 96 KiB in flight, not 64
+EARLY = dict(early_release=True)                                    # split_cta: others' chunks freed after QK
 
 
 def exact_contract(q, kv, valid, sink, scale: float, *, round_probs: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -167,7 +169,7 @@ def test_pingpong_config():
     with pytest.raises(ValueError, match="multiple of 32"):
         check_config(64, 512, 640, block_kv=16, num_stages=2, v_split=2, organisation="pingpong")
     with pytest.raises(ValueError, match="multiple of 64"):
-        check_config(64, 512, 640, block_kv=32, num_stages=2, v_split=2)
+        check_config(64, 512, 640, block_kv=32, num_stages=2, v_split=2, organisation="shared_qk")
     with pytest.raises(ValueError, match="only organisation='shared_qk'"):
         check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, organisation="pingpong", l_split=2)
     # Q 64 KiB + 4 stages × 32 KiB + mask rows, sink, (m, l) 1 KiB each + fp32 merge chunk 16 KiB + bf16 output
@@ -190,6 +192,20 @@ def test_smem_bytes_match_mosaic(monkeypatch, organisation, block_kv, stages):
     with pytest.raises(ValueError, match=f"smem_bytes={smem_bytes(d, block_kv, stages, organisation)} "):
         jax.jit(f).trace(s((2, 64, d), jnp.bfloat16), s((2, 640, d), jnp.bfloat16), s((2, 640), jnp.bool_),
                          s((64,), jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+def test_split_cta_small_tiles_and_early_release_config():
+    assert check_config(64, 512, 640, block_kv=32, num_stages=4, v_split=2) == 4
+    assert check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, early_release=True) == 2
+    with pytest.raises(ValueError, match="shared memory"):       # Q 64 KiB + 5 × 32 KiB tiles > 227 KiB
+        check_config(64, 512, 640, block_kv=32, num_stages=5, v_split=2)
+    with pytest.raises(ValueError, match="block_kv=16"):
+        check_config(64, 512, 640, block_kv=16, num_stages=4, v_split=2)
+    with pytest.raises(ValueError, match="early_release"):
+        check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, organisation="shared_qk",
+                     early_release=True)
+    with pytest.raises(ValueError, match="early_release"):
+        check_config(64, 256, 640, block_kv=64, num_stages=2, v_split=1, early_release=True)
 
 
 def test_split_cluster_config():
@@ -279,6 +295,9 @@ def test_decode_options_rejects_bad_sizes():
     (64, 64, 512, 640, CLUSTER),                                   # split_cluster at the real size
     (4, 64, 512, 256, dict(CLUSTER, v_split=4)),                   # clusters of 4 CTAs
     (1, 128, 512, 64, CLUSTER),                                    # one KV step: nothing refilled
+    (64, 64, 512, 640, BKV32),                                     # split_cta, 32-row tiles, 4 stages
+    (64, 64, 512, 640, EARLY),                                     # split_cta, early release of others' chunks
+    (4, 64, 512, 256, dict(EARLY, v_split=4)),
 ])
 def test_kernel_lowers_for_cuda(n, h, d, rows, kw):
     """The Mosaic GPU kernel lowers for CUDA on this CPU-only machine (jax 0.10.2 and 0.11.2): the Pallas →
@@ -371,6 +390,10 @@ def _interpreter_shims(monkeypatch) -> None:
     (3, 128, 256, 192, dict(PING64, v_split=1)),                   # two head blocks, 3 steps: consumer 1 takes one
     (2, 64, 256, 64, PING64),                                      # one KV step: consumer 1 has none
     (2, 64, 512, 640, CLUSTER),                                    # split_cluster: 10 steps, multicast tiles
+    (2, 64, 512, 640, BKV32),                                      # split_cta: 20 steps through 4 stages
+    (2, 64, 512, 640, EARLY),                                      # others' chunks refilled after the QK product
+    (2, 64, 512, 640, dict(BKV32, **EARLY)),
+    (3, 128, 256, 192, dict(EARLY, v_split=4, num_stages=2)),      # three chunks early, the own one after P·V
 ])
 def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
     """The kernel (with the shims above) in the Mosaic GPU interpreter against the exact contract, with the GPU

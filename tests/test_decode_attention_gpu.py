@@ -149,9 +149,14 @@ CLUSTER = dict(organisation="split_cluster")
     (512, dict(CLUSTER, v_split=4)),                 # split_cluster, clusters of 4 CTAs
     (256, dict(CLUSTER, block_kv=128)),              # split_cluster, 128-row tiles
     (128, dict(CLUSTER, num_stages=1)),              # split_cluster, every step waits for both CTAs' release
+    (512, dict(block_kv=32, num_stages=4)),          # split_cta, 32-row tiles (64-byte swizzle), 4 stages
+    (512, dict(early_release=True)),                 # split_cta, other CTAs' chunks released after QK
+    (512, dict(block_kv=32, num_stages=4, early_release=True)),
+    (512, dict(v_split=4, early_release=True)),      # three chunks released early, one after P·V
 ], ids=["d512-split4", "d256-split1-3stages", "d256-bkv128", "d128-1stage", "shared-d512-l2", "shared-d512-l10",
         "shared-d256-bkv128", "shared-d128-1stage", "ping-d512-bkv32-4stages", "ping-d512-bkv32-2stages",
-        "ping-d256-split1", "cluster-d512-split4", "cluster-d256-bkv128", "cluster-d128-1stage"])
+        "ping-d256-split1", "cluster-d512-split4", "cluster-d256-bkv128", "cluster-d128-1stage",
+        "d512-bkv32-4stages", "d512-early", "d512-bkv32-4stages-early", "d512-split4-early"])
 def test_kernel_configs(d, kw):
     _check(8, 128, d, 640, "random", seed=d, **kw)
 

@@ -53,6 +53,18 @@ Organisation ``split_cta`` (one kernel launch, no combine step):
   is no QK/softmax/PV overlap inside a CTA (one compute warpgroup); at decode sizes the launch is short (10 KV steps
   at L = 640) and the copies of the next stage overlap the current step's compute.
 
+Two options of ``split_cta`` that keep more KV bytes in flight (the batch-64 kernel's time followed the bytes in
+flight per SM in ``pingpong``'s measurements, docs/perf/attention_h200.md):
+
+* ``block_kv=32, num_stages=4``: the same 128 KiB of KV stages in four 32-row tiles, so while the compute warpgroup
+  works on one tile three (96 KiB) are being loaded instead of one (64 KiB). 32-row tiles are stored (8, 32)-tiled
+  with 64-byte swizzling (Q too: the QK WGMMA's operands share a swizzle), as ``pingpong``'s: 128-byte swizzling
+  needs a P·V contraction of at least 64 rows.
+* ``early_release=True``: a stage's column chunks other than the CTA's own are read only by the QK product, so they
+  are released on a second "consumed" barrier as soon as that product has been waited for, and the producer
+  refills them during the softmax and P·V; the own chunk and the mask row follow on the first barrier after P·V.
+  The stage's "loaded" barrier still expects all ``v_split`` chunks and the mask row.
+
 Organisation ``split_cluster`` (``split_cta`` with each tile read once):
 
 * The same CTAs, warpgroups, buffers and per-step work as ``split_cta``, but the ``v_split`` CTAs of one (head
@@ -191,23 +203,28 @@ def _aligned(nbytes: int) -> int:
 
 
 def _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_barriers, *, tok, row0, chunks: int,
-                block_kv: int, stages: int, kv_steps: int, multicast: str | None = None) -> None:
+                block_kv: int, stages: int, kv_steps: int, multicast: str | None = None, own_chunk=None,
+                others_consumed=None) -> None:
     """The TMA warpgroup of both organisations: lowers its registers, issues the first ``stages`` KV tiles (each
     ``chunks`` column chunks plus the tile's mask row, all arriving on the stage's "loaded" barrier), then refills
     a stage once its "consumed" barrier says the compute side is done with it. Rows from ``row0`` (the L split).
     ``multicast``: a cluster axis whose CTAs all need the same KV tiles (``split_cluster``): each CTA of it copies
     its share of every column chunk and the TMA unit writes it into every CTA's shared memory (each CTA's "loaded"
-    barrier still expects the whole tile); the mask rows stay per CTA."""
+    barrier still expects the whole tile); the mask rows stay per CTA.
+    ``others_consumed`` (``split_cta`` with ``early_release``): barriers on which the compute side releases the
+    column chunks other than ``own_chunk`` once its QK product has read them; those chunks of a stage are refilled
+    then, and ``own_chunk`` with the mask row on ``consumed_barriers`` (after the P·V product)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-    def issue(step, slot):
+    def issue(step, slot, which=None, with_bias=True):
         kv_rows = pl.ds(step * block_kv if isinstance(row0, int) and row0 == 0 else row0 + step * block_kv, block_kv)
-        for c in range(chunks):
+        for c in range(chunks) if which is None else which:
             plgpu.copy_gmem_to_smem(kv_ref.at[tok, kv_rows, c], kv_smem.at[slot, c], loaded_barriers.at[slot],
                                     **({} if multicast is None else dict(collective_axes=multicast)))
-        plgpu.copy_gmem_to_smem(bias_ref.at[tok, kv_rows], bias_smem.at[slot], loaded_barriers.at[slot])
+        if with_bias:
+            plgpu.copy_gmem_to_smem(bias_ref.at[tok, kv_rows], bias_smem.at[slot], loaded_barriers.at[slot])
 
     for i in range(stages):
         issue(i, i)
@@ -215,8 +232,15 @@ def _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_
     @pl.loop(0, kv_steps - stages)
     def _refill(step):
         slot = lax.rem(step, jnp.array(stages, step.dtype))
+        if others_consumed is None:
+            plgpu.barrier_wait(consumed_barriers.at[slot])
+            issue(step + stages, slot)
+            return
+        plgpu.barrier_wait(others_consumed.at[slot])
+        issue(step + stages, slot, which=[lax.rem(own_chunk + j, chunks) for j in range(1, chunks)],
+              with_bias=False)
         plgpu.barrier_wait(consumed_barriers.at[slot])
-        issue(step + stages, slot)
+        issue(step + stages, slot, which=[own_chunk])
 
 
 def _online_softmax_step(qk, bias, m_i, l_i, acc, *, qk_scale: float):
@@ -255,7 +279,7 @@ def smem_bytes(d: int, block_kv: int, stages: int, organisation: str = "split_ct
 
 
 def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v_split: int,
-                 organisation: str = "split_cta", l_split: int = 1) -> int:
+                 organisation: str = "split_cta", l_split: int = 1, early_release: bool = False) -> int:
     """Validates the static configuration; returns the pipeline depth actually used (≤ the number of KV steps of a
     CTA)."""
     if organisation not in ORGANISATIONS:
@@ -275,7 +299,10 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
     if organisation == "split_cluster" and not 2 <= v_split <= MAX_CLUSTER:
         raise ValueError(f"organisation='split_cluster' launches the v_split CTAs of a token as one cluster: v_split "
                          f"must be 2 to {MAX_CLUSTER}, got {v_split}")
-    block_multiple = 32 if organisation == "pingpong" else 64
+    if early_release and (organisation != "split_cta" or v_split < 2):
+        raise ValueError(f"early_release releases the column chunks of the other CTAs of a token: organisation must "
+                         f"be 'split_cta' with v_split ≥ 2, got {organisation!r}, v_split={v_split}")
+    block_multiple = 32 if organisation in ("pingpong", "split_cta") else 64
     if block_kv % block_multiple or block_kv <= 0:
         raise ValueError(f"block_kv={block_kv} must be a positive multiple of {block_multiple} ({organisation})")
     if rows == 0 or rows % block_kv:
@@ -300,9 +327,10 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
 
 
 def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
-                           block_kv: int, stages: int, cluster: bool = False) -> jax.Array:
+                           block_kv: int, stages: int, cluster: bool = False, early_release: bool = False) -> jax.Array:
     """The Mosaic GPU kernel on the split layouts (``cluster``: organisation ``split_cluster``, the ``v_split`` CTAs
-    of a (head block, token) launched as one cluster sharing their Q and KV copies; module docstring).
+    of a (head block, token) launched as one cluster sharing their Q and KV copies; ``early_release``: the column
+    chunks only the QK product reads are released for refill before the softmax and P·V; module docstring).
 
     Args:
       q4: ``bf16 [N, H, v_split, dh]`` (q with d split into ``v_split`` chunks; a free reshape).
@@ -320,10 +348,13 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
     hb = HEADS_PER_CTA
     qk_scale = float(scale) * LOG2E   # logits in base 2: exp(x) = exp2(x · log2 e)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    if block_kv % 64:   # 32-row tiles: 128-byte swizzling needs a P·V contraction of ≥ 64 rows (as pingpong's)
+        tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
     multicast = dict(collective_axes="split") if cluster else {}
 
     def body(q_ref, kv_ref, bias_ref, sink_ref, o_ref, q_smem, kv_smem, bias_smem, sink_smem, setup_barrier,
-             loaded_barriers, consumed_barriers):
+             loaded_barriers, consumed_barriers, *others_consumed):
+        others_consumed = others_consumed[0] if others_consumed else None
         split = lax.axis_index("split")
         h0 = lax.axis_index("head_block") * hb
         tok = lax.axis_index("token")
@@ -372,7 +403,13 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
                     issue_qk(step, acc_ref)
                     return acc_ref[...]
 
-                return finish_step(step, pl.run_scoped(compute_qk, plgpu.ACC((hb, block_kv), jnp.float32)), carry)
+                qk = pl.run_scoped(compute_qk, plgpu.ACC((hb, block_kv), jnp.float32))   # waits for the WGMMAs
+                if others_consumed is not None:
+                    @pl.when(step + stages < kv_steps)
+                    def _release_others():   # the other CTAs' column chunks: only the QK product read them
+                        plgpu.barrier_arrive(others_consumed.at[lax.rem(step, jnp.array(stages, jnp.int32))])
+
+                return finish_step(step, qk, carry)
 
             acc, m_i, l_i = lax.fori_loop(0, kv_steps, kv_step, (acc, m_i, l_i))
             acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
@@ -386,9 +423,10 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         def _memory():
             _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_barriers, tok=tok, row0=0,
                         chunks=v_split, block_kv=block_kv, stages=stages, kv_steps=kv_steps,
-                        multicast="split" if cluster else None)
+                        multicast="split" if cluster else None, own_chunk=split, others_consumed=others_consumed)
 
-    body.__name__ = f"sparse_decode_attention_d{v_split * dh}_bkv{block_kv}{'_cluster' if cluster else ''}"
+    body.__name__ = (f"sparse_decode_attention_d{v_split * dh}_bkv{block_kv}{'_cluster' if cluster else ''}"
+                     f"{'_early' if early_release else ''}")
     # split_cluster: a stage is refilled (into both CTAs' shared memory) only once both CTAs' compute warpgroups
     # are done with it, so its "consumed" barrier counts the arrivals of the whole cluster.
     consumed = (plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1, num_barriers=stages) if cluster
@@ -401,6 +439,7 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         plgpu.Barrier(num_arrivals=v_split + 1),
         plgpu.Barrier(num_arrivals=v_split + 1, num_barriers=stages),
         consumed,
+        *([plgpu.Barrier(num_arrivals=1, num_barriers=stages)] if early_release else []),
     ]
     grid = (dict(grid=(h // hb, n), grid_names=("head_block", "token"), cluster=(v_split,), cluster_names=("split",))
             if cluster else dict(grid=(v_split, h // hb, n), grid_names=("split", "head_block", "token")))
@@ -589,10 +628,11 @@ def _combine_parts(acc: jax.Array, ml: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "v_split", "organisation",
-                                             "l_split"))
+                                             "l_split", "early_release"))
 def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink: jax.Array, *, scale: float,
                             block_kv: int = 64, num_stages: int = 2, v_split: int = 2,
-                            organisation: str = "split_cta", l_split: int = 1) -> jax.Array:
+                            organisation: str = "split_cta", l_split: int = 1,
+                            early_release: bool = False) -> jax.Array:
     """Decode attention over each query's gathered rows on Hopper (organisations: module docstring).
 
     ``s = scale · q[n,h]·kv[n,l]`` (fp32); ``p = softmax({s : valid} ∪ {sink[h]})`` without the sink's entry;
@@ -605,7 +645,7 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
       valid: ``bool [N, L]``; False rows contribute exactly 0.
       sink: ``fp32 [H]`` (finite).
       scale: logit scale (static).
-      block_kv: KV rows per pipeline step (multiple of 64; of 32 for ``pingpong``).
+      block_kv: KV rows per pipeline step (multiple of 32 for ``split_cta`` and ``pingpong``, of 64 otherwise).
       num_stages: TMA pipeline depth (capped at the number of KV steps; shared memory permitting).
       v_split: column chunks of d: ``split_cta``, CTAs per (token, head block), each producing ``d / v_split``
         output columns (also ``pingpong``); ``shared_qk``, its consumer warpgroups (must be 2).
@@ -617,6 +657,9 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
         ``num_stages`` when stages are refilled).
       l_split: ``shared_qk`` only: CTAs per (token, head block), each over ``L / l_split`` rows, their fp32 partial
         outputs merged by XLA after the kernel (must divide ``L / block_kv``).
+      early_release: ``split_cta`` only: each KV step releases the column chunks that only its QK product reads
+        (the other CTAs' output columns) as soon as that product is done, so their refill is in flight during the
+        softmax and P·V; the CTA's own chunk and the mask row are released after P·V as before.
     Returns:
       ``o bf16 [N, H, d]``.
     """
@@ -624,13 +667,13 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
     if q.dtype != jnp.bfloat16 or kv.dtype != jnp.bfloat16:
         raise ValueError(f"q and kv must be bf16, got {q.dtype} and {kv.dtype}")
     stages = check_config(h, d, rows, block_kv=block_kv, num_stages=num_stages, v_split=v_split,
-                          organisation=organisation, l_split=l_split)
+                          organisation=organisation, l_split=l_split, early_release=early_release)
     dh = d // v_split
     bias = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
     args = (q.reshape(n, h, v_split, dh), kv.reshape(n, rows, v_split, dh), bias, sink.astype(jnp.float32))
     if organisation in ("split_cta", "split_cluster"):
         out = _split_cta_call(*args, scale=scale, block_kv=block_kv, stages=stages,
-                              cluster=organisation == "split_cluster")
+                              cluster=organisation == "split_cluster", early_release=early_release)
     elif organisation == "pingpong":
         from pallas_kernels.attention.decode_pingpong_sm90 import pingpong_call
         out = pingpong_call(*args, scale=scale, block_kv=block_kv, stages=stages)
