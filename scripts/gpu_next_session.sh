@@ -1,14 +1,18 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
-# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after 2026-12-05, fifth
-# session: reuse of kernel lowerings now on by default, the top-k through group maxima from 16K scores a row):
+# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after 2026-12-05, sixth
+# session, which got no device: reuse of kernel lowerings on by default, the top-k through group maxima from 16K
+# scores a row, the sampler's 1,024 candidates, split_cta's new options):
+#   0. on an H200: STAGE=early — split_cta with 32-row tiles x 4 stages and with early release of the other CTA's
+#      column chunks (GPU tests, then timing against split_cta at 1 / 16 / 64 queries; issue 9's 60% target),
+#      then the sampler's filters alone (bench_kernels.py sampler);
 #   1. on an H200: STAGE=topk-model — the group top-k against lax.top_k on the H200 (measured on an H100 so far),
 #      then decode attention + indexer + top-k at 32K / 128K context as the model runs them (bench_kernels.py
 #      attention), to compare with the tables of docs/perf/attention_h200.md;
 #   1b. STAGE=sampler — sampled decoding with the filters decided from 1,024 candidates (no vocabulary sorts when
 #      the cut falls inside them): the filters alone, full sorts against candidates (bench_kernels.py sampler:
-#      Zipf and flat logits, batch 1 / 64 / 256), then the batch-64 V4-Flash 4-layer slice at temperature 1 with
-#      top-k 50 and without filters: the decode step ms of the two rows;
+#      Zipf and flat logits, batch 1 / 64 / 256; also in STAGE=early), then the batch-64 V4-Flash 4-layer slice at
+#      temperature 1 with top-k 50 and without filters: the decode step ms of the two rows;
 #   2. STAGE=mesh when nvidia-h200-x2 is lent, STAGE=lab4 on nvidia-h200-x4 (issues 10, 14). Stages:
 #   STAGE=first   one call for a session that may get only one: the split_cluster GPU tests, their
 #                 timing against split_cta at 1, 16 and 64 queries, and the V4.1 engine case with kernel lowerings
