@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -33,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_topk import wall_ms  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 from dinfer_jax.sampling.sampler import FILTER_CANDIDATES, processed_logprobs  # noqa: E402
 
@@ -54,15 +55,6 @@ def logits(distribution: str, batch: int, vocab: int) -> jax.Array:
     by_rank = -1.5 * jnp.log(jnp.arange(1, vocab + 1, dtype=jnp.float32))
     perm = jax.vmap(lambda k: jax.random.permutation(k, vocab))(jax.random.split(key, batch))
     return jnp.take(by_rank, perm)
-
-
-def _wall_ms(f, *args, iterations: int = 5) -> float:
-    jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    for _ in range(iterations):
-        out = f(*args)
-    jax.block_until_ready(out)
-    return 1e3 * (time.perf_counter() - t0) / iterations
 
 
 def bench_sampler(batches, vocab: int, candidates: int, timer, wall, on_row=lambda rows: None) -> list[dict]:
@@ -107,7 +99,7 @@ def main() -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} (wall times)")
     vocab, batches = (SMOKE_VOCAB, (1, 4)) if args.smoke else (VOCAB, BATCHES)
     candidates = 64 if args.smoke else FILTER_CANDIDATES
-    rows = bench_sampler(batches, vocab, candidates, _wall_ms, _wall_ms,
+    rows = bench_sampler(batches, vocab, candidates, wall_ms, wall_ms,
                          on_row=lambda rows: print(table(rows).splitlines()[-1], flush=True))
     print(table(rows))
 

@@ -52,7 +52,8 @@ def _scores(batch: int, queries: int, t: int) -> jax.Array:
     return x
 
 
-def _wall_ms(f, *args, iterations: int = 5) -> float:
+def wall_ms(f, *args, iterations: int = 5) -> float:
+    """Mean wall milliseconds of ``f(*args)`` over ``iterations`` calls after one warm call."""
     jax.block_until_ready(f(*args))
     t0 = time.perf_counter()
     for _ in range(iterations):
@@ -112,7 +113,7 @@ def main() -> None:
     args = p.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} (wall times)")
     # each finished row printed at once, so a run cut short by a time limit keeps what it measured
-    rows = bench_topk(SMOKE if args.smoke else CASES, _wall_ms, None,
+    rows = bench_topk(SMOKE if args.smoke else CASES, wall_ms, None,
                       on_row=lambda rows: print(table(rows).splitlines()[-1], flush=True))
     print(table(rows))
 
