@@ -24,6 +24,11 @@ output tokens/s with DSpark verifying K drafts per step against the same engine 
 synchronous loops, with the mean acceptance length (tokens emitted per verification step). Outputs are checked to be
 identical with and without speculation. ``--max-num-seqs N`` serves the prompts N at a time (default: all at once;
 1 = one request at a time, the latency-bound case where a step costs the same for 1 or 1 + K query tokens).
+``--sampling`` instead measures sampled decoding on the bundled default model: ``examples/prompts.txt`` (repeated to
+``--batch`` prompts), ``--max-tokens`` new tokens (EOS ignored), asynchronous loop, output tokens/s greedy and with
+seeded sampling at temperature 0.7 with top-p 0.9, top-k 50, both, and no filter — what the sampler's filters cost
+on top of the model's step (the top-p / top-k decision from the most likely candidates, ``sampling/sampler.py``).
+Run it once with the package of another commit first on ``PYTHONPATH`` to compare the two.
 ``--speculative-widths all`` (or e.g. ``1,3,5``) adds two engines with confidence-scheduled verification over
 those decode widths (``LLM(speculative_widths=...)``), without and with the online step-time correction
 (``speculative_time_correction=True``), and reports the widths their decode steps took.
@@ -64,6 +69,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="with --speculative: also engines with confidence-scheduled verification over these "
                          "decode widths ('all' or comma-separated ints including K + 1), without and with the "
                          "online step-time correction")
+    ap.add_argument("--sampling", action="store_true",
+                    help="compare greedy with sampled decoding (top-p / top-k filters) on the default model instead")
     ap.add_argument("--max-num-seqs", type=int, default=0,
                     help="with --speculative: requests served at once (default: --batch)")
     return ap.parse_args(argv)
@@ -315,8 +322,50 @@ def bench_speculative(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_sampling(args: argparse.Namespace) -> int:
+    """``--sampling`` (module docstring): output tok/s of the default model, greedy against sampled with filters."""
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from dinfer_jax import LLM, SamplingParams
+
+    lines = [ln.rstrip("\n") for ln in open(Path(__file__).resolve().parents[1] / "examples" / "prompts.txt")
+             if ln.strip()]
+    prompts = [lines[i % len(lines)] for i in range(args.batch)]
+    settings = {"greedy": dict(temperature=0.0), "T 0.7, no filter": dict(temperature=0.7),
+                "T 0.7, top-p 0.9": dict(temperature=0.7, top_p=0.9),
+                "T 0.7, top-k 50": dict(temperature=0.7, top_k=50),
+                "T 0.7, top-p 0.9, top-k 50": dict(temperature=0.7, top_p=0.9, top_k=50)}
+    llm = LLM("default", max_num_seqs=args.batch, max_model_len=256, progress=False)
+    import dinfer_jax
+
+    table = Table(title=f"LLM.generate on CPU, default model ({Path(dinfer_jax.__file__).parent}): {args.batch} "
+                        f"prompts of examples/prompts.txt, {args.max_tokens} new tokens, async (median of "
+                        f"{args.repeats})")
+    for col in ("sampling", "output tok/s", "vs greedy"):
+        table.add_column(col, justify="left" if col == "sampling" else "right")
+    base = None
+    for name, kw in settings.items():
+        sp = [SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seq_seed=i, **kw) for i in range(args.batch)]
+        llm.generate(prompts, sp, use_tqdm=False)
+        rates = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+        rate = statistics.median(rates)
+        base = base or rate
+        table.add_row(name, f"{rate:.1f}", f"{rate / base:.2f}×")
+    Console(width=140).print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.sampling:
+        return bench_sampling(args)
     if args.speculative:
         return bench_speculative(args)
     if args.max_model_lens:

@@ -495,10 +495,12 @@ def test_candidates_do_not_claim_rows_where_equal_probabilities_hide_a_logit_ord
     np.testing.assert_array_equal(np.asarray(top_p_top_k_mask(*args, candidates=c)), full)
 
 
-def test_filter_candidates_only_for_large_vocabularies_on_a_gpu() -> None:
+def test_filter_candidates_by_backend_and_vocabulary() -> None:
     assert sampler.filter_candidates(129280, "gpu") == sampler.FILTER_CANDIDATES
     assert sampler.filter_candidates(16 * sampler.FILTER_CANDIDATES - 1, "gpu") is None
-    assert sampler.filter_candidates(129280, "cpu") is None
+    assert sampler.filter_candidates(2048, "cpu") == sampler.CPU_FILTER_CANDIDATES
+    assert sampler.filter_candidates(16 * sampler.CPU_FILTER_CANDIDATES - 1, "cpu") is None
+    assert sampler.filter_candidates(129280, "tpu") is None
 
 
 @pytest.mark.parametrize("tag", ["default", "mtp"])

@@ -51,6 +51,10 @@ LOGPROBS_MODES = ("processed", "raw")
 # filters then look at the FILTER_CANDIDATES most likely tokens only, which decide them whenever the cut falls inside
 # that prefix (top_p_top_k_mask says when). Only where the vocabulary is at least 16 times that many.
 FILTER_CANDIDATES = 1024
+# On XLA:CPU the sorts cost ~0.6 ms per 2,048-entry row (5.9 ms for 10 rows: more than the default model's whole
+# decode step), and selecting candidates grows quickly with their number there, so a CPU looks at fewer
+# (docs/perf/bench_generate_cpu.md, "Sampled decoding").
+CPU_FILTER_CANDIDATES = 64
 
 
 class SampleLogprobs(NamedTuple):
@@ -86,9 +90,11 @@ def _unpermute(order: jax.Array, values: jax.Array) -> jax.Array:
 
 
 def filter_candidates(vocab: int, backend: str) -> int | None:
-    """How many most likely tokens :func:`top_p_top_k_mask` examines first: :data:`FILTER_CANDIDATES` on a GPU when
-    the vocabulary has at least 16 times as many; None (the whole vocabulary sorted) otherwise."""
-    return FILTER_CANDIDATES if backend == "gpu" and vocab >= 16 * FILTER_CANDIDATES else None
+    """How many most likely tokens :func:`top_p_top_k_mask` examines first: :data:`FILTER_CANDIDATES` on a GPU and
+    :data:`CPU_FILTER_CANDIDATES` on a CPU, when the vocabulary has at least 16 times as many; None (the whole
+    vocabulary sorted) otherwise and on other backends."""
+    c = {"gpu": FILTER_CANDIDATES, "cpu": CPU_FILTER_CANDIDATES}.get(backend)
+    return c if c is not None and vocab >= 16 * c else None
 
 
 def _top_k_removed(masked: jax.Array, top_k: jax.Array, vocab: int) -> jax.Array:
