@@ -12,6 +12,11 @@ JSONL input lines are objects with ``"prompt"`` (text) or ``"prompt_token_ids"``
 ``so_args`` (docs/structured_outputs.md); a schema that does not compile ends those requests with an error. Each
 output line holds the prompt, the generated token ids and text,
 the finish reason and any error. ``--print`` also shows the continuations on the terminal.
+
+Step programs are compiled when the job first needs each shape (``--compile on-demand``, the default: a batch job
+compiles only what its prompts use, ~20 s for the README's main job on 2 cores against ~75 s for every bucket) or
+all before generating (``--compile ahead``: the engine's warm-up, what a server wants). Compiled programs persist in
+the on-disk compilation cache either way.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=128, help="prefill tokens per step")
     ap.add_argument("--sync", action="store_true", help="disable asynchronous scheduling")
+    ap.add_argument("--compile", choices=("on-demand", "ahead"), default="on-demand",
+                    help="on-demand (default): compile each step shape when the job first needs it, so a batch job "
+                         "compiles only the shapes its prompts use; ahead: compile every shape bucket first (LLM's "
+                         "warm-up, as a server does so that no request waits for a compilation)")
     ap.add_argument("--print", action="store_true", help="print prompt → continuation to stderr")
     ap.add_argument("--no-progress", action="store_true")
     so = ap.add_mutually_exclusive_group()
@@ -80,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     records = read_prompts(Path(args.prompts))
     so_args = structured_args(args)
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=not args.sync)
+              max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=not args.sync,
+              warmup=args.compile == "ahead")
     params = [SamplingParams(temperature=float(r.get("temperature", args.temperature)), top_p=args.top_p,
                              top_k=args.top_k, min_p=args.min_p, max_tokens=int(r.get("max_tokens", args.max_tokens)),
                              seq_seed=r.get("seed", args.seed), so_args=r.get("so_args", so_args)) for r in records]
@@ -99,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         if sink is not sys.stdout:
             sink.close()
     m = llm.metrics()
-    print(f"\n{len(outputs)} requests, {m['decode_tokens']} decode tokens, {m['output_tokens_per_second']:.1f} tok/s, "
-          f"device waited for host {m['device_wait_fraction']:.1%} of the time", file=sys.stderr)
+    compiled = f" (including {m['compilations']} step compilations)" if args.compile == "on-demand" else ""
+    print(f"\n{len(outputs)} requests, {m['decode_tokens']} decode tokens, {m['output_tokens_per_second']:.1f} tok/s"
+          f"{compiled}, device waited for host {m['device_wait_fraction']:.1%} of the time", file=sys.stderr)
     return 0
 
 
