@@ -298,6 +298,10 @@ def main() -> None:
                    help="topk: indices into bench_topk.CASES (default: all)")
     p.add_argument("--topk-variants", nargs="*", default=None,
                    help="topk: variants of bench_topk.VARIANTS (default: all)")
+    p.add_argument("--sampler-batches", type=int, nargs="*", default=None,
+                   help="sampler: batch sizes (default: bench_sampler.BATCHES)")
+    p.add_argument("--sampler-filters", nargs="*", default=None,
+                   help="sampler: labels of bench_sampler.FILTERS (default: all)")
     import bench_attention  # scripts/ is on sys.path when run as a script
 
     bench_attention.add_arguments(p)
@@ -375,9 +379,9 @@ def main() -> None:
             save(rows)
             print(bench_sampler.table(rows).splitlines()[-1], flush=True)
 
-        rows = bench_sampler.bench_sampler(bench_sampler.BATCHES, bench_sampler.VOCAB,
+        rows = bench_sampler.bench_sampler(args.sampler_batches or bench_sampler.BATCHES, bench_sampler.VOCAB,
                                            bench_sampler.FILTER_CANDIDATES, lambda f, *a: device_times(f, *a)[0],
-                                           wall_time, on_row=on_sampler_row)
+                                           wall_time, on_row=on_sampler_row, filters=args.sampler_filters)
         print(bench_sampler.table(rows))
         return
     if args.what == "linear":

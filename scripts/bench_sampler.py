@@ -57,9 +57,14 @@ def logits(distribution: str, batch: int, vocab: int) -> jax.Array:
     return jnp.take(by_rank, perm)
 
 
-def bench_sampler(batches, vocab: int, candidates: int, timer, wall, on_row=lambda rows: None) -> list[dict]:
+def bench_sampler(batches, vocab: int, candidates: int, timer, wall, on_row=lambda rows: None,
+                  filters: list[str] | None = None) -> list[dict]:
     """Times ``processed_logprobs`` with the full sorts (``candidates=None``) and with ``candidates`` for every
-    distribution × filter × batch; ``timer(f, *args) -> ms`` (device time where measured), ``wall(f, *args) -> ms``."""
+    distribution × filter (labels of :data:`FILTERS`, default all) × batch; ``timer(f, *args) -> ms`` (device time
+    where measured), ``wall(f, *args) -> ms``."""
+    unknown = sorted(set(filters or ()) - {f[0] for f in FILTERS})
+    if unknown:
+        raise ValueError(f"unknown filters {unknown}; known: {[f[0] for f in FILTERS]}")
     ways = {name: jax.jit(functools.partial(processed_logprobs, candidates=c))
             for name, c in (("full", None), ("candidates", candidates))}
     rows = []
@@ -67,7 +72,7 @@ def bench_sampler(batches, vocab: int, candidates: int, timer, wall, on_row=lamb
         for batch in batches:
             x = logits(distribution, batch, vocab)
             temperature = jnp.ones((batch,), jnp.float32)
-            for label, top_p, top_k in FILTERS:
+            for label, top_p, top_k in (f for f in FILTERS if filters is None or f[0] in filters):
                 args = (x, temperature, jnp.full((batch,), top_p, jnp.float32), jnp.full((batch,), top_k, jnp.int32))
                 full, cand = (np.asarray(ways[name](*args)) for name in ("full", "candidates"))
                 kept = np.isfinite(full).sum(axis=-1)
