@@ -501,6 +501,9 @@ def test_filter_candidates_by_backend_and_vocabulary() -> None:
     assert sampler.filter_candidates(2048, "cpu") == sampler.CPU_FILTER_CANDIDATES
     assert sampler.filter_candidates(16 * sampler.CPU_FILTER_CANDIDATES - 1, "cpu") is None
     assert sampler.filter_candidates(129280, "tpu") is None
+    assert sampler.filter_candidates(129280, "gpu", rows=1) is None          # one row: the full sort is faster
+    assert sampler.filter_candidates(129280, "gpu", rows=2) == sampler.FILTER_CANDIDATES
+    assert sampler.filter_candidates(2048, "cpu", rows=1) == sampler.CPU_FILTER_CANDIDATES
 
 
 @pytest.mark.parametrize("tag", ["default", "mtp"])

@@ -8,7 +8,9 @@ Measured on the H200 at the real size (64 heads × 512, L = 640 rows per query; 
   l_split=10`` 6.8 µs of kernel and 10.4 µs for the whole call with the merge — one KV block per CTA.
 
 So few queries take ``shared_qk`` with L split over as many CTAs as keep the grid within one wave of SMs, and
-many queries ``split_cta``. :data:`SMALL_N_MAX` is the boundary; the sizes between 1 and 64 are measured by
+many queries ``split_cta`` with ``early_release`` (the other CTA's column chunks refilled during the softmax and
+P·V: 25.1 against 26.5 µs at 64 queries on an H100, 17.3 against 17.5 at 16; docs/perf/attention_h200.md, sixth
+session of 2026-12-05). :data:`SMALL_N_MAX` is the boundary; the sizes between 1 and 64 are measured by
 ``scripts/bench_kernels.py attention-kernel --batches 1 4 8 16 64`` (the ``model rule`` row).
 """
 
@@ -26,7 +28,7 @@ def decode_options(n_queries: int, rows: int, block_kv: int = 64) -> dict:
     if n_queries <= 0 or rows <= 0 or rows % block_kv:
         raise ValueError(f"need n_queries > 0 and rows a positive multiple of {block_kv}, got {n_queries}, {rows}")
     if n_queries > SMALL_N_MAX:
-        return dict(organisation="split_cta")
+        return dict(organisation="split_cta", early_release=True)
     blocks = rows // block_kv
     l_split = max(s for s in range(1, blocks + 1) if blocks % s == 0 and n_queries * s <= NUM_SMS)
     return dict(organisation="shared_qk", l_split=l_split)
