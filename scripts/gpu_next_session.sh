@@ -1,11 +1,10 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
 # with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after 2026-12-05, sixth
-# session, which got no device: reuse of kernel lowerings on by default, the top-k through group maxima from 16K
-# scores a row, the sampler's 1,024 candidates, split_cta's new options):
-#   0. on an H200: STAGE=early — split_cta with 32-row tiles x 4 stages and with early release of the other CTA's
-#      column chunks (GPU tests, then timing against split_cta at 1 / 16 / 64 queries; issue 9's 60% target),
-#      then the sampler's filters alone (bench_kernels.py sampler);
+# session, which got an H100 late: split_cta's early release measured there and adopted by the model rule, 32-row
+# tiles rejected; the sampler's candidates measured on the H100, single rows back to the full sorts):
+#   0. on an H200: STAGE=early — the same kernel variants and sampler table on the H200 (issue 9's 60% is an H200
+#      figure: split_cta was 52-55% there; early release gave +5% on the H100);
 #   1. on an H200: STAGE=topk-model — the group top-k against lax.top_k on the H200 (measured on an H100 so far),
 #      then decode attention + indexer + top-k at 32K / 128K context as the model runs them (bench_kernels.py
 #      attention), to compare with the tables of docs/perf/attention_h200.md;
