@@ -301,13 +301,7 @@ def bench_speculative(args: argparse.Namespace) -> int:
             spec = llm.speculative
             llm.configure(async_scheduling=async_)
             before = llm.metrics()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            rates = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, sp, use_tqdm=False)
-                rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
-            rate = statistics.median(rates)
+            rate, outs = _median_rate(llm, prompts, sp, args.repeats)
             toks = [o.token_ids for o in outs]
             base, ref = (rate, toks) if spec is None else (base, ref)
             m = llm.metrics()
@@ -320,6 +314,18 @@ def bench_speculative(args: argparse.Namespace) -> int:
                           ", ".join(f"{w}: {n}" for w, n in by_width.items() if n) or "—")
     Console(width=140).print(table)
     return 0
+
+
+def _median_rate(llm, prompts, sp, repeats: int):
+    """Median output tokens/s of ``llm.generate(prompts, sp)`` over ``repeats`` runs after one untimed run, and the
+    last run's outputs."""
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+    return statistics.median(rates), outs
 
 
 def bench_sampling(args: argparse.Namespace) -> int:
@@ -349,13 +355,7 @@ def bench_sampling(args: argparse.Namespace) -> int:
     base = None
     for name, kw in settings.items():
         sp = [SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seq_seed=i, **kw) for i in range(args.batch)]
-        llm.generate(prompts, sp, use_tqdm=False)
-        rates = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
-        rate = statistics.median(rates)
+        rate, _ = _median_rate(llm, prompts, sp, args.repeats)
         base = base or rate
         table.add_row(name, f"{rate:.1f}", f"{rate / base:.2f}×")
     Console(width=140).print(table)
