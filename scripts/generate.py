@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         if sink is not sys.stdout:
             sink.close()
     m = llm.metrics()
-    compiled = f" (including {m['compilations']} step compilations)" if args.compile == "on-demand" else ""
+    compiled = (f" (timing includes building {m['compilations']} step programs: compiled, or loaded from the "
+                f"compilation cache)" if args.compile == "on-demand" else "")
     print(f"\n{len(outputs)} requests, {m['decode_tokens']} decode tokens, {m['output_tokens_per_second']:.1f} tok/s"
           f"{compiled}, device waited for host {m['device_wait_fraction']:.1%} of the time", file=sys.stderr)
     return 0

@@ -38,7 +38,7 @@ def test_main_job_continues_the_corpus_with_shapes_compiled_on_demand(tmp_path, 
     assert rows[0]["prompt_token_ids"] == prompt_ids
     assert rows[0]["token_ids"] == tok.encode(PASSAGE + CORPUS_CONTINUATION).ids[len(prompt_ids):][:12]
     summary = capsys.readouterr().err
-    assert "step compilations" in summary, summary              # compiled while generating, and said so
+    assert "building" in summary and "step programs" in summary, summary   # built while generating, and said so
 
 
 def test_malformed_prompt_file_names_the_line(tmp_path):
