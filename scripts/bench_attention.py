@@ -161,7 +161,9 @@ def bench_attention(args, device_times, copy_bw: float) -> list[dict]:
                     t_kernel, _ = device_times(kernel, *a)
                     keys, valid = jax.jit(functools.partial(_kernel_rows, codec))(
                         c["pool"], c["pages"], c["idx"], c["win"], c["wmask"])
-                    alone = jax.jit(functools.partial(sparse_decode_attention, scale=cfg.head_dim ** -0.5))
+                    # the organisation the model takes for these rows (the model's path above uses the same rule)
+                    alone = jax.jit(functools.partial(sparse_decode_attention, scale=cfg.head_dim ** -0.5,
+                                                      **decode_options(*keys.shape[:2])))
                     t_alone, _ = device_times(alone, c["q"][:, 0], keys, valid, c["sink"])
                     del keys, valid
                 del c

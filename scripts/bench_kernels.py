@@ -310,15 +310,17 @@ def main() -> None:
     ceil = ceilings()
     print(ceil, flush=True)
 
-    def saver(name: str, to_table):
+    def saver(name: str, to_table, echo: bool = False):
         """A callback writing ``name``.md (the table) and ``name``.json under ``--out`` after every row, so a run
-        cut short by a time limit keeps its results."""
+        cut short by a time limit keeps its results; ``echo``: also print the table's newest row as it comes."""
         def save(rows: list[dict]) -> None:
             if args.out:
                 out = Path(args.out)
                 out.mkdir(parents=True, exist_ok=True)
                 (out / f"{name}.md").write_text(to_table(rows) + "\n")
                 (out / f"{name}.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, default=str, indent=1))
+            if echo:
+                print(to_table(rows).splitlines()[-1], flush=True)
         return save
 
     if args.what == "prefill-attention":
@@ -360,28 +362,18 @@ def main() -> None:
         import bench_topk
 
         cases = bench_topk.CASES if args.topk_cases is None else [bench_topk.CASES[i] for i in args.topk_cases]
-        save = saver("bench_topk", bench_topk.table)
-
-        def on_row(rows: list[dict]) -> None:
-            save(rows)
-            print(bench_topk.table(rows).splitlines()[-1], flush=True)
-
         rows = bench_topk.bench_topk(cases, lambda f, *a: device_times(f, *a)[0], ceil["copy_GBps"] * 1e9,
-                                     on_row=on_row, variants=args.topk_variants)
+                                     on_row=saver("bench_topk", bench_topk.table, echo=True),
+                                     variants=args.topk_variants)
         print(bench_topk.table(rows))
         return
     if args.what == "sampler":
         import bench_sampler
 
-        save = saver("bench_sampler", bench_sampler.table)
-
-        def on_sampler_row(rows: list[dict]) -> None:
-            save(rows)
-            print(bench_sampler.table(rows).splitlines()[-1], flush=True)
-
         rows = bench_sampler.bench_sampler(args.sampler_batches or bench_sampler.BATCHES, bench_sampler.VOCAB,
                                            bench_sampler.FILTER_CANDIDATES, lambda f, *a: device_times(f, *a)[0],
-                                           wall_time, on_row=on_sampler_row, filters=args.sampler_filters)
+                                           wall_time, on_row=saver("bench_sampler", bench_sampler.table, echo=True),
+                                           filters=args.sampler_filters)
         print(bench_sampler.table(rows))
         return
     if args.what == "linear":

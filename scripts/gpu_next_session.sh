@@ -86,7 +86,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -204,6 +204,23 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       | quiet | grep "^|\|copy\|Error"
     timeout 170 python3 scripts/bench_kernels.py sampler --out "$OUT/sampler_kernel" 2>&1 | quiet \
       | grep "^|\|copy\|Error" ;;
+  h200-attn)
+    # issue 9 on an H200 in one call: the adopted early release (GPU tests), the kernel against split_cta at 1 / 16
+    # / 64 queries, then the model's attention path at batch 64, 32K and 128K (kernel alone = the model's rule)
+    timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py \
+      -k "early or model" 2>&1 | grep "^E \|passed\|failed\|Error" | head -20
+    timeout 150 python3 scripts/bench_kernels.py attention-kernel --batches 1 16 64 --variants split_cta \
+      "split_cta early" "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet | grep "^|\|copy\|Error"
+    timeout 270 python3 scripts/bench_kernels.py attention --contexts 32768 131072 --batches 64 \
+      --out "$OUT/attention" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
+  h200-sampler)
+    # issue 8 on an H200 in one call: the sampler's filters alone (full sorts against 1,024 candidates), then the
+    # batch-64 V4-Flash 4-layer slice sampling at temperature 1 with top-k 50 and without filters
+    timeout 150 python3 scripts/bench_kernels.py sampler --sampler-batches 1 64 256 --out "$OUT/sampler_kernel" 2>&1 \
+      | quiet | grep "^|\|copy\|Error"
+    cd scripts && for f in "--top-k 50" ""; do timeout 190 python3 bench_serving.py --preset \
+      deepseek-v4-flash --layers 4 --batch 64 $C --temperature 1.0 $f --out "$OUT/sampler" 2>&1 | quiet \
+      | grep "^| 4 \|Error" | sed "s/^/[$f] /"; done ;;
   topk-model)
     timeout 200 python3 scripts/bench_kernels.py topk --topk-variants "group 4" "group 8" --out "$OUT/topk" 2>&1 \
       | quiet | grep "^|\|copy\|Error"
