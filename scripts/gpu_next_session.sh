@@ -86,7 +86,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -213,6 +213,14 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       "split_cta early" "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet | grep "^|\|copy\|Error"
     timeout 270 python3 scripts/bench_kernels.py attention --contexts 32768 131072 --batches 64 \
       --out "$OUT/attention" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
+  compile-depth)
+    # issue 8's "8 layers <= 1.3x 2 layers": the serving step compiled as LLM compiles it (FP8 linear kernel, Triton
+    # GEMMs off, decode without autotuning; --engine-defaults), abstract weights: the decode bucket [64, 1] at 2, 4
+    # and 8 layers, then a 64-token bucket [4, 64] at 2 and 8
+    timeout 300 python3 scripts/bench_compile.py --preset deepseek-v4-flash --layers 2 4 8 --dtype bfloat16 \
+      --weights native --batch 64 --q 1 --engine-defaults --step-only 2>&1 | quiet | grep "^|\|ratio\|preset\|Error"
+    timeout 240 python3 scripts/bench_compile.py --preset deepseek-v4-flash --layers 2 8 --dtype bfloat16 \
+      --weights native --batch 4 --q 64 --engine-defaults --step-only 2>&1 | quiet | grep "^|\|ratio\|preset\|Error" ;;
   h200-sampler)
     # issue 8 on an H200 in one call: the sampler's filters alone (full sorts against 1,024 candidates), then the
     # batch-64 V4-Flash 4-layer slice sampling at temperature 1 with top-k 50 and without filters

@@ -196,8 +196,8 @@ GPU_PROGRAM_OPTIONS: Mapping[str, str | int | float | bool] = MappingProxyType({
 GPU_DECODE_OPTIONS: Mapping[str, str | int | float | bool] = MappingProxyType({"xla_gpu_autotune_level": 0})
 
 
-def _program_options(given: Mapping[str, str | int | float | bool] | None,
-                     linear_impl: str) -> dict[str, str | int | float | bool]:
+def program_options(given: Mapping[str, str | int | float | bool] | None,
+                    linear_impl: str) -> dict[str, str | int | float | bool]:
     """Every program's XLA options (``LLM(compiler_options=...)``): ``given``, or by default
     :data:`GPU_PROGRAM_OPTIONS` when the FP8 linear kernel (``linear_impl``, resolved) serves the decode steps,
     else XLA's own."""
@@ -206,8 +206,8 @@ def _program_options(given: Mapping[str, str | int | float | bool] | None,
     return dict(GPU_PROGRAM_OPTIONS) if linear_impl == "pallas" else {}
 
 
-def _decode_options(given: Mapping[str, str | int | float | bool] | None,
-                    linear_impl: str) -> dict[str, str | int | float | bool]:
+def decode_program_options(given: Mapping[str, str | int | float | bool] | None,
+                           linear_impl: str) -> dict[str, str | int | float | bool]:
     """The decode programs' extra XLA options (``LLM(decode_compiler_options=...)``): ``given``, or by default
     :data:`GPU_DECODE_OPTIONS` when the FP8 linear kernel (``linear_impl``, resolved) serves the decode steps."""
     if given is not None:
@@ -459,8 +459,8 @@ class LLM:
         check_linear_impl(self.model.linear_impl, bool(batch_invariant))
         self.model = dataclasses.replace(self.model, linear_impl=resolve_linear_impl(
             self.model.linear_impl, bool(batch_invariant), one_device))
-        options = compiler_options_key(_program_options(compiler_options, self.model.linear_impl))
-        decode_options = compiler_options_key({**dict(options), **_decode_options(
+        options = compiler_options_key(program_options(compiler_options, self.model.linear_impl))
+        decode_options = compiler_options_key({**dict(options), **decode_program_options(
             decode_compiler_options, self.model.linear_impl)})
         check_attention_impl(self.model.attention_impl)
         if num_redundant_experts is not None and ep_size < 2:
