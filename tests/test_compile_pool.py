@@ -246,10 +246,10 @@ def test_gpu_option_defaults_follow_the_linear_kernel():
     """With the FP8 linear kernel serving decode (resolved ``linear_impl="pallas"``: a GPU, one device) every
     program defaults to Triton's GEMMs off and decode programs also to no GEMM autotuning; with XLA's linears (CPU,
     mesh engines) both default to XLA's own; a given mapping, ``{}`` included, replaces the default."""
-    from dinfer_jax.engine.llm import _decode_options, _program_options
+    from dinfer_jax.engine.llm import decode_program_options, program_options
 
-    assert _program_options(None, "pallas") == {"xla_gpu_enable_triton_gemm": False}
-    assert _decode_options(None, "pallas") == {"xla_gpu_autotune_level": 0}
-    assert _program_options(None, "xla") == {} == _decode_options(None, "xla")
-    assert _program_options({}, "pallas") == {} == _decode_options({}, "pallas")
-    assert _decode_options({"xla_gpu_autotune_level": 1}, "pallas") == {"xla_gpu_autotune_level": 1}
+    assert program_options(None, "pallas") == {"xla_gpu_enable_triton_gemm": False}
+    assert decode_program_options(None, "pallas") == {"xla_gpu_autotune_level": 0}
+    assert program_options(None, "xla") == {} == decode_program_options(None, "xla")
+    assert program_options({}, "pallas") == {} == decode_program_options({}, "pallas")
+    assert decode_program_options({"xla_gpu_autotune_level": 1}, "pallas") == {"xla_gpu_autotune_level": 1}
