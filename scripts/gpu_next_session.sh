@@ -1,18 +1,16 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
-# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after 2026-12-05, sixth
-# session, which got an H100 late: split_cta's early release measured there and adopted by the model rule, 32-row
-# tiles rejected; the sampler's candidates measured on the H100, single rows back to the full sorts):
-#   0. on an H200: STAGE=early — the same kernel variants and sampler table on the H200 (issue 9's 60% is an H200
-#      figure: split_cta was 52-55% there; early release gave +5% on the H100);
-#   1. on an H200: STAGE=topk-model — the group top-k against lax.top_k on the H200 (measured on an H100 so far),
-#      then decode attention + indexer + top-k at 32K / 128K context as the model runs them (bench_kernels.py
-#      attention), to compare with the tables of docs/perf/attention_h200.md;
-#   1b. STAGE=sampler — sampled decoding with the filters decided from 1,024 candidates (no vocabulary sorts when
-#      the cut falls inside them): the filters alone, full sorts against candidates (bench_kernels.py sampler:
-#      Zipf and flat logits, batch 1 / 64 / 256; also in STAGE=early), then the batch-64 V4-Flash 4-layer slice at
-#      temperature 1 with top-k 50 and without filters: the decode step ms of the two rows;
-#   2. STAGE=mesh when nvidia-h200-x2 is lent, STAGE=lab4 on nvidia-h200-x4 (issues 10, 14). Stages:
+# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after 2026-12-05, seventh
+# session, which got no device at all: every H200 / H100 start was refused):
+#   0. on an H200: STAGE=h200-attn — issue 9's 60% is an H200 figure (split_cta was 48-55% there): the kernel with
+#      early release (the model's rule above 8 queries; +5% on the H100) against split_cta, its GPU tests, and the
+#      model's attention path at batch 64, 32K context (its "kernel alone" column now uses the model's rule);
+#   1. STAGE=compile-depth — issue 8's "8 layers <= 1.3x 2 layers" measured as the engine compiles (FP8 linear
+#      kernel, Triton GEMMs off, decode without autotuning): scripts/bench_compile.py --engine-defaults (any card);
+#   2. STAGE=h200-sampler — the sampler's filters alone and the batch-64 V4-Flash 4-layer slice's sampled decode
+#      step with and without top-k (issue 8 follow-up; the stage also exercises bench_kernels' saver(echo=True));
+#   3. STAGE=topk-model on an H200 (the group top-k against lax.top_k, measured on an H100 so far);
+#   4. STAGE=mesh when nvidia-h200-x2 is lent, STAGE=lab4 on nvidia-h200-x4 (issues 10, 14). Stages:
 #   STAGE=first   one call for a session that may get only one: the split_cluster GPU tests, their
 #                 timing against split_cta at 1, 16 and 64 queries, and the V4.1 engine case with kernel lowerings
 #                 reused (greedy tokens = full-forward argmax), and the indexer's top-k: lax.top_k against the
