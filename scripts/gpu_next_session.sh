@@ -5,6 +5,8 @@
 #   0. on an H200: STAGE=h200-attn — issue 9's 60% is an H200 figure (split_cta was 48-55% there): the kernel with
 #      early release (the model's rule above 8 queries; +5% on the H100) against split_cta, its GPU tests, and the
 #      model's attention path at batch 64, 32K context (its "kernel alone" column now uses the model's rule);
+#   0b. STAGE=row-gather (any card) — can a kernel fetch gathered rows by bulk copies as fast as XLA's gather?
+#      (scripts/probe_row_gather.py; decides how the decode-attention kernel should gather through the page table);
 #   1. STAGE=compile-depth — issue 8's "8 layers <= 1.3x 2 layers" measured as the engine compiles (FP8 linear
 #      kernel, Triton GEMMs off, decode without autotuning): scripts/bench_compile.py --engine-defaults (any card);
 #   2. STAGE=h200-sampler — the sampler's filters alone and the batch-64 V4-Flash 4-layer slice's sampled decode
@@ -84,7 +86,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -212,6 +214,11 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       -k "early or model" 2>&1 | grep "^E \|passed\|failed\|Error" | head -20
     timeout ${T:-180} python3 scripts/bench_kernels.py attention --contexts ${CONTEXTS:-32768} --batches 64 \
       --out "$OUT/attention" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
+  row-gather)
+    # issue 9, before building the gather into the decode-attention kernel: one bulk copy per row into shared
+    # memory (scripts/probe_row_gather.py: 2 / 3 stages, with and without Pallas's auto barriers) against XLA's
+    # pool[idx] at the decode shape (64 queries x 640 rows x 512 bf16)
+    timeout 200 python3 scripts/probe_row_gather.py 2>&1 | quiet | grep "^|\|jax\|Error" ;;
   compile-depth)
     # issue 8's "8 layers <= 1.3x 2 layers": the serving step compiled as LLM compiles it (FP8 linear kernel, Triton
     # GEMMs off, decode without autotuning; --engine-defaults), abstract weights: the decode bucket [64, 1] at 2, 4
