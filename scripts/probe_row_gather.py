@@ -9,7 +9,8 @@ per query streams its ``L`` rows from ``pool[idx[n]]`` into a ring of ``stages``
 what ``pool[idx]`` does and moves the same bytes. Printed: device µs and GB/s of both against the copy ceiling
 (``bench_kernels.ceilings``) for the real decode shape (64 queries × 640 rows × 512 bf16), with and without Pallas's
 automatic warpgroup barrier before each copy (``unsafe_no_auto_barriers``). If the kernel is far slower than
-XLA's gather, an in-kernel gather must fetch rows another way (per-thread loads into registers).
+XLA's gather, an in-kernel gather must fetch rows another way: the probe also times per-thread loads of each row
+into registers (FlashMLA's way; ``group`` rows in flight) stored into the same buffer.
 
     JAX_PLATFORMS=cuda,cpu python3 scripts/probe_row_gather.py            # on a GPU
     python3 scripts/probe_row_gather.py --interpret                       # jax >= 0.11 on CPU: result check only
@@ -29,6 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pallas_kernels.mgpu_compat import load_whole  # noqa: E402
 
 
 def gather_rows(pool: jax.Array, idx: jax.Array, *, rows_per_step: int = 64, stages: int = 2,
@@ -88,6 +91,59 @@ def gather_rows(pool: jax.Array, idx: jax.Array, *, rows_per_step: int = 64, sta
     return kernel(pool, idx.reshape(n, steps, rows_per_step))
 
 
+def gather_rows_registers(pool: jax.Array, idx: jax.Array, *, rows_per_step: int = 64, group: int = 16) -> jax.Array:
+    """``pool[idx]`` like :func:`gather_rows`, but each row is loaded from global memory into registers by the
+    warpgroup's threads (``c·w / 128`` values each, one plain vector load per thread and row) and stored into the
+    shared-memory buffer, ``group`` rows at a time (their loads issued before any store, so ``group`` rows are in
+    flight), then the buffer goes out with a TMA store. The way FlashMLA's sparse kernels fetch rows (per-thread
+    loads), in the form Pallas's Mosaic GPU expresses."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n, length = idx.shape
+    _, c, w = pool.shape
+    steps = length // rows_per_step
+    per_thread = c * w // 128
+    if rows_per_step % group or per_thread < 1:
+        raise ValueError(f"group={group} must divide rows_per_step={rows_per_step}; rows need ≥ 128 values")
+    layout = plgpu.Layout.WG_STRIDED((1, c, w), vec_size=min(per_thread, 8))
+
+    def body(pool_ref, idx_ref, out_ref, idx_smem, stage_smem, idx_barrier):
+        tok = lax.axis_index("token")
+        plgpu.copy_gmem_to_smem(idx_ref.at[tok], idx_smem, idx_barrier)
+        plgpu.barrier_wait(idx_barrier)
+
+        @pl.loop(0, steps)
+        def _step(step):
+            @pl.when(step > 0)
+            def _wait():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous store has read the buffer
+
+            @pl.loop(0, rows_per_step // group)
+            def _group(g):
+                rows = [load_whole(plgpu, pool_ref.at[pl.ds(idx_smem[step, g * group + j], 1)], layout)
+                        for j in range(group)]
+                for j, v in enumerate(rows):
+                    stage_smem.at[pl.ds(g * group + j, 1)][...] = v
+
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(stage_smem, out_ref.at[tok, pl.ds(step * rows_per_step, rows_per_step)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((n, length, c, w), pool.dtype),
+        scratch_types=[
+            plgpu.SMEM((steps, rows_per_step), jnp.int32),
+            plgpu.SMEM((rows_per_step, c, w), pool.dtype),
+            plgpu.Barrier(num_arrivals=1),
+        ],
+        grid=(n,),
+        grid_names=("token",),
+    )
+    return kernel(pool, idx.reshape(n, steps, rows_per_step))
+
+
 def case(n: int, length: int, d: int, pool_rows: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:
     """A bf16 pool ``[pool_rows, d / 256 or 1, ≤ 256]`` of random rows and random indices ``[n, length]``."""
     w = min(d, 256)
@@ -110,10 +166,11 @@ def main() -> None:
 
         pool, idx = case(4, 128, args.d, 1024)
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            for nab in (False, True):
-                got = jax.jit(functools.partial(gather_rows, no_auto_barriers=nab))(pool, idx)
-                same = bool(np.array_equal(np.asarray(got), np.asarray(pool[idx])))
-                print(f"interpreter, no_auto_barriers={nab}: equal to pool[idx]: {same}")
+            for name, fn in [("bulk copies", gather_rows),
+                             ("bulk copies, no auto barriers", functools.partial(gather_rows, no_auto_barriers=True)),
+                             ("register loads", gather_rows_registers)]:
+                same = bool(np.array_equal(np.asarray(jax.jit(fn)(pool, idx)), np.asarray(pool[idx])))
+                print(f"interpreter, {name}: equal to pool[idx]: {same}")
                 assert same
         return
 
@@ -129,8 +186,11 @@ def main() -> None:
     variants = [("XLA pool[idx]", jax.jit(lambda p, i: p[i]))]
     for stages in (2, 3):
         for nab in (False, True):
-            variants.append((f"kernel, {stages} stages{', no auto barriers' if nab else ''}",
+            variants.append((f"bulk copies, {stages} stages{', no auto barriers' if nab else ''}",
                              jax.jit(functools.partial(gather_rows, stages=stages, no_auto_barriers=nab))))
+    for group in (8, 16, 32):
+        variants.append((f"register loads, {group} rows in flight",
+                         jax.jit(functools.partial(gather_rows_registers, group=group))))
     for name, fn in variants:
         try:
             same = bool(np.array_equal(np.asarray(fn(pool, idx)), want))
