@@ -5,7 +5,7 @@
 #   0. on an H200: STAGE=h200-attn — issue 9's 60% is an H200 figure (split_cta was 48-55% there): the kernel with
 #      early release (the model's rule above 8 queries; +5% on the H100) against split_cta, its GPU tests, and the
 #      model's attention path at batch 64, 32K context (its "kernel alone" column now uses the model's rule);
-#   0b. STAGE=row-gather (any card) — can a kernel fetch gathered rows by bulk copies as fast as XLA's gather?
+#   0b. STAGE=row-gather (any card) — can a kernel fetch gathered rows (one copy per row, or register loads) as fast as XLA's gather?
 #      (scripts/probe_row_gather.py; decides how the decode-attention kernel should gather through the page table);
 #   1. STAGE=compile-depth — issue 8's "8 layers <= 1.3x 2 layers" measured as the engine compiles (FP8 linear
 #      kernel, Triton GEMMs off, decode without autotuning): scripts/bench_compile.py --engine-defaults (any card);
@@ -215,9 +215,9 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
     timeout ${T:-180} python3 scripts/bench_kernels.py attention --contexts ${CONTEXTS:-32768} --batches 64 \
       --out "$OUT/attention" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
   row-gather)
-    # issue 9, before building the gather into the decode-attention kernel: one bulk copy per row into shared
-    # memory (scripts/probe_row_gather.py: 2 / 3 stages, with and without Pallas's auto barriers) against XLA's
-    # pool[idx] at the decode shape (64 queries x 640 rows x 512 bf16)
+    # issue 9, before building the gather into the decode-attention kernel: rows fetched by index into shared
+    # memory, one async copy per row (2 / 3 stages, with and without Pallas's auto barriers) or register loads,
+    # against XLA's pool[idx] at the decode shape (64 queries x 640 rows x 512 bf16; scripts/probe_row_gather.py)
     timeout 200 python3 scripts/probe_row_gather.py 2>&1 | quiet | grep "^|\|jax\|Error" ;;
   compile-depth)
     # issue 8's "8 layers <= 1.3x 2 layers": the serving step compiled as LLM compiles it (FP8 linear kernel, Triton

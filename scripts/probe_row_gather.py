@@ -2,10 +2,10 @@
 
 The decode-attention kernel reads rows that XLA gathered before it (``docs/perf/attention_h200.md``: at batch 64
 the gather costs more than the kernel). Moving the gather into the kernel needs the rows of each query fetched
-by index into shared memory; Hopper has no TMA gather, so each row is its own bulk copy (``cp.async.bulk`` of a
-contiguous row, the index read from shared memory). This probe measures that fetch alone: a kernel with one CTA
+by index into shared memory; Hopper has no TMA gather, so each row is its own asynchronous copy (one TMA copy of
+the contiguous row, the index read from shared memory). This probe measures that fetch alone: a kernel with one CTA
 per query streams its ``L`` rows from ``pool[idx[n]]`` into a ring of ``stages`` shared-memory buffers of
-``rows_per_step`` rows, 64 bulk copies per buffer, and writes each buffer back out with a TMA store, so it does
+``rows_per_step`` rows, 64 row copies per buffer, and writes each buffer back out with a TMA store, so it does
 what ``pool[idx]`` does and moves the same bytes. Printed: device µs and GB/s of both against the copy ceiling
 (``bench_kernels.ceilings``) for the real decode shape (64 queries × 640 rows × 512 bf16), with and without Pallas's
 automatic warpgroup barrier before each copy (``unsafe_no_auto_barriers``). If the kernel is far slower than
@@ -166,8 +166,8 @@ def main() -> None:
 
         pool, idx = case(4, 128, args.d, 1024)
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            for name, fn in [("bulk copies", gather_rows),
-                             ("bulk copies, no auto barriers", functools.partial(gather_rows, no_auto_barriers=True)),
+            for name, fn in [("row copies", gather_rows),
+                             ("row copies, no auto barriers", functools.partial(gather_rows, no_auto_barriers=True)),
                              ("register loads", gather_rows_registers)]:
                 same = bool(np.array_equal(np.asarray(jax.jit(fn)(pool, idx)), np.asarray(pool[idx])))
                 print(f"interpreter, {name}: equal to pool[idx]: {same}")
@@ -186,7 +186,7 @@ def main() -> None:
     variants = [("XLA pool[idx]", jax.jit(lambda p, i: p[i]))]
     for stages in (2, 3):
         for nab in (False, True):
-            variants.append((f"bulk copies, {stages} stages{', no auto barriers' if nab else ''}",
+            variants.append((f"row copies, {stages} stages{', no auto barriers' if nab else ''}",
                              jax.jit(functools.partial(gather_rows, stages=stages, no_auto_barriers=nab))))
     for group in (8, 16, 32):
         variants.append((f"register loads, {group} rows in flight",

@@ -1,8 +1,8 @@
-"""The row-gather probe's kernels (``scripts/probe_row_gather.py``): one bulk copy per gathered row into a ring of
-shared-memory buffers, or per-thread register loads of each row into one buffer, stored back out with TMA. Their GPU
-timing is the probe's job; here: they lower for CUDA (jax 0.10.2 and 0.11.2) and, in the Mosaic GPU interpreter
-(jax ≥ 0.11), equal ``pool[idx]`` exactly, including repeated and out-of-order indices and buffers refilled several
-times."""
+"""The row-gather probe's kernels (``scripts/probe_row_gather.py``): one asynchronous copy per gathered row into a
+ring of shared-memory buffers, or per-thread register loads of each row into one buffer, stored back out with TMA.
+Their GPU timing is the probe's job; here: they lower for CUDA (jax 0.10.2 and 0.11.2) and, in the Mosaic GPU
+interpreter (jax ≥ 0.11), equal ``pool[idx]`` exactly, including repeated and out-of-order indices and buffers
+refilled several times."""
 
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ _spec.loader.exec_module(probe)
 
 
 KERNELS = {
-    "bulk, 2 stages": functools.partial(probe.gather_rows, stages=2),
-    "bulk, 2 stages, no auto barriers": functools.partial(probe.gather_rows, stages=2, no_auto_barriers=True),
-    "bulk, 3 stages": functools.partial(probe.gather_rows, stages=3),
+    "copies, 2 stages": functools.partial(probe.gather_rows, stages=2),
+    "copies, 2 stages, no auto barriers": functools.partial(probe.gather_rows, stages=2, no_auto_barriers=True),
+    "copies, 3 stages": functools.partial(probe.gather_rows, stages=3),
     "registers, 16 rows in flight": functools.partial(probe.gather_rows_registers, group=16),
 }
 
 
-@pytest.mark.parametrize("name", ["bulk, 2 stages", "bulk, 3 stages", "registers, 16 rows in flight"])
+@pytest.mark.parametrize("name", ["copies, 2 stages", "copies, 3 stages", "registers, 16 rows in flight"])
 def test_kernel_lowers_for_cuda_at_the_decode_shape(name):
     s = jax.ShapeDtypeStruct
     fn = jax.jit(KERNELS[name])
