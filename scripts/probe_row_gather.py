@@ -41,9 +41,8 @@ def gather_rows(pool: jax.Array, idx: jax.Array, *, rows_per_step: int = 64, sta
     ``[0, R)``, ``L`` a multiple of ``rows_per_step``) → ``bf16 [N, L, c, w]``."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    n, length = idx.shape
     _, c, w = pool.shape
-    steps = length // rows_per_step
+    steps = idx.shape[1] // rows_per_step
     stages = min(stages, steps)
 
     def body(pool_ref, idx_ref, out_ref, idx_smem, stage_smem, idx_barrier, loaded):
@@ -74,19 +73,22 @@ def gather_rows(pool: jax.Array, idx: jax.Array, *, rows_per_step: int = 64, sta
 
         plgpu.wait_smem_to_gmem(0)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((n, length, c, w), pool.dtype),
-        scratch_types=[
-            plgpu.SMEM((steps, rows_per_step), jnp.int32),
-            plgpu.SMEM((stages, rows_per_step, c, w), pool.dtype),
-            plgpu.Barrier(num_arrivals=1),
-            plgpu.Barrier(num_arrivals=rows_per_step, num_barriers=stages),
-        ],
-        grid=(n,),
-        grid_names=("token",),
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=no_auto_barriers),
-    )
+    return _launch(body, pool, idx, rows_per_step,
+                   [plgpu.SMEM((stages, rows_per_step, c, w), pool.dtype), plgpu.Barrier(num_arrivals=1),
+                    plgpu.Barrier(num_arrivals=rows_per_step, num_barriers=stages)],
+                   plgpu.CompilerParams(unsafe_no_auto_barriers=no_auto_barriers))
+
+
+def _launch(body, pool: jax.Array, idx: jax.Array, rows_per_step: int, scratch: list, params=None) -> jax.Array:
+    """One CTA per query row of ``idx [N, L]``, the output ``[N, L, c, w]`` of ``pool``'s dtype; ``body`` gets the
+    refs, the indices in shared memory (``int32 [L / rows_per_step, rows_per_step]``) and then ``scratch``."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n, length = idx.shape
+    steps = length // rows_per_step
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((n, length, *pool.shape[1:]), pool.dtype),
+                          scratch_types=[plgpu.SMEM((steps, rows_per_step), jnp.int32), *scratch], grid=(n,),
+                          grid_names=("token",), **({} if params is None else dict(compiler_params=params)))
     # the indices as [N, steps, rows]: a TMA box holds at most 256 elements along each dimension
     return kernel(pool, idx.reshape(n, steps, rows_per_step))
 
@@ -99,9 +101,8 @@ def gather_rows_registers(pool: jax.Array, idx: jax.Array, *, rows_per_step: int
     loads), in the form Pallas's Mosaic GPU expresses."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    n, length = idx.shape
     _, c, w = pool.shape
-    steps = length // rows_per_step
+    steps = idx.shape[1] // rows_per_step
     per_thread = c * w // 128
     if rows_per_step % group or per_thread < 1:
         raise ValueError(f"group={group} must divide rows_per_step={rows_per_step}; rows need ≥ 128 values")
@@ -130,18 +131,8 @@ def gather_rows_registers(pool: jax.Array, idx: jax.Array, *, rows_per_step: int
 
         plgpu.wait_smem_to_gmem(0)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((n, length, c, w), pool.dtype),
-        scratch_types=[
-            plgpu.SMEM((steps, rows_per_step), jnp.int32),
-            plgpu.SMEM((rows_per_step, c, w), pool.dtype),
-            plgpu.Barrier(num_arrivals=1),
-        ],
-        grid=(n,),
-        grid_names=("token",),
-    )
-    return kernel(pool, idx.reshape(n, steps, rows_per_step))
+    return _launch(body, pool, idx, rows_per_step,
+                   [plgpu.SMEM((rows_per_step, c, w), pool.dtype), plgpu.Barrier(num_arrivals=1)])
 
 
 def case(n: int, length: int, d: int, pool_rows: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:
