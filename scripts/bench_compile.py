@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from dinfer_jax.engine.llm import decode_program_options, program_options  # noqa: E402
+from dinfer_jax.engine.llm import step_program_options  # noqa: E402
 from dinfer_jax.engine.model_step import model_step  # noqa: E402
 from dinfer_jax.models.config import ModelConfig, load_config  # noqa: E402
 from dinfer_jax.models.engram_lookup import EngramLookup, abstract_state  # noqa: E402
@@ -79,9 +79,8 @@ def engine_settings(q: int) -> tuple[str, dict, dict]:
     """What ``LLM`` compiles a ``q``-token bucket with on this backend, by default: ``(linear_impl, step XLA
     options, forward XLA options)``."""
     impl = resolve_linear_impl("auto")
-    program = program_options(None, impl)
-    step = {**program, **(decode_program_options(None, impl) if q == 1 else {})}
-    return impl, step, program
+    program, decode = step_program_options(None, None, impl)
+    return impl, decode if q == 1 else program, program
 
 
 def compile_seconds(cfg: ModelConfig, dtype: str, batch: int, q: int, seq: int, block_size: int,

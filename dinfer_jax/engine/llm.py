@@ -215,6 +215,17 @@ def decode_program_options(given: Mapping[str, str | int | float | bool] | None,
     return dict(GPU_DECODE_OPTIONS) if linear_impl == "pallas" else {}
 
 
+def step_program_options(given: Mapping[str, str | int | float | bool] | None,
+                         given_decode: Mapping[str, str | int | float | bool] | None,
+                         linear_impl: str) -> tuple[dict[str, str | int | float | bool],
+                                                    dict[str, str | int | float | bool]]:
+    """``(every program's XLA options, the decode programs' XLA options)`` for ``LLM(compiler_options=given,
+    decode_compiler_options=given_decode)``: :func:`program_options`, and for decode those plus
+    :func:`decode_program_options`."""
+    options = program_options(given, linear_impl)
+    return options, {**options, **decode_program_options(given_decode, linear_impl)}
+
+
 def default_block_size(cfg: ModelConfig) -> int:
     """KV page size in tokens when ``LLM(block_size=None)``: the smallest multiple of every compression ratio of
     the model's layers that holds at least 16 tokens."""
@@ -459,9 +470,8 @@ class LLM:
         check_linear_impl(self.model.linear_impl, bool(batch_invariant))
         self.model = dataclasses.replace(self.model, linear_impl=resolve_linear_impl(
             self.model.linear_impl, bool(batch_invariant), one_device))
-        options = compiler_options_key(program_options(compiler_options, self.model.linear_impl))
-        decode_options = compiler_options_key({**dict(options), **decode_program_options(
-            decode_compiler_options, self.model.linear_impl)})
+        options, decode_options = map(compiler_options_key, step_program_options(
+            compiler_options, decode_compiler_options, self.model.linear_impl))
         check_attention_impl(self.model.attention_impl)
         if num_redundant_experts is not None and ep_size < 2:
             raise ValueError(f"num_redundant_experts (EPLB) needs expert parallelism: ep_size > 1, got {ep_size}")
