@@ -49,7 +49,11 @@ from dinfer_jax.models.cache_codec import RowCodec  # noqa: E402
 from dinfer_jax.models.cache_io import pages_gather, pages_read  # noqa: E402
 from dinfer_jax.models.csa2 import topk_select  # noqa: E402
 from dinfer_jax.models.ops import rope_cos_sin, rope_inv_freq  # noqa: E402
-from pallas_kernels.attention.decode_sm90 import sparse_decode_attention, traffic  # noqa: E402
+from pallas_kernels.attention.decode_sm90 import (  # noqa: E402
+    sparse_decode_attention,
+    sparse_decode_attention_rows,
+    traffic,
+)
 from pallas_kernels.attention.reference import sparse_decode_attention_ref  # noqa: E402
 from pallas_kernels.attention.tuning import decode_options  # noqa: E402
 
@@ -293,6 +297,66 @@ def bench_decode_kernel(batches, device_times, copy_bw: float, *, h: int = 64, d
             print(json.dumps(row, default=str)[:600], flush=True)
             on_row(out)
     return out
+
+
+GATHER_VARIANTS = ("XLA pool[rows] + kernel", "kernel on pre-gathered rows", "gathered in kernel",
+                   "gathered in kernel, early release")
+
+
+def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int = 512, rows: int = 640,
+                   pool_rows: int = 1 << 18, on_row=lambda rows: None) -> list[dict]:
+    """Rows of :func:`gathered_table`: the decode kernel reading each query's ``rows`` rows from a bf16 pool of
+    ``pool_rows`` rows (256K rows of 1 KiB by default, far beyond L2) through random indices — XLA's gather
+    ``pool[rows]`` then the kernel (the model's way for bf16 caches), the kernel alone on the gathered rows, and
+    ``sparse_decode_attention_rows`` (the gather inside the kernel: ``cp.async`` into the swizzled tiles), without and
+    with early release. GB/s of :func:`traffic`'s bytes (the rows read once) over the call time against
+    ``copy_bw``; ``equal``: the output is bit-equal to the kernel on ``pool[rows]``."""
+    out = []
+    scale = d ** -0.5
+    early = dict(organisation="split_cta", early_release=True)
+    for n in batches:
+        k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(n), 5)
+        q = jax.random.normal(k1, (n, h, d), jnp.bfloat16)
+        pool = jax.random.normal(k2, (pool_rows, d), jnp.bfloat16)
+        idx = jax.random.randint(k3, (n, rows), 0, pool_rows, jnp.int32)
+        valid = jax.random.uniform(k4, (n, rows)) < 0.95
+        sink = jax.random.normal(k5, (h,), jnp.float32)
+        kv = jax.block_until_ready(pool[idx])
+        want = sparse_decode_attention(q, kv, valid, sink, scale=scale, **early)
+        calls = {
+            GATHER_VARIANTS[0]: (jax.jit(lambda q, p, i, v, s: sparse_decode_attention(
+                q, p[i], v, s, scale=scale, **early)), (q, pool, idx, valid, sink)),
+            GATHER_VARIANTS[1]: (jax.jit(functools.partial(sparse_decode_attention, scale=scale, **early)),
+                                 (q, kv, valid, sink)),
+            GATHER_VARIANTS[2]: (jax.jit(functools.partial(sparse_decode_attention_rows, scale=scale)),
+                                 (q, pool, idx, valid, sink)),
+            GATHER_VARIANTS[3]: (jax.jit(functools.partial(sparse_decode_attention_rows, scale=scale,
+                                                           early_release=True)), (q, pool, idx, valid, sink)),
+        }
+        t = traffic(n, h, d, rows)
+        for label, (f, args) in calls.items():
+            row = dict(batch=n, heads=h, d=d, rows=rows, pool_rows=pool_rows, copy_GBps=copy_bw / 1e9, variant=label)
+            try:
+                got = f(*args)
+                row["equal"] = bool(jnp.array_equal(got, want))
+                ms, per_kernel = device_times(f, *args)
+                row.update(call_us=ms * 1e3, kernels=per_kernel, GBps=t["bytes"] / (ms * 1e-3) / 1e9)
+                row["pct_copy"] = 100 * row["GBps"] * 1e9 / copy_bw
+            except Exception as e:  # noqa: BLE001 - one variant failing (compile, ptxas) must not end the run
+                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            out.append(row)
+            print(json.dumps(row, default=str)[:600], flush=True)
+            on_row(out)
+    return out
+
+
+def gathered_table(rows: list[dict]) -> str:
+    lines = [f"copy bandwidth measured in this run: {rows[0]['copy_GBps']:.0f} GB/s" if rows else "", "",
+             "| N | H × d | L | pool rows | variant | call µs | GB/s (% copy) | bit-equal to kernel on pool[rows] |",
+             "|---:|---|---:|---:|---|---:|---:|---|"]
+    return "\n".join(lines + _variant_lines(
+        rows, lambda r: f"| {r['batch']} | {r['heads']} × {r['d']} | {r['rows']} | {r['pool_rows']} | {r['variant']} |",
+        lambda r: f"{r['call_us']:.1f} | {r['GBps']:.0f} ({r['pct_copy']:.0f}%) | {r['equal']} |", 3))
 
 
 def kernel_table(rows: list[dict]) -> str:

@@ -1,6 +1,7 @@
 """Kernel benchmarks on the accelerator: ``python scripts/bench_kernels.py moe [--tokens N ...] [--sweep N ...]
 [--out DIR]``, ``python scripts/bench_kernels.py attention [--contexts N ...] [--batches N ...] [--out DIR]``,
 ``python scripts/bench_kernels.py attention-kernel [--batches N ...] [--variants ...] [--out DIR]``,
+``python scripts/bench_kernels.py attention-rows [--batches N ...] [--out DIR]``,
 ``python scripts/bench_kernels.py prefill-attention [--chunks S START ...] [--out DIR]``,
 ``python scripts/bench_kernels.py indexer [--contexts N ...] [--batches N ...] [--out DIR]``,
 ``python scripts/bench_kernels.py linear [--tokens N ...] [--out DIR]``,
@@ -27,6 +28,10 @@ the real size (64 heads × 512, L = 640 rows per token; default batches 1 and 64
 (``split_cta``, ``shared_qk``, and ``shared_qk`` with L split over CTAs) in one run: device time of the call and of
 the kernel, GB/s and % of the copy bandwidth measured in the same run, TFLOP/s, error against the reference
 (``bench_attention.bench_decode_kernel``).
+
+``attention-rows``: the decode-attention kernel reading its rows from a bf16 pool by index — XLA's gather then the
+kernel, the kernel alone on gathered rows, and the gather inside the kernel (``sparse_decode_attention_rows``),
+with bit-equality to the kernel on the gathered rows (``bench_attention.bench_gathered``).
 
 ``prefill-attention``: one V4.1-Flash prefill chunk's attention (window + compressed rows, from the stored bytes
 on) computed the ways the model can: all rows masked with the shared or each query's own window, the gathered top-k
@@ -283,8 +288,8 @@ def table(rows: list[dict], ceil: dict[str, float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["moe", "attention", "attention-kernel", "prefill-attention", "indexer",
-                                       "indexer-sweep", "linear", "topk", "sampler"])
+    p.add_argument("what", choices=["moe", "attention", "attention-kernel", "attention-rows", "prefill-attention",
+                                    "indexer", "indexer-sweep", "linear", "topk", "sampler"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192], help="token counts to run")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="token counts at which to sweep block sizes")
     p.add_argument("--no-baseline", action="store_true", help="skip the XLA ragged_dot baseline")
@@ -334,6 +339,11 @@ def main() -> None:
                                                    variants=args.variants,
                                                    on_row=saver("bench_attention_kernel", bench_attention.kernel_table))
         print(bench_attention.kernel_table(rows))
+        return
+    if args.what == "attention-rows":
+        rows = bench_attention.bench_gathered(args.batches, device_times, ceil["copy_GBps"] * 1e9,
+                                              on_row=saver("bench_attention_rows", bench_attention.gathered_table))
+        print(bench_attention.gathered_table(rows))
         return
     if args.what == "indexer-sweep":
         import bench_indexer

@@ -214,6 +214,15 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       -k "early or model" 2>&1 | grep "^E \|passed\|failed\|Error" | head -20
     timeout ${T:-180} python3 scripts/bench_kernels.py attention --contexts ${CONTEXTS:-32768} --batches 64 \
       --out "$OUT/attention" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
+  rows-kernel)
+    # issue 9: the decode-attention kernel gathering its rows by index itself (cp.async into the swizzled tiles,
+    # sparse_decode_attention_rows): its GPU tests (bit-equal to the kernel on pool[rows]), then its time against
+    # XLA's gather + the kernel and the kernel alone at 1 / 16 / 64 queries, and the row-gather probe
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_rows_gpu.py -x 2>&1 \
+      | grep "^E \|passed\|failed\|Error" | head -20
+    timeout 150 python3 scripts/bench_kernels.py attention-rows --batches 1 16 64 --out "$OUT/attn_rows" 2>&1 \
+      | quiet | grep "^|\|copy\|Error"
+    timeout 150 python3 scripts/probe_row_gather.py 2>&1 | quiet | grep "^|\|jax\|Error" ;;
   row-gather)
     # issue 9, before building the gather into the decode-attention kernel: rows fetched by index into shared
     # memory, one async copy per row (2 / 3 stages, with and without Pallas's auto barriers) or register loads,

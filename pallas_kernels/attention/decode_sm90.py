@@ -187,6 +187,9 @@ SMEM_RESERVE = 4096           # barriers and 1 KiB alignment of the swizzled buf
 # register count at entry may already exceed 232, and setmaxnreg.inc must not lower it.
 COMPUTE_REGISTERS = 256
 MEMORY_REGISTERS = 40
+# the gathering warpgroup of sparse_decode_attention_rows computes an address pair per 16-byte copy (its copies hold
+# no registers in flight): more than the TMA warpgroup's 40, well within 65536 − 128 · 256 per SM
+GATHER_REGISTERS = 96
 # organisation="shared_qk": two compute warpgroups and one memory warpgroup (384 threads), the split of jax's
 # attention_mgpu.py forward kernel and of its warp-specialised pipeline with two compute warpgroups:
 # 2 · 128 · 232 + 128 · 40 = 64512 ≤ 65536 registers per SM.
@@ -243,6 +246,64 @@ def _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_
         issue(step + stages, slot, which=[own_chunk])
 
 
+def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_smem, rows_barrier, loaded_barriers,
+                      consumed_barriers, *, tok, chunks: int, block_kv: int, stages: int, kv_steps: int,
+                      own_chunk=None, others_consumed=None) -> None:
+    """The gathering warpgroup of :func:`sparse_decode_attention_rows`: the same pipeline as :func:`_produce_kv`,
+    but each KV tile's rows are fetched by index from the pool with ``cp.async`` into the swizzled tiles
+    (:mod:`pallas_kernels.attention.row_gather_sm90`). The mask rows still come by TMA.
+
+    Per thread, the copies of KV step ``s`` form ``cp.async`` group ``s``: the first ``stages`` groups are issued up
+    front and every loop iteration commits one more (the refill of the stage released one step earlier, or an empty
+    group), so at iteration ``step`` ``stages + step`` groups exist and ``wait_group(stages − 1)`` means group
+    ``step`` has landed. Then the warpgroup fences (generic → async proxy, what the WGMMA reads through), syncs, and
+    arrives once on the stage's "loaded" barrier (which also counts the mask row's TMA copy). Only then does it wait
+    for the compute side to release the previous step's stage, so a step is announced as soon as it has landed."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.attention.row_gather_sm90 import commit_group, issue_row_copies, wait_group
+
+    plgpu.set_max_registers(GATHER_REGISTERS, action="decrease")
+    plgpu.copy_gmem_to_smem(rows_ref.at[tok], rows_smem, rows_barrier)
+    plgpu.barrier_wait(rows_barrier)
+    dh = kv_smem.shape[-1]
+
+    def issue(step, slot, which=None, with_bias=True):
+        for c in range(chunks) if which is None else which:
+            issue_row_copies(plgpu, pool_ref.at[:, c], rows_smem.at[step], kv_smem.at[slot, c], block_rows=block_kv,
+                             cols=dh)
+        if with_bias:
+            plgpu.copy_gmem_to_smem(bias_ref.at[tok, pl.ds(step * block_kv, block_kv)], bias_smem.at[slot],
+                                    loaded_barriers.at[slot])
+
+    for i in range(stages):
+        issue(i, i)
+        commit_group(plgpu)
+
+    @pl.loop(0, kv_steps)
+    def _step(step):
+        slot = lax.rem(step, jnp.array(stages, step.dtype))
+        wait_group(plgpu, stages - 1)        # this thread's copies of step `step` have landed
+        plgpu.commit_smem()                  # fence.proxy.async + warpgroup barrier: everyone's have
+        plgpu.barrier_arrive(loaded_barriers.at[slot])
+        prev = step - 1                      # the stage the compute side works on now, to refill once released
+
+        @pl.when(jnp.logical_and(step >= 1, prev + stages < kv_steps))
+        def _refill():
+            prev_slot = lax.rem(prev, jnp.array(stages, step.dtype))
+            if others_consumed is None:
+                plgpu.barrier_wait(consumed_barriers.at[prev_slot])
+                issue(prev + stages, prev_slot)
+                return
+            plgpu.barrier_wait(others_consumed.at[prev_slot])
+            issue(prev + stages, prev_slot, which=[lax.rem(own_chunk + j, chunks) for j in range(1, chunks)],
+                  with_bias=False)
+            plgpu.barrier_wait(consumed_barriers.at[prev_slot])
+            issue(prev + stages, prev_slot, which=[own_chunk])
+
+        commit_group(plgpu)                  # one group per iteration, empty when nothing was refilled
+
+
 def _online_softmax_step(qk, bias, m_i, l_i, acc, *, qk_scale: float):
     """One KV block of the base-2 online softmax, shared by every organisation: ``qk fp32 [64, block_kv]`` (WGMMA
     layout), ``bias fp32 [block_kv]`` (0 / −inf, column layout), running max ``m_i`` and sum ``l_i`` (``[64]``), the
@@ -279,9 +340,10 @@ def smem_bytes(d: int, block_kv: int, stages: int, organisation: str = "split_ct
 
 
 def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v_split: int,
-                 organisation: str = "split_cta", l_split: int = 1, early_release: bool = False) -> int:
+                 organisation: str = "split_cta", l_split: int = 1, early_release: bool = False,
+                 extra_smem: int = 0) -> int:
     """Validates the static configuration; returns the pipeline depth actually used (≤ the number of KV steps of a
-    CTA)."""
+    CTA). ``extra_smem``: bytes of shared memory beyond :func:`smem_bytes` (the gathered kernel's row indices)."""
     if organisation not in ORGANISATIONS:
         raise ValueError(f"organisation={organisation!r} is not one of {ORGANISATIONS}")
     if h % HEADS_PER_CTA:
@@ -318,7 +380,7 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
     if organisation == "pingpong" and stages < rows // block_kv and stages % 2:
         raise ValueError(f"num_stages={num_stages}: organisation='pingpong' refills its stages, so their number must "
                          f"be even (a stage carries the KV blocks of one consumer warpgroup)")
-    need = smem_bytes(d, block_kv, stages, organisation)
+    need = smem_bytes(d, block_kv, stages, organisation) + extra_smem
     limit = SMEM_BYTES - (SMEM_RESERVE if organisation in ("split_cta", "split_cluster") else 0)   # others: none
     if need > limit:
         raise ValueError(f"shared memory {need} B (d={d}, block_kv={block_kv}, stages={stages}, {organisation}) "
@@ -327,23 +389,29 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
 
 
 def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
-                           block_kv: int, stages: int, cluster: bool = False, early_release: bool = False) -> jax.Array:
+                           block_kv: int, stages: int, cluster: bool = False, early_release: bool = False,
+                           rows_idx: jax.Array | None = None) -> jax.Array:
     """The Mosaic GPU kernel on the split layouts (``cluster``: organisation ``split_cluster``, the ``v_split`` CTAs
     of a (head block, token) launched as one cluster sharing their Q and KV copies; ``early_release``: the column
-    chunks only the QK product reads are released for refill before the softmax and P·V; module docstring).
+    chunks only the QK product reads are released for refill before the softmax and P·V; ``rows_idx``: the KV rows
+    are gathered by index from a pool by the memory warpgroup, :func:`sparse_decode_attention_rows`; module
+    docstring).
 
     Args:
       q4: ``bf16 [N, H, v_split, dh]`` (q with d split into ``v_split`` chunks; a free reshape).
-      kv4: ``bf16 [N, L, v_split, dh]``.
+      kv4: ``bf16 [N, L, v_split, dh]``; with ``rows_idx``, the pool ``bf16 [R, v_split, dh]``.
       bias: ``fp32 [N, L]``, 0 for a valid row and −inf otherwise.
       sink: ``fp32 [H]``.
+      rows_idx: ``int32 [N, L / block_kv, block_kv]``, row ``l`` of query ``n`` is ``pool[rows_idx[n].flat[l]]``
+        (every index in ``[0, R)``).
     Returns:
       ``bf16 [N, H, v_split, dh]``.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     n, h, v_split, dh = q4.shape
-    rows = kv4.shape[1]
+    gathered = rows_idx is not None
+    rows = bias.shape[1]
     kv_steps = rows // block_kv
     hb = HEADS_PER_CTA
     qk_scale = float(scale) * LOG2E   # logits in base 2: exp(x) = exp2(x · log2 e)
@@ -352,8 +420,13 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
     multicast = dict(collective_axes="split") if cluster else {}
 
-    def body(q_ref, kv_ref, bias_ref, sink_ref, o_ref, q_smem, kv_smem, bias_smem, sink_smem, setup_barrier,
-             loaded_barriers, consumed_barriers, *others_consumed):
+    def body(*refs):
+        if gathered:
+            (q_ref, kv_ref, bias_ref, sink_ref, rows_ref, o_ref, q_smem, kv_smem, bias_smem, sink_smem, rows_smem,
+             setup_barrier, rows_barrier, loaded_barriers, consumed_barriers, *others_consumed) = refs
+        else:
+            (q_ref, kv_ref, bias_ref, sink_ref, o_ref, q_smem, kv_smem, bias_smem, sink_smem, setup_barrier,
+             loaded_barriers, consumed_barriers, *others_consumed) = refs
         others_consumed = others_consumed[0] if others_consumed else None
         split = lax.axis_index("split")
         h0 = lax.axis_index("head_block") * hb
@@ -421,12 +494,17 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
 
         @pl.when(wg == 1)
         def _memory():
+            if gathered:
+                _produce_gathered(kv_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_smem, rows_barrier,
+                                  loaded_barriers, consumed_barriers, tok=tok, chunks=v_split, block_kv=block_kv,
+                                  stages=stages, kv_steps=kv_steps, own_chunk=split, others_consumed=others_consumed)
+                return
             _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_barriers, tok=tok, row0=0,
                         chunks=v_split, block_kv=block_kv, stages=stages, kv_steps=kv_steps,
                         multicast="split" if cluster else None, own_chunk=split, others_consumed=others_consumed)
 
     body.__name__ = (f"sparse_decode_attention_d{v_split * dh}_bkv{block_kv}{'_cluster' if cluster else ''}"
-                     f"{'_early' if early_release else ''}")
+                     f"{'_early' if early_release else ''}{'_gathered' if gathered else ''}")
     # split_cluster: a stage is refilled (into both CTAs' shared memory) only once both CTAs' compute warpgroups
     # are done with it, so its "consumed" barrier counts the arrivals of the whole cluster.
     consumed = (plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1, num_barriers=stages) if cluster
@@ -436,8 +514,11 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         plgpu.SMEM((stages, v_split, block_kv, dh), jnp.bfloat16, transforms=tiled),
         plgpu.SMEM((stages, block_kv), jnp.float32),
         plgpu.SMEM((hb,), jnp.float32),
+        *([plgpu.SMEM((kv_steps, block_kv), jnp.int32)] if gathered else []),
         plgpu.Barrier(num_arrivals=v_split + 1),
-        plgpu.Barrier(num_arrivals=v_split + 1, num_barriers=stages),
+        *([plgpu.Barrier(num_arrivals=1)] if gathered else []),
+        # a stage has landed: its v_split column chunks (TMA) or the gathering warpgroup's one arrival, + the mask row
+        plgpu.Barrier(num_arrivals=(1 if gathered else v_split) + 1, num_barriers=stages),
         consumed,
         *([plgpu.Barrier(num_arrivals=1, num_barriers=stages)] if early_release else []),
     ]
@@ -452,7 +533,7 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
-    return kernel(q4, kv4, bias, sink)
+    return kernel(q4, kv4, bias, sink, *([rows_idx] if gathered else []))
 
 
 def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
@@ -682,6 +763,54 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
     else:
         acc, ml = _shared_qk_call(*args, scale=scale, block_kv=block_kv, stages=stages, l_split=l_split)
         return _combine_parts(acc.reshape(l_split, n, h, d), ml)
+    return out.reshape(n, h, d)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "v_split", "early_release"))
+def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array, valid: jax.Array, sink: jax.Array,
+                                 *, scale: float, block_kv: int = 64, num_stages: int = 2, v_split: int = 2,
+                                 early_release: bool = False) -> jax.Array:
+    """:func:`sparse_decode_attention` on ``kv = pool[rows]`` without materialising the gathered rows: the kernel's
+    memory warpgroup fetches each query's rows by index straight into its shared-memory tiles (``cp.async``, 16
+    bytes per thread and copy; :mod:`pallas_kernels.attention.row_gather_sm90`). Organisation ``split_cta``; the
+    compute warpgroup is the same code, so the result equals ``sparse_decode_attention(q, pool[rows], valid, sink)``
+    bit for bit.
+
+    Args:
+      q: ``bf16 [N, H, d]`` as in :func:`sparse_decode_attention`.
+      pool: ``bf16 [R, d]``, rows addressed by ``rows`` (a paged cache viewed as rows: page · page_size + offset).
+      rows: ``int32 [N, L]``, L a multiple of ``block_kv``. Entries outside ``[0, R)`` are clamped into it (only for
+        safety: such rows must be masked by ``valid``); every row read must be finite, masked ones included.
+      valid: ``bool [N, L]``; sink: ``fp32 [H]``; scale, num_stages, v_split, early_release: as in
+        :func:`sparse_decode_attention`.
+      block_kv: KV rows per pipeline step, a multiple of 64 (the gather writes 128-byte-swizzled (8, 64) tiles).
+    Returns:
+      ``o bf16 [N, H, d]``.
+    """
+    from pallas_kernels.attention.row_gather_sm90 import check_gather_shape
+
+    n, h, d = q.shape
+    if pool.ndim != 2 or pool.shape[1] != d:
+        raise ValueError(f"pool must be [R, d={d}], got {pool.shape}")
+    if rows.shape != valid.shape or rows.ndim != 2 or rows.shape[0] != n:
+        raise ValueError(f"rows {rows.shape} and valid {valid.shape} must both be [N={n}, L]")
+    if q.dtype != jnp.bfloat16 or pool.dtype != jnp.bfloat16:
+        raise ValueError(f"q and pool must be bf16, got {q.dtype} and {pool.dtype}")
+    if not jnp.issubdtype(rows.dtype, jnp.integer):
+        raise ValueError(f"rows must be integer row indices, got {rows.dtype}")
+    length = rows.shape[1]
+    check_shapes(q, jax.ShapeDtypeStruct((n, length, d), jnp.bfloat16), valid, sink)
+    if block_kv % 64:
+        raise ValueError(f"block_kv={block_kv} must be a multiple of 64 for the gathered kernel")
+    stages = check_config(h, d, length, block_kv=block_kv, num_stages=num_stages, v_split=v_split,
+                          organisation="split_cta", early_release=early_release, extra_smem=4 * length)
+    dh = d // v_split
+    check_gather_shape(block_kv, dh)
+    bias = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
+    idx = jnp.clip(rows, 0, pool.shape[0] - 1).astype(jnp.int32).reshape(n, length // block_kv, block_kv)
+    out = _split_cta_call(q.reshape(n, h, v_split, dh), pool.reshape(pool.shape[0], v_split, dh), bias,
+                          sink.astype(jnp.float32), scale=scale, block_kv=block_kv, stages=stages,
+                          early_release=early_release, rows_idx=idx)
     return out.reshape(n, h, d)
 
 

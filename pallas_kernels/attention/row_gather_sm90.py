@@ -1,0 +1,165 @@
+"""Rows gathered by index from global memory into swizzled WGMMA tiles, for Hopper (Mosaic GPU, ``cp.async``).
+
+Hopper's TMA has no row gather (``tma gather4`` is Blackwell's), and a TMA copy of one row cannot land in a row of
+a swizzled tile as Pallas expresses copies. So a warpgroup issues the gather itself, as Ampere-style kernels do:
+every thread copies 16-byte pieces of rows with ``cp.async.cg.shared.global`` (an asynchronous global → shared
+copy that holds no registers while in flight), computing for each piece the source address from the row index
+and the destination address inside the swizzled tile, then ``cp.async.commit_group`` / ``cp.async.wait_group``
+track completion per thread. The tile is the one Pallas declares as ``SMEM((rows, cols), bf16,
+transforms=(TilingTransform((8, 64)), SwizzleTransform(128)))`` — what the WGMMA reads — so the consumer needs no
+re-layout.
+
+**Tile layout** (Mosaic GPU's, from ``FragmentedArray.transfer_tiled``): a ``[rows, cols]`` bf16 buffer tiled
+``(8, 64)`` is stored as ``[rows / 8, cols / 64, 8, 64]``, i.e. 1 KiB tiles of eight 128-byte lines; 128-byte
+swizzling XORs the 16-byte unit index within a line with the line index modulo 8. So element ``(r, 8k + e)``
+(``k`` the 16-byte unit of the row, ``e < 8``) is at 16-byte unit
+
+    ((r // 8) · (cols / 64) + k // 8) · 64 + (r % 8) · 8 + ((k % 8) XOR (r % 8))
+
+of the buffer, whose base Pallas aligns to 1 KiB (the XOR is of address bits). :func:`unit_offset` is that formula,
+written once for both the host model (integers) and the kernel (MLIR values).
+
+**Work split.** For one ``[block_rows, cols]`` destination the ``block_rows · cols / 8`` units are spread over the
+128 threads: thread ``t`` takes units ``u = t + 128 j``, row ``u // (cols / 8)``, unit ``u % (cols / 8)``, so a
+warp copies 512 contiguous bytes of one row at a time (coalesced) when ``cols = 256``.
+
+What completion means: a thread's ``cp.async.wait_group n`` returns once all but its ``n`` newest groups have
+landed; the kernel then fences the generic proxy against the async proxy (``fence.proxy.async``, the WGMMA reads
+shared memory through the async proxy) and synchronises the warpgroup before one release arrival tells the
+consumer (``plgpu.commit_smem`` + ``plgpu.barrier_arrive``).
+
+Imports of Mosaic GPU are lazy so that CPU-only machines can import this module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+UNIT_BYTES = 16                 # one cp.async transfer
+LINE_UNITS = 8                  # 16-byte units per 128-byte swizzled line
+TILE_ROWS, TILE_COLS = 8, 64    # the (8, 64) bf16 tiling of a 128-byte-swizzled WGMMA operand
+WARPGROUP = 128
+
+
+class _IntOps:
+    """Host integers for :func:`unit_offset` (the model the CPU tests check)."""
+
+    @staticmethod
+    def c(v):
+        return v
+
+    div = staticmethod(lambda a, b: a // b)
+    rem = staticmethod(lambda a, b: a % b)
+    add = staticmethod(lambda a, b: a + b)
+    mul = staticmethod(lambda a, b: a * b)
+    xor = staticmethod(lambda a, b: a ^ b)
+
+
+def unit_offset(r, k, cols: int, ops=_IntOps):
+    """16-byte unit of a ``(8, 64)``-tiled, 128-byte-swizzled bf16 ``[rows, cols]`` buffer holding elements
+    ``(r, 8k … 8k + 7)`` (module docstring); ``r`` and ``k`` host ints or values of ``ops``' kind."""
+    c = ops.c
+    tile = ops.add(ops.mul(ops.div(r, c(TILE_ROWS)), c(cols // TILE_COLS)), ops.div(k, c(LINE_UNITS)))
+    line = ops.rem(r, c(TILE_ROWS))
+    return ops.add(ops.add(ops.mul(tile, c(TILE_ROWS * LINE_UNITS)), ops.mul(line, c(LINE_UNITS))),
+                   ops.xor(ops.rem(k, c(LINE_UNITS)), line))
+
+
+def host_tile_image(block: np.ndarray) -> np.ndarray:
+    """What the gather leaves in shared memory for the rows ``block [rows, cols]`` (any dtype, 2 bytes per element):
+    the buffer's 16-byte units in address order, ``[rows · cols / 8, 8]``, placed by :func:`unit_offset`."""
+    rows, cols = block.shape
+    units = block.reshape(rows, cols // 8, 8)
+    image = np.zeros((rows * cols // 8, 8), block.dtype)
+    for r in range(rows):
+        for k in range(cols // 8):
+            image[unit_offset(r, k, cols)] = units[r, k]
+    return image
+
+
+def check_gather_shape(block_rows: int, cols: int) -> None:
+    """The gather's static constraints: whole ``(8, 64)`` tiles and a whole number of units per thread."""
+    if cols % TILE_COLS or block_rows % TILE_ROWS:
+        raise ValueError(f"a gathered tile must be whole (8, 64) tiles, got [{block_rows}, {cols}]")
+    if (block_rows * cols // 8) % WARPGROUP:
+        raise ValueError(f"[{block_rows}, {cols}] bf16 is not a whole number of 16-byte units per thread of a "
+                         f"warpgroup")
+
+
+def issue_row_copies(plgpu, src_ref, rows_ref, dst_ref, *, block_rows: int, cols: int) -> None:
+    """Every thread of the calling warpgroup issues its ``cp.async`` copies of ``dst[r] = src[rows[r]]`` for
+    ``r < block_rows`` (no commit, no wait).
+
+    Args:
+      src_ref: GMEM bf16 ``[R, cols]`` (row stride from its memref type: a column chunk ``pool.at[:, c]`` of a
+        ``[R, chunks, cols]`` pool has stride ``chunks · cols``).
+      rows_ref: SMEM int32 ``[block_rows]``, row indices into ``src`` (each in ``[0, R)``: nothing is checked).
+      dst_ref: SMEM bf16 ``[block_rows, cols]`` tiled ``(8, 64)`` and 128-byte swizzled.
+    """
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, nvvm
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    check_gather_shape(block_rows, cols)
+    tiled = (plgpu.TilingTransform((TILE_ROWS, TILE_COLS)), plgpu.SwizzleTransform(128))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled)))
+    def issue(_, src, rows, dst):
+        i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
+        u8 = ir.IntegerType.get_signless(8)
+
+        class ops:
+            c = staticmethod(lambda v: arith.constant(i32, v))
+            div = staticmethod(arith.divui)
+            rem = staticmethod(arith.remui)
+            add = staticmethod(arith.addi)
+            mul = staticmethod(arith.muli)
+            xor = staticmethod(arith.xori)
+
+        (row_stride, col_stride), _ = ir.MemRefType(src.type).get_strides_and_offset()
+        if col_stride != 1:
+            raise ValueError(f"gather source rows must be contiguous, got column stride {col_stride}")
+        src_ptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(src))
+        rows_ptr = mgpu_utils.memref_ptr(rows)
+        dst_ptr = mgpu_utils.memref_ptr(dst)
+        units = cols // 8
+        t = arith.remui(mgpu_utils.thread_idx(), ops.c(WARPGROUP))
+        for j in range(block_rows * units // WARPGROUP):
+            u = arith.addi(t, ops.c(WARPGROUP * j))
+            r, k = arith.divui(u, ops.c(units)), arith.remui(u, ops.c(units))
+            row = llvm.load(i32, mgpu_utils.getelementptr(rows_ptr, [r], i32))
+            src_elem = arith.addi(arith.muli(arith.extui(i64, row), arith.constant(i64, row_stride)),
+                                  arith.extui(i64, arith.muli(k, ops.c(8))))
+            src_piece = mgpu_utils.getelementptr(src_ptr, [arith.muli(src_elem, arith.constant(i64, 2))], u8)
+            dst_piece = mgpu_utils.getelementptr(
+                dst_ptr, [arith.muli(unit_offset(r, k, cols, ops), ops.c(UNIT_BYTES))], u8)
+            nvvm.cp_async_shared_global(dst_piece, src_piece, UNIT_BYTES, nvvm.LoadCacheModifierKind.CG)
+
+    issue(src_ref, rows_ref, dst_ref)
+
+
+def commit_group(plgpu) -> None:
+    """``cp.async.commit_group``: closes the calling thread's group of copies issued since the last commit."""
+    from jax._src.lib.mlir.dialects import nvvm
+
+    @plgpu.inline_mgpu()
+    def commit(_):
+        nvvm.cp_async_commit_group()
+
+    commit()
+
+
+def wait_group(plgpu, pending: int) -> None:
+    """``cp.async.wait_group pending``: waits until at most ``pending`` of the calling thread's newest groups are
+    still in flight (static count)."""
+    from jax._src.lib.mlir.dialects import nvvm
+
+    @plgpu.inline_mgpu()
+    def wait(_):
+        nvvm.cp_async_wait_group(pending)
+
+    wait()
+
+
+__all__ = ["check_gather_shape", "commit_group", "host_tile_image", "issue_row_copies", "unit_offset", "wait_group"]

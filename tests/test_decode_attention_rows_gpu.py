@@ -1,0 +1,94 @@
+"""The decode-attention kernel that gathers its rows by index (``sparse_decode_attention_rows``: ``cp.async`` copies
+from the pool into the swizzled tiles, ``pallas_kernels.attention.row_gather_sm90``) on an H100/H200. Marked ``gpu``
+(excluded from CI); run with
+``JAX_PLATFORMS=cuda,cpu python -m pytest -m gpu -q tests/test_decode_attention_rows_gpu.py``.
+
+The compute warpgroup is the code of ``sparse_decode_attention``'s ``split_cta`` kernel; only the fetch differs. So
+the oracle is exact: the result must equal ``sparse_decode_attention(q, pool[rows], valid, sink)`` bit for bit (a
+unit copied to the wrong place in a swizzled tile, a wrong row, a stage announced before it landed or refilled
+while read all change some output). Each case also checks the contract's error bound against float64
+(``test_decode_attention_gpu._check``'s bound) so that the two kernels cannot agree on a wrong answer.
+
+Pools hold more rows than are read (the rest huge, so reading one changes the output), indices repeat, run
+backwards and jump across the pool; invalid entries point at huge rows too and must contribute exactly 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from helpers import gpu_device
+from pallas_kernels.attention.decode_sm90 import sparse_decode_attention, sparse_decode_attention_rows
+from test_decode_attention_gpu import HUGE_SINK_HEAD, _exact, _mask
+
+pytestmark = pytest.mark.gpu
+
+
+def _rows_case(n: int, h: int, d: int, length: int, pool_rows: int, mask: str, seed: int):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n, h, d)).astype(ml_dtypes.bfloat16)
+    pool = np.full((pool_rows, d), 3e4, ml_dtypes.bfloat16)        # rows never validly read: huge, finite
+    used = rng.choice(pool_rows, size=min(pool_rows // 2, n * length), replace=False)
+    pool[used] = rng.standard_normal((len(used), d)).astype(ml_dtypes.bfloat16)
+    rows = used[rng.integers(0, len(used), (n, length))].astype(np.int32)
+    rows[0, : length // 2] = rows[0, length // 2:][::-1]            # backwards and repeated
+    valid = _mask(mask, n, length, rng)
+    huge = np.setdiff1d(np.arange(pool_rows), used)
+    rows[~valid] = huge[rng.integers(0, len(huge), int((~valid).sum()))]
+    sink = rng.standard_normal(h).astype(np.float32)
+    sink[HUGE_SINK_HEAD] = 1e4
+    return q, pool, rows, valid, sink
+
+
+def _check_rows(n, h, d, length, mask, pool_rows=8192, seed=0, **kw):
+    dev = gpu_device()
+    q, pool, rows, valid, sink = _rows_case(n, h, d, length, pool_rows, mask, seed)
+    scale = d ** -0.5
+    with jax.default_device(dev):
+        qd, pd, rd, vd, sd = (jax.device_put(jnp.asarray(x), dev) for x in (q, pool, rows, valid, sink))
+        got = np.asarray(sparse_decode_attention_rows(qd, pd, rd, vd, sd, scale=scale, **kw).astype(jnp.float32))
+        want = np.asarray(sparse_decode_attention(qd, pd[rd], vd, sd, scale=scale, **kw).astype(jnp.float32))
+    assert got.shape == (n, h, d)
+    differ = got != want
+    assert not differ.any(), (f"{int(differ.sum())} of {differ.size} outputs differ from the kernel on pool[rows] "
+                              f"(first at {np.argwhere(differ)[0].tolist()})")
+    empty = ~valid.any(axis=1)
+    assert (got[empty] == 0).all() and (got[:, HUGE_SINK_HEAD] == 0).all()
+    if empty.all():
+        return
+    exact, a = _exact(q, pool[rows], valid, sink, scale)
+    ratio = np.abs(got - exact) / (2.0 ** -7 * a + 2.0 ** -14 * a.max())
+    print(f"N={n} H={h} d={d} L={length} {mask} {kw}: bit-equal to the kernel on pool[rows]; max err/bound "
+          f"{ratio.max():.3f} vs exact")
+    assert (ratio <= 1).all()
+
+
+@pytest.mark.parametrize("mask", ["random", "prefix"])
+@pytest.mark.parametrize("n,h,length", [(1, 64, 640), (64, 64, 640), (8, 128, 64)])
+def test_gathered_kernel_equals_kernel_on_gathered_rows(n, h, length, mask):
+    """The real size (d = 512 in two column halves, 640 rows = ten KV steps over two stages, so every stage is
+    refilled several times), one query, 64 queries, and one KV step with two head blocks."""
+    _check_rows(n, h, 512, length, mask, seed=n + length)
+
+
+@pytest.mark.parametrize("d,kw", [
+    (512, dict(early_release=True)),                 # the other CTA's chunk refilled after the QK product
+    (512, dict(v_split=4)),                          # four 128-column chunks: 16 row copies per thread and chunk
+    (512, dict(v_split=4, early_release=True)),
+    (256, dict(v_split=1, num_stages=3)),            # one 256-column chunk, three stages
+    (256, dict(block_kv=128, num_stages=1)),         # 128-row tiles, no pipelining (every step waits for its copy)
+    (128, dict(v_split=1)),                          # 64-byte pieces of a row per warp: 4 rows per warp pass
+], ids=["d512-early", "d512-split4", "d512-split4-early", "d256-split1-3stages", "d256-bkv128-1stage", "d128"])
+def test_gathered_kernel_configs(d, kw):
+    _check_rows(8, 128, d, 640, "random", seed=d, **kw)
+
+
+def test_gathered_kernel_all_masked_and_large_pool():
+    """Every entry masked (all mass on the sink: exact zeros) over a pool of 2^20 rows (1 GiB at d = 512: row offsets
+    past 2^31 bytes, so the 64-bit address arithmetic is exercised)."""
+    _check_rows(4, 64, 512, 640, "all_false", pool_rows=1 << 20)
+    _check_rows(4, 64, 512, 640, "random", pool_rows=1 << 21, seed=5)

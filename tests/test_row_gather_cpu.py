@@ -1,0 +1,98 @@
+"""The in-kernel row gather of the decode-attention kernel (``pallas_kernels.attention.row_gather_sm90`` and
+``decode_sm90.sparse_decode_attention_rows``) on CPU: the placement formula against Mosaic GPU's tiled + swizzled
+layout written out independently, the wrapper's checks, and the kernel's lowering for CUDA.
+
+What CPU cannot check: the ``cp.async`` copies are inline Mosaic GPU code, which the Mosaic GPU interpreter does not
+run, so the kernel's result is tested on the GPU only (tests/test_decode_attention_rows_gpu.py: bit-equal to the
+kernel on ``pool[rows]``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention.decode_sm90 import sparse_decode_attention_rows
+from pallas_kernels.attention.row_gather_sm90 import check_gather_shape, host_tile_image, unit_offset
+
+
+def _mosaic_layout(block: np.ndarray) -> np.ndarray:
+    """A ``[rows, cols]`` 2-byte block as Mosaic GPU stores it under ``TilingTransform((8, 64))`` +
+    ``SwizzleTransform(128)``, written from the definitions: tiling makes the buffer ``[rows/8, cols/64, 8, 64]``
+    (row-major), and 128-byte swizzling stores 16-byte unit ``j`` of each 128-byte line ``ℓ`` (counted from the
+    1 KiB-aligned base) at position ``j XOR (ℓ mod 8)`` of that line. Returned as 16-byte units in address order."""
+    rows, cols = block.shape
+    tiled = block.reshape(rows // 8, 8, cols // 64, 64).transpose(0, 2, 1, 3)    # [rt, ct, 8, 64]
+    lines = tiled.reshape(-1, 8, 8)                                              # [line, unit, 8 elements]
+    out = np.empty_like(lines)
+    for line in range(lines.shape[0]):
+        for j in range(8):
+            out[line, j ^ (line % 8)] = lines[line, j]
+    return out.reshape(-1, 8)
+
+
+@pytest.mark.parametrize("rows,cols", [(64, 256), (64, 128), (64, 64), (128, 256), (8, 512)])
+def test_placement_matches_mosaic_tiled_swizzled_layout(rows, cols):
+    block = np.arange(rows * cols, dtype=np.int32).astype(np.uint16).reshape(rows, cols)
+    np.testing.assert_array_equal(host_tile_image(block), _mosaic_layout(block))
+
+
+def test_placement_is_a_bijection_onto_the_buffer():
+    """Every 16-byte unit of a [64, 256] tile gets exactly one destination inside the 32 KiB buffer: no piece lands
+    on another and none outside."""
+    offsets = [unit_offset(r, k, 256) for r in range(64) for k in range(32)]
+    assert sorted(offsets) == list(range(64 * 32))
+
+
+def test_gather_shape_checks():
+    check_gather_shape(64, 256)
+    with pytest.raises(ValueError, match=r"whole \(8, 64\) tiles"):
+        check_gather_shape(64, 96)
+    with pytest.raises(ValueError, match="per thread"):
+        check_gather_shape(8, 64)          # 64 units for 128 threads
+
+
+S = jax.ShapeDtypeStruct
+
+
+def _trace(n=4, h=64, d=512, length=640, pool_rows=4096, *, pool_dtype=jnp.bfloat16, rows_dtype=jnp.int32, **kw):
+    f = jax.jit(functools.partial(sparse_decode_attention_rows, scale=d ** -0.5, **kw))
+    return f.trace(S((n, h, d), jnp.bfloat16), S((pool_rows, d), pool_dtype), S((n, length), rows_dtype),
+                   S((n, length), jnp.bool_), S((h,), jnp.float32))
+
+
+@pytest.mark.parametrize("n,h,d,length,kw", [
+    (64, 64, 512, 640, {}),                                    # the real decode size
+    (64, 64, 512, 640, dict(early_release=True)),              # the model's rule at 64 queries
+    (1, 128, 512, 64, {}),                                     # two head blocks, one KV step
+    (4, 64, 512, 256, dict(v_split=4, early_release=True)),
+    (4, 64, 256, 640, dict(v_split=1, num_stages=3)),
+    (4, 64, 256, 256, dict(block_kv=128, num_stages=1)),
+    (4, 64, 128, 256, dict(v_split=1)),
+])
+def test_gathered_kernel_lowers_for_cuda(n, h, d, length, kw):
+    """Lowers for CUDA on this CPU-only machine (jax 0.10.2 here; 0.11.2 checked by hand): the inline Mosaic GPU
+    code that issues, commits and waits for the ``cp.async`` copies is built into the kernel's module."""
+    text = _trace(n, h, d, length, **kw).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    for op in ("cp.async.shared.global", "cp.async.commit.group", "cp.async.wait.group"):
+        assert op in text, op
+
+
+def test_wrapper_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="pool must be"):
+        jax.jit(functools.partial(sparse_decode_attention_rows, scale=1.0)).trace(
+            S((4, 64, 512), jnp.bfloat16), S((4096, 256), jnp.bfloat16), S((4, 640), jnp.int32),
+            S((4, 640), jnp.bool_), S((64,), jnp.float32))
+    with pytest.raises(ValueError, match="must be bf16"):
+        _trace(pool_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="integer row indices"):
+        _trace(rows_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        _trace(block_kv=32, num_stages=4)
+    with pytest.raises(ValueError, match="shared memory"):
+        _trace(num_stages=3)                                   # 3 × 128 KiB of stages do not fit
