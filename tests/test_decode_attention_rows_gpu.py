@@ -44,13 +44,18 @@ def _rows_case(n: int, h: int, d: int, length: int, pool_rows: int, mask: str, s
     return q, pool, rows, valid, sink
 
 
-def _check_rows(n, h, d, length, mask, pool_rows=8192, seed=0, **kw):
+def _check_rows(n, h, d, length, mask, pool_rows=8192, seed=0, window=0, **kw):
+    """``window``: the first ``window`` of the ``length`` rows come from a separate ``[N, window, d]`` source (their
+    ``rows`` entries are ignored), the rest from the pool."""
     dev = gpu_device()
     q, pool, rows, valid, sink = _rows_case(n, h, d, length, pool_rows, mask, seed)
+    win = pool[rows[:, :window]]                     # a window source holding other copies of pool rows
     scale = d ** -0.5
     with jax.default_device(dev):
-        qd, pd, rd, vd, sd = (jax.device_put(jnp.asarray(x), dev) for x in (q, pool, rows, valid, sink))
-        got = np.asarray(sparse_decode_attention_rows(qd, pd, rd, vd, sd, scale=scale, **kw).astype(jnp.float32))
+        qd, pd, rd, vd, sd, wd = (jax.device_put(jnp.asarray(x), dev) for x in (q, pool, rows, valid, sink, win))
+        got = sparse_decode_attention_rows(qd, pd, rd[:, window:], vd, sd, scale=scale,
+                                           window=wd if window else None, **kw)
+        got = np.asarray(got.astype(jnp.float32))
         want = np.asarray(sparse_decode_attention(qd, pd[rd], vd, sd, scale=scale, **kw).astype(jnp.float32))
     assert got.shape == (n, h, d)
     differ = got != want
@@ -85,6 +90,13 @@ def test_gathered_kernel_equals_kernel_on_gathered_rows(n, h, length, mask):
 ], ids=["d512-early", "d512-split4", "d512-split4-early", "d256-split1-3stages", "d256-bkv128-1stage", "d128"])
 def test_gathered_kernel_configs(d, kw):
     _check_rows(8, 128, d, 640, "random", seed=d, **kw)
+
+
+@pytest.mark.parametrize("n,kw", [(64, dict(early_release=True)), (3, dict(num_stages=1)), (8, dict(v_split=4))])
+def test_gathered_kernel_with_window_source(n, kw):
+    """The model's layout: 128 window rows per query from a second source, then 512 pool rows (two KV steps from the
+    window, eight from the pool; with one stage, a window step is fetched inside the loop)."""
+    _check_rows(n, 64, 512, 640, "random", seed=n + 11, window=128, **kw)
 
 
 def test_gathered_kernel_all_masked_and_large_pool():

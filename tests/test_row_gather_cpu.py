@@ -9,8 +9,6 @@ kernel on ``pool[rows]``).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,10 +57,18 @@ def test_gather_shape_checks():
 S = jax.ShapeDtypeStruct
 
 
-def _trace(n=4, h=64, d=512, length=640, pool_rows=4096, *, pool_dtype=jnp.bfloat16, rows_dtype=jnp.int32, **kw):
-    f = jax.jit(functools.partial(sparse_decode_attention_rows, scale=d ** -0.5, **kw))
-    return f.trace(S((n, h, d), jnp.bfloat16), S((pool_rows, d), pool_dtype), S((n, length), rows_dtype),
-                   S((n, length), jnp.bool_), S((h,), jnp.float32))
+def _trace(n=4, h=64, d=512, length=640, pool_rows=4096, *, pool_dtype=jnp.bfloat16, rows_dtype=jnp.int32,
+           window=0, **kw):
+    """Traces the wrapper on abstract inputs: ``length`` rows per query, the first ``window`` of them from a
+    window source."""
+    def f(q, pool, rows, valid, sink, *win):
+        return sparse_decode_attention_rows(q, pool, rows, valid, sink, scale=d ** -0.5,
+                                            window=win[0] if win else None, **kw)
+
+    win = (S((n, window, d), jnp.bfloat16),) if window else ()
+    return jax.jit(f).trace(S((n, h, d), jnp.bfloat16), S((pool_rows, d), pool_dtype),
+                            S((n, length - window), rows_dtype), S((n, length), jnp.bool_), S((h,), jnp.float32),
+                            *win)
 
 
 @pytest.mark.parametrize("n,h,d,length,kw", [
@@ -73,6 +79,8 @@ def _trace(n=4, h=64, d=512, length=640, pool_rows=4096, *, pool_dtype=jnp.bfloa
     (4, 64, 256, 640, dict(v_split=1, num_stages=3)),
     (4, 64, 256, 256, dict(block_kv=128, num_stages=1)),
     (4, 64, 128, 256, dict(v_split=1)),
+    (64, 64, 512, 640, dict(window=128, early_release=True)),  # the model's layout: 128 window rows + top-k 512
+    (4, 64, 512, 256, dict(window=64, num_stages=1)),          # a window step refilled in the loop
 ])
 def test_gathered_kernel_lowers_for_cuda(n, h, d, length, kw):
     """Lowers for CUDA on this CPU-only machine (jax 0.10.2 here; 0.11.2 checked by hand): the inline Mosaic GPU
@@ -85,7 +93,7 @@ def test_gathered_kernel_lowers_for_cuda(n, h, d, length, kw):
 
 def test_wrapper_rejects_bad_inputs():
     with pytest.raises(ValueError, match="pool must be"):
-        jax.jit(functools.partial(sparse_decode_attention_rows, scale=1.0)).trace(
+        jax.jit(lambda *a: sparse_decode_attention_rows(*a, scale=1.0)).trace(
             S((4, 64, 512), jnp.bfloat16), S((4096, 256), jnp.bfloat16), S((4, 640), jnp.int32),
             S((4, 640), jnp.bool_), S((64,), jnp.float32))
     with pytest.raises(ValueError, match="must be bf16"):
@@ -94,5 +102,7 @@ def test_wrapper_rejects_bad_inputs():
         _trace(rows_dtype=jnp.float32)
     with pytest.raises(ValueError, match="multiple of 64"):
         _trace(block_kv=32, num_stages=4)
+    with pytest.raises(ValueError, match="dividing the window"):
+        _trace(window=96)
     with pytest.raises(ValueError, match="shared memory"):
         _trace(num_stages=3)                                   # 3 × 128 KiB of stages do not fit

@@ -248,7 +248,7 @@ def _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_
 
 def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_smem, rows_barrier, loaded_barriers,
                       consumed_barriers, *, tok, chunks: int, block_kv: int, stages: int, kv_steps: int,
-                      own_chunk=None, others_consumed=None) -> None:
+                      own_chunk=None, others_consumed=None, window_ref=None, window_steps: int = 0) -> None:
     """The gathering warpgroup of :func:`sparse_decode_attention_rows`: the same pipeline as :func:`_produce_kv`,
     but each KV tile's rows are fetched by index from the pool with ``cp.async`` into the swizzled tiles
     (:mod:`pallas_kernels.attention.row_gather_sm90`). The mask rows still come by TMA.
@@ -258,7 +258,9 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
     group), so at iteration ``step`` ``stages + step`` groups exist and ``wait_group(stages − 1)`` means group
     ``step`` has landed. Then the warpgroup fences (generic → async proxy, what the WGMMA reads through), syncs, and
     arrives once on the stage's "loaded" barrier (which also counts the mask row's TMA copy). Only then does it wait
-    for the compute side to release the previous step's stage, so a step is announced as soon as it has landed."""
+    for the compute side to release the previous step's stage, so a step is announced as soon as it has landed.
+    ``window_ref``: a second source for the first ``window_steps`` KV steps (each query's window rows, laid out by
+    the caller; their indices in ``rows_ref`` are rows of ``window_ref``)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.attention.row_gather_sm90 import commit_group, issue_row_copies, wait_group
@@ -268,10 +270,19 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
     plgpu.barrier_wait(rows_barrier)
     dh = kv_smem.shape[-1]
 
+    def fetch(src_ref, step, slot, c):
+        issue_row_copies(plgpu, src_ref.at[:, c], rows_smem.at[step], kv_smem.at[slot, c], block_rows=block_kv,
+                         cols=dh)
+
     def issue(step, slot, which=None, with_bias=True):
         for c in range(chunks) if which is None else which:
-            issue_row_copies(plgpu, pool_ref.at[:, c], rows_smem.at[step], kv_smem.at[slot, c], block_rows=block_kv,
-                             cols=dh)
+            if window_ref is None or (isinstance(step, int) and step >= window_steps):
+                fetch(pool_ref, step, slot, c)
+            elif isinstance(step, int):
+                fetch(window_ref, step, slot, c)
+            else:
+                pl.when(step < window_steps)(lambda c=c: fetch(window_ref, step, slot, c))
+                pl.when(step >= window_steps)(lambda c=c: fetch(pool_ref, step, slot, c))
         if with_bias:
             plgpu.copy_gmem_to_smem(bias_ref.at[tok, pl.ds(step * block_kv, block_kv)], bias_smem.at[slot],
                                     loaded_barriers.at[slot])
@@ -390,7 +401,7 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
 
 def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
                            block_kv: int, stages: int, cluster: bool = False, early_release: bool = False,
-                           rows_idx: jax.Array | None = None) -> jax.Array:
+                           rows_idx: jax.Array | None = None, window4: jax.Array | None = None) -> jax.Array:
     """The Mosaic GPU kernel on the split layouts (``cluster``: organisation ``split_cluster``, the ``v_split`` CTAs
     of a (head block, token) launched as one cluster sharing their Q and KV copies; ``early_release``: the column
     chunks only the QK product reads are released for refill before the softmax and P·V; ``rows_idx``: the KV rows
@@ -404,6 +415,8 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
       sink: ``fp32 [H]``.
       rows_idx: ``int32 [N, L / block_kv, block_kv]``, row ``l`` of query ``n`` is ``pool[rows_idx[n].flat[l]]``
         (every index in ``[0, R)``).
+      window4: with ``rows_idx``, an optional second source ``bf16 [Rw, v_split, dh]`` for the first ``Rw / N``
+        rows of every query (a multiple of ``block_kv``; their ``rows_idx`` entries index it).
     Returns:
       ``bf16 [N, H, v_split, dh]``.
     """
@@ -411,6 +424,7 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
 
     n, h, v_split, dh = q4.shape
     gathered = rows_idx is not None
+    window_steps = 0 if window4 is None else window4.shape[0] // n // block_kv
     rows = bias.shape[1]
     kv_steps = rows // block_kv
     hb = HEADS_PER_CTA
@@ -421,7 +435,11 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
     multicast = dict(collective_axes="split") if cluster else {}
 
     def body(*refs):
-        if gathered:
+        window_ref = None
+        if gathered and window4 is not None:
+            (q_ref, kv_ref, bias_ref, sink_ref, rows_ref, window_ref, o_ref, q_smem, kv_smem, bias_smem, sink_smem,
+             rows_smem, setup_barrier, rows_barrier, loaded_barriers, consumed_barriers, *others_consumed) = refs
+        elif gathered:
             (q_ref, kv_ref, bias_ref, sink_ref, rows_ref, o_ref, q_smem, kv_smem, bias_smem, sink_smem, rows_smem,
              setup_barrier, rows_barrier, loaded_barriers, consumed_barriers, *others_consumed) = refs
         else:
@@ -497,7 +515,8 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
             if gathered:
                 _produce_gathered(kv_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_smem, rows_barrier,
                                   loaded_barriers, consumed_barriers, tok=tok, chunks=v_split, block_kv=block_kv,
-                                  stages=stages, kv_steps=kv_steps, own_chunk=split, others_consumed=others_consumed)
+                                  stages=stages, kv_steps=kv_steps, own_chunk=split, others_consumed=others_consumed,
+                                  window_ref=window_ref, window_steps=window_steps)
                 return
             _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_barriers, tok=tok, row0=0,
                         chunks=v_split, block_kv=block_kv, stages=stages, kv_steps=kv_steps,
@@ -533,7 +552,7 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
-    return kernel(q4, kv4, bias, sink, *([rows_idx] if gathered else []))
+    return kernel(q4, kv4, bias, sink, *([rows_idx] if gathered else []), *([] if window4 is None else [window4]))
 
 
 def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
@@ -768,21 +787,23 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "v_split", "early_release"))
 def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array, valid: jax.Array, sink: jax.Array,
-                                 *, scale: float, block_kv: int = 64, num_stages: int = 2, v_split: int = 2,
-                                 early_release: bool = False) -> jax.Array:
-    """:func:`sparse_decode_attention` on ``kv = pool[rows]`` without materialising the gathered rows: the kernel's
-    memory warpgroup fetches each query's rows by index straight into its shared-memory tiles (``cp.async``, 16
-    bytes per thread and copy; :mod:`pallas_kernels.attention.row_gather_sm90`). Organisation ``split_cta``; the
-    compute warpgroup is the same code, so the result equals ``sparse_decode_attention(q, pool[rows], valid, sink)``
-    bit for bit.
+                                 *, scale: float, window: jax.Array | None = None, block_kv: int = 64,
+                                 num_stages: int = 2, v_split: int = 2, early_release: bool = False) -> jax.Array:
+    """:func:`sparse_decode_attention` on ``kv = pool[rows]`` (or ``concat(window, pool[rows])``) without
+    materialising the gathered rows: the kernel's memory warpgroup fetches each query's rows by index straight into
+    its shared-memory tiles (``cp.async``, 16 bytes per thread and copy;
+    :mod:`pallas_kernels.attention.row_gather_sm90`). Organisation ``split_cta``; the compute warpgroup is the same
+    code, so the result equals ``sparse_decode_attention(q, kv, valid, sink)`` bit for bit.
 
     Args:
       q: ``bf16 [N, H, d]`` as in :func:`sparse_decode_attention`.
       pool: ``bf16 [R, d]``, rows addressed by ``rows`` (a paged cache viewed as rows: page · page_size + offset).
-      rows: ``int32 [N, L]``, L a multiple of ``block_kv``. Entries outside ``[0, R)`` are clamped into it (only for
-        safety: such rows must be masked by ``valid``); every row read must be finite, masked ones included.
-      valid: ``bool [N, L]``; sink: ``fp32 [H]``; scale, num_stages, v_split, early_release: as in
-        :func:`sparse_decode_attention`.
+      rows: ``int32 [N, K]``. Entries outside ``[0, R)`` are clamped into it (only for safety: such rows must be
+        masked by ``valid``); every row read must be finite, masked ones included.
+      valid: ``bool [N, Sw + K]`` (``Sw = 0`` without ``window``); ``Sw + K`` a multiple of ``block_kv``.
+      sink: ``fp32 [H]``; scale, num_stages, v_split, early_release: as in :func:`sparse_decode_attention`.
+      window: optional ``bf16 [N, Sw, d]``, rows each query reads before its pool rows (its sliding window, laid
+        out by the caller), ``Sw`` a multiple of ``block_kv``; fetched by the same copies from this second source.
       block_kv: KV rows per pipeline step, a multiple of 64 (the gather writes 128-byte-swizzled (8, 64) tiles).
     Returns:
       ``o bf16 [N, H, d]``.
@@ -790,27 +811,36 @@ def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array,
     from pallas_kernels.attention.row_gather_sm90 import check_gather_shape
 
     n, h, d = q.shape
+    sw = 0 if window is None else window.shape[1]
     if pool.ndim != 2 or pool.shape[1] != d:
         raise ValueError(f"pool must be [R, d={d}], got {pool.shape}")
-    if rows.shape != valid.shape or rows.ndim != 2 or rows.shape[0] != n:
-        raise ValueError(f"rows {rows.shape} and valid {valid.shape} must both be [N={n}, L]")
-    if q.dtype != jnp.bfloat16 or pool.dtype != jnp.bfloat16:
-        raise ValueError(f"q and pool must be bf16, got {q.dtype} and {pool.dtype}")
+    if window is not None and (window.ndim != 3 or window.shape[0] != n or window.shape[2] != d):
+        raise ValueError(f"window must be [N={n}, Sw, d={d}], got {window.shape}")
+    if rows.ndim != 2 or rows.shape[0] != n or valid.shape != (n, sw + rows.shape[1]):
+        raise ValueError(f"rows {rows.shape} must be [N={n}, K] and valid {valid.shape} [N, Sw={sw} + K]")
+    if q.dtype != jnp.bfloat16 or pool.dtype != jnp.bfloat16 or (window is not None and window.dtype != jnp.bfloat16):
+        raise ValueError(f"q, pool and window must be bf16, got {q.dtype}, {pool.dtype}"
+                         f"{'' if window is None else ', ' + str(window.dtype)}")
     if not jnp.issubdtype(rows.dtype, jnp.integer):
         raise ValueError(f"rows must be integer row indices, got {rows.dtype}")
-    length = rows.shape[1]
+    length = sw + rows.shape[1]
     check_shapes(q, jax.ShapeDtypeStruct((n, length, d), jnp.bfloat16), valid, sink)
-    if block_kv % 64:
-        raise ValueError(f"block_kv={block_kv} must be a multiple of 64 for the gathered kernel")
+    if block_kv % 64 or sw % block_kv:
+        raise ValueError(f"block_kv={block_kv} must be a multiple of 64 dividing the window's {sw} rows")
     stages = check_config(h, d, length, block_kv=block_kv, num_stages=num_stages, v_split=v_split,
                           organisation="split_cta", early_release=early_release, extra_smem=4 * length)
     dh = d // v_split
     check_gather_shape(block_kv, dh)
     bias = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
-    idx = jnp.clip(rows, 0, pool.shape[0] - 1).astype(jnp.int32).reshape(n, length // block_kv, block_kv)
+    idx = jnp.clip(rows, 0, pool.shape[0] - 1).astype(jnp.int32)
+    window4 = None
+    if window is not None:        # query n's window rows are rows n·Sw … n·Sw + Sw − 1 of the window source
+        idx = jnp.concatenate([jnp.arange(n * sw, dtype=jnp.int32).reshape(n, sw), idx], axis=1)
+        window4 = window.reshape(n * sw, v_split, dh)
     out = _split_cta_call(q.reshape(n, h, v_split, dh), pool.reshape(pool.shape[0], v_split, dh), bias,
                           sink.astype(jnp.float32), scale=scale, block_kv=block_kv, stages=stages,
-                          early_release=early_release, rows_idx=idx)
+                          early_release=early_release, rows_idx=idx.reshape(n, length // block_kv, block_kv),
+                          window4=window4)
     return out.reshape(n, h, d)
 
 
