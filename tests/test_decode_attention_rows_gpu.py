@@ -104,3 +104,36 @@ def test_gathered_kernel_all_masked_and_large_pool():
     past 2^31 bytes, so the 64-bit address arithmetic is exercised)."""
     _check_rows(4, 64, 512, 640, "all_false", pool_rows=1 << 20)
     _check_rows(4, 64, 512, 640, "random", pool_rows=1 << 21, seed=5)
+
+
+@pytest.mark.parametrize("b,s", [(4, 1), (64, 1), (2, 3)])
+def test_model_pooled_path_equals_kernel_on_gathered_rows(b, s):
+    """The model's use of the gathering kernel (``attention.attend_selected_pooled``: each query's own 128 window
+    rows + its 512 selected rows read from a pool by index, −1-free indices with a mask of unselected entries)
+    against the kernel on the rows laid out as ``attend_selected(impl="pallas")`` lays them out (window, then
+    ``pool[rows]``), in the organisation the pooled path uses (``split_cta``, early release above 8 queries) — the
+    same computation on the same rows, so bit-equal (masked rows contribute exact zeros whatever their values) — at
+    V4-Flash's width (64 heads × 512); query (0, 0) sees nothing (exact zeros)."""
+    from dinfer_jax.models.attention import attend_selected_pooled
+
+    gpu_device()
+    h, d, sw, k, pool_rows = 64, 512, 128, 512, 16384
+    rng = np.random.default_rng(b + s)
+    q = jnp.asarray(rng.standard_normal((b, s, h, d)).astype(ml_dtypes.bfloat16))
+    kv = jnp.asarray(rng.standard_normal((b, s, sw, d)).astype(ml_dtypes.bfloat16))
+    pool = jnp.asarray(rng.standard_normal((pool_rows, d)).astype(ml_dtypes.bfloat16))
+    rows = rng.integers(0, pool_rows, (b, s, k)).astype(np.int32)
+    win = rng.random((b, s, sw)) < 0.8
+    sel = rng.random((b, s, k)) < 0.9
+    win[0, 0], sel[0, 0] = False, False
+    sink = jnp.asarray(rng.standard_normal(h).astype(np.float32))
+    rows, win, sel = jnp.asarray(rows), jnp.asarray(win), jnp.asarray(sel)
+    got = np.asarray(jax.jit(attend_selected_pooled)(q, kv, win, pool, rows, sel, sink).astype(jnp.float32))
+    n = b * s
+    keys = jnp.concatenate([kv, pool[rows]], axis=2).reshape(n, sw + k, d)
+    valid = jnp.concatenate([win, sel], axis=2).reshape(n, sw + k)
+    want = sparse_decode_attention(q.reshape(n, h, d), keys, valid, sink, scale=d ** -0.5, organisation="split_cta",
+                                   early_release=n > 8)
+    want = np.asarray(want.astype(jnp.float32)).reshape(b, s, h, d)
+    assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max():.3g}"
+    assert np.all(got[0, 0] == 0)

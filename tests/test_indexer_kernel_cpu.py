@@ -164,8 +164,9 @@ def test_model_uses_the_jnp_indexer_on_cpu():
     cfg = load_config("deepseek-v4.1-flash")
     assert "backend" in index_kernel_unsupported(cfg, 1)
     assert index_impl("auto", cfg, 1) == "jnp"
-    with pytest.raises(ValueError, match="cannot run the indexer kernel"):
-        index_impl("pallas", cfg, 1)
+    for impl in ("pallas", "pallas_gather"):
+        with pytest.raises(ValueError, match=f"attention_impl='{impl}' cannot run the indexer kernel"):
+            index_impl(impl, cfg, 1)
 
 
 @pytest.mark.parametrize("rpb,pages", [(64, 7), (32, 5), (128, 3)])

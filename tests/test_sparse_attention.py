@@ -23,7 +23,7 @@ from dinfer_jax import LLM, SamplingParams
 from dinfer_jax.engine.runner import Buckets
 from dinfer_jax.models import load_config, random_model, run
 from dinfer_jax.models.attention import attend, attend_selected, use_selected_rows
-from dinfer_jax.models.cache_io import pages_gather, pages_read, take_rows
+from dinfer_jax.models.cache_io import pages_gather, pages_read, pool_rows, take_rows
 
 
 def test_attend_selected_equals_masked_attend():
@@ -61,6 +61,20 @@ def test_pages_gather_reads_the_rows_pages_read_lays_out():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_pool_rows_index_the_rows_pages_gather_reads():
+    """The flat indices the gathering kernel reads (``cache_io.pool_rows``) pick, from the pool viewed as one array of
+    rows, exactly what ``pages_gather`` returns — other layers' pages present, −1 entries, the last page."""
+    rng = np.random.default_rng(2)
+    pool = jnp.asarray(rng.standard_normal((3, 9, 4, 5)), jnp.float32)   # [L, N, rows per page, C]
+    pages = jnp.asarray([[3, 7, 1], [8, 2, 5]], jnp.int32)
+    rows = jnp.asarray([[[0, 5, 11], [2, -1, 7]], [[4, 9, -1], [10, 1, 3]]], jnp.int32)
+    for layer in range(3):
+        k = jnp.int32(layer)
+        flat_pool, index = pool_rows(pool, k, pages, rows)
+        assert flat_pool.shape == (3 * 9 * 4, 5) and index.shape == rows.shape and index.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(flat_pool[index]), np.asarray(pages_gather(pool, k, pages, rows)))
+
+
 def test_mode_rule_and_bad_mode():
     assert use_selected_rows("auto", 1, 512, 2048) and not use_selected_rows("auto", 8, 512, 2048)
     # long chunks are compute-bound: gather once the rows are at least twice the top-k
@@ -75,8 +89,9 @@ def test_mode_rule_and_bad_mode():
     model = random_model(load_config("tiny-v4"), seed=0, include_mtp=False)
     with pytest.raises(ValueError, match="attention_impl must be one of"):
         LLM(dataclasses.replace(model, attention_impl="fast"), warmup=False, progress=False)
-    with pytest.raises(ValueError, match="attention_impl='pallas'.*needs a GPU"):
-        LLM(dataclasses.replace(model, attention_impl="pallas"), warmup=False, progress=False)
+    for impl in ("pallas", "pallas_gather"):
+        with pytest.raises(ValueError, match=f"attention_impl='{impl}'.*needs a GPU"):
+            LLM(dataclasses.replace(model, attention_impl=impl), warmup=False, progress=False)
 
 
 @pytest.mark.parametrize("preset,fake_quant", [("tiny-v4", None), ("tiny-v41", False), ("tiny-v41", True)])

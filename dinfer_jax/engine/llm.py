@@ -181,8 +181,8 @@ def check_attention_impl(impl: str) -> None:
 
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    if impl == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError(f"attention_impl='pallas' (the Mosaic GPU attention kernels) needs a GPU; the backend is "
+    if impl in ("pallas", "pallas_gather") and jax.default_backend() != "gpu":
+        raise ValueError(f"attention_impl={impl!r} (the Mosaic GPU attention kernels) needs a GPU; the backend is "
                          f"{jax.default_backend()!r}")
 
 

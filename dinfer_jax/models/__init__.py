@@ -64,7 +64,9 @@ class Model:
     ``docs/perf/linear_kernel_h200.md``). ``attention_impl``: what attends to
     the gathered rows in the serving steps (:func:`~dinfer_jax.models.attention.selected_attention_impl`:
     ``"auto"``, the Mosaic GPU decode-attention kernel for steps of up to 8 queries a row on a GPU and XLA
-    elsewhere; ``"jnp"``; or ``"pallas"``, the kernel for every step that gathers rows, prefill chunks included),
+    elsewhere; ``"jnp"``; ``"pallas"``, the kernel for every step that gathers rows, prefill chunks included; or
+    ``"pallas_gather"``, as ``"pallas"`` with the kernel fetching the selected rows from the paged pool itself
+    where the cache stores plain bf16 rows — V4's exact cache),
     and whether the indexer's kernel scores them (the same switch: :func:`~dinfer_jax.models.attention.index_impl`).
     """
 

@@ -130,10 +130,12 @@ def index_impl(requested: str, cfg: ModelConfig, num_queries: int) -> str:
     if requested not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {requested!r}")
     why = index_kernel_unsupported(cfg, num_queries)
-    if requested == "pallas" and why is not None and index_kernel_unsupported(cfg, 1) is None:
+    if requested in KERNEL_IMPLS and why is not None and index_kernel_unsupported(cfg, 1) is None:
         return "jnp"   # only the step's query count is out of the kernel's reach (prefill): XLA scores it
-    if requested == "pallas" and why is not None:
-        raise ValueError(f"attention_impl='pallas' cannot run the indexer kernel here: {why}")
+    if requested in KERNEL_IMPLS and why is not None:
+        raise ValueError(f"attention_impl={requested!r} cannot run the indexer kernel here: {why}")
+    if requested == "pallas_gather":
+        return "pallas"
     if requested == "auto":
         return "pallas" if why is None and not active_tile() else "jnp"
     return requested
@@ -270,7 +272,10 @@ def attend(q: jax.Array, kv: jax.Array, win_mask: jax.Array, ckv: jax.Array | No
     return matmul("bhst,btd->bshd", probs.astype(dt), v).astype(dt)
 
 
-ATTENTION_IMPLS = ("auto", "jnp", "pallas")
+# "pallas_gather": "pallas", and where the selected rows are stored as plain bf16 rows (V4's exact cache) the decode
+# kernel reads them from the paged pool itself instead of XLA gathering them first (attend_selected_pooled)
+ATTENTION_IMPLS = ("auto", "jnp", "pallas", "pallas_gather")
+KERNEL_IMPLS = ("pallas", "pallas_gather")
 
 
 def selected_kernel_unsupported(q: jax.Array) -> str | None:
@@ -290,15 +295,17 @@ def selected_kernel_unsupported(q: jax.Array) -> str | None:
 
 
 def selected_attention_impl(requested: str, q: jax.Array) -> str:
-    """``"jnp"`` or ``"pallas"`` for :func:`attend_selected`: ``"auto"`` takes the kernel where it can run and the
-    step has few queries per row (decode); prefill chunks keep XLA's path until the kernel's gain on them (1.25x
-    per chunk in ``bench_kernels.py prefill-attention``) is measured in the serving step. ``"pallas"`` takes the
-    kernel for every step and raises where it cannot run."""
+    """``"jnp"``, ``"pallas"`` or ``"pallas_gather"`` for :func:`attend_selected`: ``"auto"`` takes the kernel where
+    it can run and the step has few queries per row (decode); prefill chunks keep XLA's path until the kernel's gain
+    on them (1.25x per chunk in ``bench_kernels.py prefill-attention``) is measured in the serving step.
+    ``"pallas"`` takes the kernel for every step and raises where it cannot run; ``"pallas_gather"`` likewise, with
+    the kernel reading plain bf16 rows from the paged pool itself (:func:`attend_selected_pooled`) where the cache
+    stores them so."""
     if requested not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {requested!r}")
     why = selected_kernel_unsupported(q)
-    if requested == "pallas" and why is not None:
-        raise ValueError(f"attention_impl='pallas' cannot run here: {why}")
+    if requested in KERNEL_IMPLS and why is not None:
+        raise ValueError(f"attention_impl={requested!r} cannot run here: {why}")
     if requested == "auto":
         return "pallas" if why is None and q.shape[1] <= 8 else "jnp"
     return requested
@@ -332,6 +339,48 @@ def _attend_selected_pallas(q: jax.Array, kv: jax.Array, wm: jax.Array, rows: ja
     o = kernel_call(sparse_decode_attention, q.reshape(B * S, H, d), keys.reshape(B * S, L, d),
                     valid.reshape(B * S, L), sink.astype(F32), scale=d ** -0.5, **decode_options(B * S, L))
     return o.reshape(B, S, H, d)
+
+
+def attend_selected_pooled(q: jax.Array, kv: jax.Array, wm: jax.Array, pool: jax.Array, rows: jax.Array,
+                           row_mask: jax.Array, sink: jax.Array) -> jax.Array:
+    """:func:`attend_selected` with ``impl="pallas"`` on the selected rows ``pool[rows]``, without gathering them:
+    the Mosaic GPU kernel fetches them from the pool by index (``sparse_decode_attention_rows``); each query's window
+    rows ``kv [B,S,Sw,d]`` (mask ``wm [B,S,Sw]``) are laid out by XLA as for the kernel on gathered rows.
+
+    Args:
+      q: ``bf16 [B,S,H,d]``; kv, wm: each query's own window rows and mask.
+      pool: ``bf16 [R, d]`` (a paged cache viewed as rows, :func:`~dinfer_jax.models.cache_io.pool_rows`).
+      rows: ``int32 [B,S,K]`` indices into ``pool``; row_mask ``bool [B,S,K]`` (False: no entry).
+      sink: ``[H]``.
+    Returns:
+      ``[B,S,H,d]`` bf16, the kernel's result on ``concat(window, pool[rows])``.
+    """
+    from pallas_kernels.attention import tuning
+    from pallas_kernels.lowering_reuse import kernel_call
+
+    B, S, H, d = q.shape
+    Sw, K = kv.shape[2], rows.shape[2]
+    wpad, kpad = (-Sw) % 64, (-K) % 64
+    window = jnp.pad(jnp.where(wm[..., None], kv.astype(q.dtype), jnp.zeros((), q.dtype)),
+                     ((0, 0), (0, 0), (0, wpad), (0, 0)))
+    valid = jnp.concatenate([jnp.pad(jnp.broadcast_to(wm, (B, S, Sw)), ((0, 0), (0, 0), (0, wpad))),
+                             jnp.pad(row_mask, ((0, 0), (0, 0), (0, kpad)))], axis=2)
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, kpad)))
+    n, L = B * S, Sw + wpad + K + kpad
+    o = kernel_call(_rows_kernel, q.reshape(n, H, d), pool, rows.reshape(n, K + kpad), valid.reshape(n, L),
+                    sink.astype(F32), window.reshape(n, Sw + wpad, d), scale=d ** -0.5,
+                    early_release=n > tuning.SMALL_N_MAX)
+    return o.reshape(B, S, H, d)
+
+
+def _rows_kernel(q: jax.Array, pool: jax.Array, rows: jax.Array, valid: jax.Array, sink: jax.Array,
+                 window: jax.Array, *, scale: float, early_release: bool) -> jax.Array:
+    """``sparse_decode_attention_rows`` with the window as an operand (:func:`kernel_call` takes statics by
+    keyword only)."""
+    from pallas_kernels.attention.decode_sm90 import sparse_decode_attention_rows
+
+    return sparse_decode_attention_rows(q, pool, rows, valid, sink, scale=scale, window=window,
+                                        early_release=early_release)
 
 
 def attend_selected(q: jax.Array, kv: jax.Array, win_mask: jax.Array, rows: jax.Array, row_mask: jax.Array,

@@ -66,6 +66,19 @@ def pages_gather(pool: jax.Array, k: jax.Array, pages: jax.Array, rows: jax.Arra
     return pool[k, page, jnp.mod(flat, rpb)].reshape(*rows.shape, pool.shape[-1])
 
 
+def pool_rows(pool: jax.Array, k: jax.Array, pages: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The rows :func:`pages_gather` reads, as indices into the pool viewed as one array of rows (for a kernel that
+    gathers them itself): ``(pool.reshape(L·N·rpb, C), flat int32 [B, ...])`` with
+    ``pool.reshape(-1, C)[flat] == pages_gather(pool, k, pages, rows)`` (negative rows read row 0 of the
+    sequence's first page, as there). The reshape is free (no copy)."""
+    L, N, rpb, C = pool.shape
+    B = rows.shape[0]
+    flat = jnp.maximum(rows.reshape(B, -1), 0)
+    page = jnp.take_along_axis(pages, jnp.clip(flat // rpb, 0, pages.shape[1] - 1), axis=1)
+    index = (k * N + page) * rpb + jnp.mod(flat, rpb)
+    return pool.reshape(L * N * rpb, C), index.astype(jnp.int32).reshape(rows.shape)
+
+
 def take_rows(rows_all: jax.Array, idx: jax.Array) -> jax.Array:
     """``rows_all [B,T,C]`` at ``idx [B, ...]`` (negative = none, read as row 0) → ``[B, ..., C]``."""
     B = idx.shape[0]

@@ -24,9 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.models.attention import (
+    KERNEL_IMPLS,
     RopeTable,
     attend,
     attend_selected,
+    attend_selected_pooled,
     index_impl,
     index_operands_fp4,
     index_queries,
@@ -46,6 +48,7 @@ from dinfer_jax.models.cache_io import (
     pages_gather,
     pages_read,
     pages_write,
+    pool_rows,
     ring_positions,
     ring_read,
     ring_write,
@@ -84,7 +87,8 @@ class LayerOptions:
     # (decode at long context), "sparse" / "dense" force one way (attention.use_selected_rows)
     attention: str = "auto"
     # how the gathered rows are attended: "auto" (the Mosaic GPU decode kernel where it runs, else XLA), "jnp",
-    # "pallas" (attention.selected_attention_impl)
+    # "pallas", "pallas_gather" (the kernel also fetches plain bf16 rows from the pool)
+    # (attention.selected_attention_impl)
     attention_impl: str = "auto"
     # the mHC Sinkhorn: "auto" (the Mosaic GPU kernel on a GPU, XLA elsewhere), "jnp" or "pallas" (mhc.sinkhorn)
     mhc_impl: str = "auto"
@@ -262,21 +266,29 @@ def _on_queries(fn: Callable[..., Any], q: jax.Array, extras: tuple[Any, ...], i
 
 def _attend_rows(q: jax.Array, keys: jax.Array, wmask: jax.Array, rows_of: Callable[[jax.Array], jax.Array],
                  idx: jax.Array, sink: jax.Array, ctx: StepContext, cfg: ModelConfig,
-                 opts: LayerOptions) -> jax.Array:
+                 opts: LayerOptions, pool_rows_of: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None
+                 ) -> jax.Array:
     """Attention over the window and each query's selected compressed rows ``rows_of(idx)`` (``idx [B,Q,k]``, −1:
     none; the gather and decode of the rows happen here, so a CP rank gathers only its queries' rows),
     batch-invariantly when tracing so. The decode kernel reads each query's own window (``W`` rows instead of the
     ring's ``R`` plus the step's). With CP on a prefill step each rank attends its mirrored query rows and the
-    outputs are all-gathered (:func:`~dinfer_jax.models.cp_rows.cp_tokenwise`)."""
+    outputs are all-gathered (:func:`~dinfer_jax.models.cp_rows.cp_tokenwise`). ``pool_rows_of(idx)``: where the
+    rows are stored as the kernel reads them, ``(pool [R,d], indices [B,Q,k])`` for ``attention_impl="pallas_gather"``
+    (the kernel fetches them from the pool; :func:`~dinfer_jax.models.attention.attend_selected_pooled`)."""
     if active_tile():
         return attend_invariant(q, keys, wmask, ctx.inp.start, ctx.pos, cfg.sliding_window, sink, rows=rows_of(idx),
                                 row_mask=idx >= 0)
     impl = selected_attention_impl(opts.attention_impl, q)
     chunk = q.shape[1]
 
+    kernel = impl in KERNEL_IMPLS
+
     def core(q: jax.Array, pos: jax.Array, wmask: jax.Array, idx: jax.Array) -> jax.Array:
-        wkeys, wm = _query_windows(keys, wmask, ctx.inp.start, pos, chunk, cfg, per_query=impl == "pallas")
-        return attend_selected(q, wkeys, wm, rows_of(idx), idx >= 0, sink, impl=impl)
+        wkeys, wm = _query_windows(keys, wmask, ctx.inp.start, pos, chunk, cfg, per_query=kernel)
+        if impl == "pallas_gather" and pool_rows_of is not None:
+            pool, rows = pool_rows_of(idx)
+            return attend_selected_pooled(q, wkeys, wm, pool, rows, idx >= 0, sink)
+        return attend_selected(q, wkeys, wm, rows_of(idx), idx >= 0, sink, impl="pallas" if kernel else impl)
 
     return _on_queries(core, q, (ctx.pos, wmask, idx), ctx.inp, opts)
 
@@ -385,7 +397,12 @@ def attention_v4(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, 
             def rows_of(idx: jax.Array) -> jax.Array:
                 return codecs.ckv.unpack(pages_gather(upd["ckv"], k, pages, idx))
 
-            o = _attend_rows(q, keys, wmask, rows_of, top_idx, p["attn_sink"], ctx, cfg, opts)
+            def pool_rows_of(idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+                return pool_rows(upd["ckv"], k, pages, idx)
+
+            readable = codecs.ckv.fmt is None and upd["ckv"].dtype == q.dtype   # rows stored as the model reads them
+            o = _attend_rows(q, keys, wmask, rows_of, top_idx, p["attn_sink"], ctx, cfg, opts,
+                             pool_rows_of=pool_rows_of if readable else None)
             return o, dataclasses.replace(lc, **upd), aux
         ckv = codecs.ckv.unpack(pages_read(upd["ckv"], k, pages))
         cmask = jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]  # [B,Q,T]
