@@ -214,6 +214,15 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       -k "early or model" 2>&1 | grep "^E \|passed\|failed\|Error" | head -20
     timeout ${T:-180} python3 scripts/bench_kernels.py attention --contexts ${CONTEXTS:-32768} --batches 64 \
       --out "$OUT/attention" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
+  rows-first)
+    # one call for a session that may get only one: the gathering kernel's GPU tests, its time against XLA's gather +
+    # the kernel, then issue 9's H200 kernel figure (split_cta vs early release vs the model's rule)
+    timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_rows_gpu.py -x 2>&1 \
+      | grep "^E \|passed\|failed\|Error" | head -20
+    timeout 150 python3 scripts/bench_kernels.py attention-rows --batches 1 16 64 --out "$OUT/attn_rows" 2>&1 \
+      | quiet | grep "^|\|copy\|Error"
+    timeout 130 python3 scripts/bench_kernels.py attention-kernel --batches 1 16 64 --variants split_cta \
+      "split_cta early" "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
   rows-kernel)
     # issue 9: the decode-attention kernel gathering its rows by index itself (cp.async into the swizzled tiles,
     # sparse_decode_attention_rows): its GPU tests (bit-equal to the kernel on pool[rows]), then its time against

@@ -137,3 +137,31 @@ def test_model_pooled_path_equals_kernel_on_gathered_rows(b, s):
     want = np.asarray(want.astype(jnp.float32)).reshape(b, s, h, d)
     assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max():.3g}"
     assert np.all(got[0, 0] == 0)
+
+
+@pytest.mark.parametrize("n,kw", [(64, dict(early_release=True)), (4, {}), (8, dict(v_split=4))])
+def test_fp4_pool_rows_decoded_in_kernel(n, kw):
+    """V4.1's compressed rows as the cache stores them (``v41_fp4``: 256 B of e2m1 codes + 32 e4m3 scales per row,
+    from ``kv_formats.encode`` of random rows spanning several decades, so that many scale exponents occur) read by
+    index and decoded by the kernel, after 128 bf16 window rows: bit-equal to the kernel on the rows
+    ``kv_formats.decode`` gives (the decode is exact, module docstring of ``row_gather_sm90``)."""
+    from dinfer_jax.engine.kv_formats import decode, encode
+
+    dev = gpu_device()
+    h, d, sw, k, pool_rows = 64, 512, 128, 512, 8192
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((pool_rows, d)) * np.exp2(rng.integers(-12, 8, (pool_rows, 1)))
+    with jax.default_device(dev):
+        data, scales = encode(jnp.asarray(x, jnp.bfloat16), "v41_fp4")
+        pool = jnp.concatenate([data, scales], axis=1)                                  # [R, 288] uint8
+        q = jnp.asarray(rng.standard_normal((n, h, d)).astype(ml_dtypes.bfloat16))
+        window = jnp.asarray(rng.standard_normal((n, sw, d)).astype(ml_dtypes.bfloat16))
+        rows = jnp.asarray(rng.integers(0, pool_rows, (n, k)).astype(np.int32))
+        valid = jnp.asarray(rng.random((n, sw + k)) < 0.9)
+        sink = jnp.asarray(rng.standard_normal(h).astype(np.float32))
+        got = sparse_decode_attention_rows(q, pool, rows, valid, sink, scale=d ** -0.5, window=window, **kw)
+        decoded = decode(pool[rows][..., : d // 2], pool[rows][..., d // 2:], "v41_fp4", dtype=jnp.bfloat16)
+        keys = jnp.concatenate([window, decoded], axis=1)
+        want = sparse_decode_attention(q, keys, valid, sink, scale=d ** -0.5, **kw)
+    got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max():.3g}, max |want| {np.abs(want).max():.3g}"

@@ -15,7 +15,12 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention.decode_sm90 import sparse_decode_attention_rows
-from pallas_kernels.attention.row_gather_sm90 import check_gather_shape, host_tile_image, unit_offset
+from pallas_kernels.attention.row_gather_sm90 import (
+    check_gather_shape,
+    host_decode_fp4_unit,
+    host_tile_image,
+    unit_offset,
+)
 
 
 def _mosaic_layout(block: np.ndarray) -> np.ndarray:
@@ -66,7 +71,8 @@ def _trace(n=4, h=64, d=512, length=640, pool_rows=4096, *, pool_dtype=jnp.bfloa
                                             window=win[0] if win else None, **kw)
 
     win = (S((n, window, d), jnp.bfloat16),) if window else ()
-    return jax.jit(f).trace(S((n, h, d), jnp.bfloat16), S((pool_rows, d), pool_dtype),
+    width = d // 2 + d // 16 if pool_dtype == jnp.uint8 else d          # uint8: v41_fp4 rows
+    return jax.jit(f).trace(S((n, h, d), jnp.bfloat16), S((pool_rows, width), pool_dtype),
                             S((n, length - window), rows_dtype), S((n, length), jnp.bool_), S((h,), jnp.float32),
                             *win)
 
@@ -81,13 +87,17 @@ def _trace(n=4, h=64, d=512, length=640, pool_rows=4096, *, pool_dtype=jnp.bfloa
     (4, 64, 128, 256, dict(v_split=1)),
     (64, 64, 512, 640, dict(window=128, early_release=True)),  # the model's layout: 128 window rows + top-k 512
     (4, 64, 512, 256, dict(window=64, num_stages=1)),          # a window step refilled in the loop
+    (64, 64, 512, 640, dict(window=128, early_release=True, pool_dtype=jnp.uint8)),   # V4.1: v41_fp4 pool rows
+    (4, 64, 512, 256, dict(v_split=4, pool_dtype=jnp.uint8)),
 ])
 def test_gathered_kernel_lowers_for_cuda(n, h, d, length, kw):
     """Lowers for CUDA on this CPU-only machine (jax 0.10.2 here; 0.11.2 checked by hand): the inline Mosaic GPU
-    code that issues, commits and waits for the ``cp.async`` copies is built into the kernel's module."""
+    code that issues, commits and waits for the ``cp.async`` copies (and decodes ``v41_fp4`` rows) is built into
+    the kernel's module."""
     text = _trace(n, h, d, length, **kw).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    for op in ("cp.async.shared.global", "cp.async.commit.group", "cp.async.wait.group"):
+    copies = kw.get("pool_dtype") != jnp.uint8 or kw.get("window")    # fp4 pool rows are loaded, not copied
+    for op in ("cp.async.shared.global",) * bool(copies) + ("cp.async.commit.group", "cp.async.wait.group"):
         assert op in text, op
 
 
@@ -96,7 +106,7 @@ def test_wrapper_rejects_bad_inputs():
         jax.jit(lambda *a: sparse_decode_attention_rows(*a, scale=1.0)).trace(
             S((4, 64, 512), jnp.bfloat16), S((4096, 256), jnp.bfloat16), S((4, 640), jnp.int32),
             S((4, 640), jnp.bool_), S((64,), jnp.float32))
-    with pytest.raises(ValueError, match="must be bf16"):
+    with pytest.raises(ValueError, match="bf16 rows or uint8"):
         _trace(pool_dtype=jnp.float32)
     with pytest.raises(ValueError, match="integer row indices"):
         _trace(rows_dtype=jnp.float32)
@@ -106,3 +116,23 @@ def test_wrapper_rejects_bad_inputs():
         _trace(window=96)
     with pytest.raises(ValueError, match="shared memory"):
         _trace(num_stages=3)                                   # 3 × 128 KiB of stages do not fit
+
+
+def test_fp4_unit_decode_is_the_formats_decode_for_every_code_and_scale():
+    """The kernel's bit-level decode of a v41_fp4 unit (8 e2m1 codes + their e4m3 scale; ``host_decode_fp4_unit``
+    runs the same formulas and bf16 products) against ``kv_formats.decode`` — the format's definition, computed in
+    fp32 and rounded to bf16 — for all 16 codes in every position and every positive finite e4m3 scale byte
+    (subnormal scales included): equal bit for bit."""
+    from dinfer_jax.engine.kv_formats import decode
+
+    codes = np.arange(16, dtype=np.uint32)
+    words = [int(sum(((c + j) % 16) << (4 * j) for j in range(8))) for c in codes]      # every code, every slot
+    scales = [b for b in range(1, 127) if b != 0x7F]                                   # positive, finite e4m3
+    data = np.array([[w >> (8 * i) & 0xFF for i in range(4)] for w in words], np.uint8)  # little-endian bytes
+    for b in scales:
+        # one 16-value row per word: its 8 bytes are the word twice, one scale byte
+        row_data = np.concatenate([data, data], axis=1)                                  # [16 words, 8 bytes]
+        want = np.asarray(decode(jnp.asarray(row_data), jnp.full((16, 1), b, jnp.uint8), "v41_fp4",
+                                 dtype=jnp.bfloat16).astype(jnp.float32))[:, :8]
+        got = np.stack([host_decode_fp4_unit(w, b) for w in words])
+        np.testing.assert_array_equal(got, want, err_msg=f"scale byte {b:#x}")

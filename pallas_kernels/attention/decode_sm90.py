@@ -259,11 +259,19 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
     ``step`` has landed. Then the warpgroup fences (generic → async proxy, what the WGMMA reads through), syncs, and
     arrives once on the stage's "loaded" barrier (which also counts the mask row's TMA copy). Only then does it wait
     for the compute side to release the previous step's stage, so a step is announced as soon as it has landed.
+    A ``uint8`` pool holds ``v41_fp4`` rows: each thread loads its rows' code words and scale bytes and stores the
+    decoded bf16 values (:func:`~pallas_kernels.attention.row_gather_sm90.issue_fp4_row_decode`; plain loads, so
+    those steps' groups are empty and complete at once).
     ``window_ref``: a second source for the first ``window_steps`` KV steps (each query's window rows, laid out by
     the caller; their indices in ``rows_ref`` are rows of ``window_ref``)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.attention.row_gather_sm90 import commit_group, issue_row_copies, wait_group
+    from pallas_kernels.attention.row_gather_sm90 import (
+        commit_group,
+        issue_fp4_row_decode,
+        issue_row_copies,
+        wait_group,
+    )
 
     plgpu.set_max_registers(GATHER_REGISTERS, action="decrease")
     plgpu.copy_gmem_to_smem(rows_ref.at[tok], rows_smem, rows_barrier)
@@ -271,6 +279,13 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
     dh = kv_smem.shape[-1]
 
     def fetch(src_ref, step, slot, c):
+        if src_ref.dtype == jnp.uint8:      # v41_fp4 rows [R, D/2 + D/16]: decoded into the tile on the way
+            half = chunks * dh // 2
+            data = src_ref.at[:, pl.ds(c * (dh // 2), dh // 2)]
+            scales = src_ref.at[:, pl.ds(half + c * (dh // 16), dh // 16)]
+            issue_fp4_row_decode(plgpu, data, scales, rows_smem.at[step], kv_smem.at[slot, c], block_rows=block_kv,
+                                 cols=dh)
+            return
         issue_row_copies(plgpu, src_ref.at[:, c], rows_smem.at[step], kv_smem.at[slot, c], block_rows=block_kv,
                          cols=dh)
 
@@ -797,7 +812,9 @@ def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array,
 
     Args:
       q: ``bf16 [N, H, d]`` as in :func:`sparse_decode_attention`.
-      pool: ``bf16 [R, d]``, rows addressed by ``rows`` (a paged cache viewed as rows: page · page_size + offset).
+      pool: ``bf16 [R, d]``, rows addressed by ``rows`` (a paged cache viewed as rows: page · page_size + offset),
+        or ``uint8 [R, d/2 + d/16]``: ``v41_fp4`` rows (V4.1's compressed KV), decoded by the kernel as it fetches
+        them (exactly the bf16 values ``kv_formats.decode`` gives).
       rows: ``int32 [N, K]``. Entries outside ``[0, R)`` are clamped into it (only for safety: such rows must be
         masked by ``valid``); every row read must be finite, masked ones included.
       valid: ``bool [N, Sw + K]`` (``Sw = 0`` without ``window``); ``Sw + K`` a multiple of ``block_kv``.
@@ -812,15 +829,19 @@ def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array,
 
     n, h, d = q.shape
     sw = 0 if window is None else window.shape[1]
-    if pool.ndim != 2 or pool.shape[1] != d:
-        raise ValueError(f"pool must be [R, d={d}], got {pool.shape}")
+    fp4 = pool.dtype == jnp.uint8
+    row_width = d // 2 + d // 16 if fp4 else d
+    if pool.ndim != 2 or pool.shape[1] != row_width:
+        raise ValueError(f"pool must be [R, d={d}] bf16 or [R, d/2 + d/16 = {d // 2 + d // 16}] uint8 (v41_fp4 "
+                         f"rows), got {pool.shape} {pool.dtype}")
     if window is not None and (window.ndim != 3 or window.shape[0] != n or window.shape[2] != d):
         raise ValueError(f"window must be [N={n}, Sw, d={d}], got {window.shape}")
     if rows.ndim != 2 or rows.shape[0] != n or valid.shape != (n, sw + rows.shape[1]):
         raise ValueError(f"rows {rows.shape} must be [N={n}, K] and valid {valid.shape} [N, Sw={sw} + K]")
-    if q.dtype != jnp.bfloat16 or pool.dtype != jnp.bfloat16 or (window is not None and window.dtype != jnp.bfloat16):
-        raise ValueError(f"q, pool and window must be bf16, got {q.dtype}, {pool.dtype}"
-                         f"{'' if window is None else ', ' + str(window.dtype)}")
+    if q.dtype != jnp.bfloat16 or (window is not None and window.dtype != jnp.bfloat16):
+        raise ValueError(f"q and window must be bf16, got {q.dtype} and {None if window is None else window.dtype}")
+    if pool.dtype not in (jnp.bfloat16, jnp.uint8):
+        raise ValueError(f"pool must be bf16 rows or uint8 v41_fp4 rows, got {pool.dtype}")
     if not jnp.issubdtype(rows.dtype, jnp.integer):
         raise ValueError(f"rows must be integer row indices, got {rows.dtype}")
     length = sw + rows.shape[1]
@@ -837,7 +858,8 @@ def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array,
     if window is not None:        # query n's window rows are rows n·Sw … n·Sw + Sw − 1 of the window source
         idx = jnp.concatenate([jnp.arange(n * sw, dtype=jnp.int32).reshape(n, sw), idx], axis=1)
         window4 = window.reshape(n * sw, v_split, dh)
-    out = _split_cta_call(q.reshape(n, h, v_split, dh), pool.reshape(pool.shape[0], v_split, dh), bias,
+    out = _split_cta_call(q.reshape(n, h, v_split, dh), pool if fp4 else pool.reshape(pool.shape[0], v_split, dh),
+                          bias,
                           sink.astype(jnp.float32), scale=scale, block_kv=block_kv, stages=stages,
                           early_release=early_release, rows_idx=idx.reshape(n, length // block_kv, block_kv),
                           window4=window4)

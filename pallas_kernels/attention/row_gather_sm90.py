@@ -53,6 +53,10 @@ class _IntOps:
     add = staticmethod(lambda a, b: a + b)
     mul = staticmethod(lambda a, b: a * b)
     xor = staticmethod(lambda a, b: a ^ b)
+    shl = staticmethod(lambda a, b: (a << b) & 0xFFFFFFFF)
+    shr = staticmethod(lambda a, b: a >> b)
+    band = staticmethod(lambda a, b: a & b)
+    bor = staticmethod(lambda a, b: a | b)
 
 
 def unit_offset(r, k, cols: int, ops=_IntOps):
@@ -109,14 +113,7 @@ def issue_row_copies(plgpu, src_ref, rows_ref, dst_ref, *, block_rows: int, cols
         i64 = ir.IntegerType.get_signless(64)
         u8 = ir.IntegerType.get_signless(8)
 
-        class ops:
-            c = staticmethod(lambda v: arith.constant(i32, v))
-            div = staticmethod(arith.divui)
-            rem = staticmethod(arith.remui)
-            add = staticmethod(arith.addi)
-            mul = staticmethod(arith.muli)
-            xor = staticmethod(arith.xori)
-
+        ops = _mlir_ops(arith, i32)
         (row_stride, col_stride), _ = ir.MemRefType(src.type).get_strides_and_offset()
         if col_stride != 1:
             raise ValueError(f"gather source rows must be contiguous, got column stride {col_stride}")
@@ -137,6 +134,147 @@ def issue_row_copies(plgpu, src_ref, rows_ref, dst_ref, *, block_rows: int, cols
             nvvm.cp_async_shared_global(dst_piece, src_piece, UNIT_BYTES, nvvm.LoadCacheModifierKind.CG)
 
     issue(src_ref, rows_ref, dst_ref)
+
+
+# ---- v41_fp4 rows decoded on the way (V4.1's compressed KV: 256 B of e2m1 pairs + 32 e4m3 scales per 512 values) ----
+#
+# A 16-byte unit of the tile holds 8 values ``8k … 8k + 7`` of a row: the row's 32-bit data word ``k`` (8 e2m1 codes,
+# element 2i in the low nibble of byte i, bit 3 of a nibble the sign) and its scale byte ``k // 2`` (one e4m3 scale per
+# 16 values). Decoding is exact: an e2m1 value (≤ 2 significant bits) times an e4m3 scale (≤ 4) has ≤ 6 significant
+# bits and lies in [2^-10, 2688], so it is a bf16 number, the one the model's ``kv_formats.decode`` computes in fp32
+# and rounds (exactly) to bf16.
+#
+# Bits: the nibble's 3 magnitude bits ``em`` placed at bits 8..6 of a bf16 half and its sign at bit 15 give the bf16
+# pattern of ``e2m1 · 2^-126`` (exponent field = the 2 exponent bits, top mantissa bit = the mantissa bit; e = 0 is the
+# subnormal 0.5 · 2^-126 or 0), so two values of a 32-bit word are::
+#
+#     ((t & 0x7) << 6) | ((t & 0x8) << 12) | ((t & 0x70) << 18) | ((t & 0x80) << 24),   t = word >> 8w
+#
+# multiplied (bf16x2) by 2^126 to give the e2m1 values exactly. The scale byte ``b`` (positive e4m3: exponent 4 bits
+# bias 7, mantissa 3 bits) placed at bits 10..4 is the bf16 pattern of ``e4m3(b) · 2^-120`` (subnormal e4m3 codes
+# land on bf16 subnormals the same way), times 2^120 exactly. The two products, then e2m1 · scale, are exact.
+
+FP4_PAIR_SHIFTS = ((0x7, 6), (0x8, 12), (0x70, 18), (0x80, 24))   # (mask of t, left shift) of the formula above
+E2M1_UNSCALE = 2.0 ** 126
+E4M3_UNSCALE = 2.0 ** 120
+
+
+def fp4_pair_bits(word, w: int, ops=_IntOps):
+    """The bf16x2 bit pattern of ``e2m1 · 2^-126`` for elements ``2w`` (low half) and ``2w + 1`` of a data word."""
+    t = ops.shr(word, ops.c(8 * w)) if w else word
+    out = None
+    for mask, shift in FP4_PAIR_SHIFTS:
+        part = ops.shl(ops.band(t, ops.c(mask)), ops.c(shift))
+        out = part if out is None else ops.bor(out, part)
+    return out
+
+
+def e4m3_scale_bits(byte, ops=_IntOps):
+    """The bf16x2 pattern of ``e4m3(byte) · 2^-120`` in both halves (``byte`` a positive e4m3 code)."""
+    half = ops.shl(ops.band(byte, ops.c(0x7F)), ops.c(4))
+    return ops.bor(half, ops.shl(half, ops.c(16)))
+
+
+def host_decode_fp4_unit(word: int, scale_byte: int) -> np.ndarray:
+    """The 8 bf16 values (as float32) the kernel makes of one data word and its scale byte, through the same bit
+    formulas and bf16 products (computed here with ml_dtypes bf16, whose products of these exact values are exact)."""
+    import ml_dtypes
+
+    def halves(bits: int) -> np.ndarray:
+        return np.array([bits & 0xFFFF, bits >> 16], np.uint16).view(ml_dtypes.bfloat16)
+
+    bf = ml_dtypes.bfloat16
+    scale = halves(e4m3_scale_bits(scale_byte)) * bf(E4M3_UNSCALE)
+    vals = [halves(fp4_pair_bits(word, w)) * bf(E2M1_UNSCALE) * scale for w in range(4)]
+    return np.concatenate(vals).astype(np.float32)
+
+
+def issue_fp4_row_decode(plgpu, data_ref, scale_ref, rows_ref, dst_ref, *, block_rows: int, cols: int) -> None:
+    """Every thread of the calling warpgroup loads, decodes and stores its units of ``dst[r] = decode(src[rows[r]])``
+    for ``r < block_rows`` (plain loads from global memory, ``st.shared`` of 16 bytes at the swizzled place; the
+    caller fences and synchronises before the tile is read by the WGMMA).
+
+    Args:
+      data_ref: GMEM uint8 ``[R, cols / 2]``: the packed e2m1 bytes of this column chunk of each stored row (a
+        column slice of the ``v41_fp4`` pool ``[R, D/2 + D/16]``; row stride from the memref type).
+      scale_ref: GMEM uint8 ``[R, cols / 16]``: the chunk's e4m3 scale bytes.
+      rows_ref: SMEM int32 ``[block_rows]``, row indices into the pool (each in ``[0, R)``).
+      dst_ref: SMEM bf16 ``[block_rows, cols]`` tiled ``(8, 64)`` and 128-byte swizzled.
+    """
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    check_gather_shape(block_rows, cols)
+    tiled = (plgpu.TilingTransform((TILE_ROWS, TILE_COLS)), plgpu.SwizzleTransform(128))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled)))
+    def decode(_, data, scales, rows, dst):
+        i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
+        u8 = ir.IntegerType.get_signless(8)
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        vec4 = ir.VectorType.get((4,), i32)
+        ops = _mlir_ops(arith, i32)
+
+        def global_ptr(ref):
+            (row_stride, col_stride), _ = ir.MemRefType(ref.type).get_strides_and_offset()
+            if col_stride != 1:
+                raise ValueError(f"fp4 rows must be contiguous bytes, got column stride {col_stride}")
+            return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref)), row_stride
+
+        data_ptr, stride = global_ptr(data)
+        scale_ptr, scale_stride = global_ptr(scales)
+        if scale_stride != stride:
+            raise ValueError(f"data and scale slices must be of one pool (row strides {stride} vs {scale_stride})")
+        rows_ptr, dst_ptr = mgpu_utils.memref_ptr(rows), mgpu_utils.memref_ptr(dst)
+
+        def splat(v):
+            value = ir.FloatAttr.get(ir.BF16Type.get(), v)
+            return arith.constant(bf16x2, ir.DenseElementsAttr.get_splat(bf16x2, value))
+
+        e2m1_unscale, e4m3_unscale = splat(E2M1_UNSCALE), splat(E4M3_UNSCALE)
+        units = cols // 8
+        t = arith.remui(mgpu_utils.thread_idx(), ops.c(WARPGROUP))
+        per_thread = block_rows * units // WARPGROUP
+        loaded = []
+        for j in range(per_thread):         # every load first: they are independent, so all are in flight at once
+            u = arith.addi(t, ops.c(WARPGROUP * j))
+            r, k = arith.divui(u, ops.c(units)), arith.remui(u, ops.c(units))
+            row = llvm.load(i32, mgpu_utils.getelementptr(rows_ptr, [r], i32))
+            base = arith.muli(arith.extui(i64, row), arith.constant(i64, stride))
+            word = llvm.load(i32, mgpu_utils.getelementptr(
+                data_ptr, [arith.addi(base, arith.extui(i64, arith.muli(k, ops.c(4))))], u8))
+            byte = llvm.load(u8, mgpu_utils.getelementptr(
+                scale_ptr, [arith.addi(base, arith.extui(i64, arith.divui(k, ops.c(2))))], u8))
+            loaded.append((r, k, word, arith.extui(i32, byte)))
+        for r, k, word, byte in loaded:
+            scale = arith.mulf(mgpu_utils.bitcast(e4m3_scale_bits(byte, ops), bf16x2), e4m3_unscale)
+            vec = llvm.mlir_undef(vec4)
+            for w in range(4):
+                pair = arith.mulf(mgpu_utils.bitcast(fp4_pair_bits(word, w, ops), bf16x2), e2m1_unscale)
+                vec = llvm.insertelement(vec, mgpu_utils.bitcast(arith.mulf(pair, scale), i32), ops.c(w))
+            place = mgpu_utils.getelementptr(dst_ptr, [arith.muli(unit_offset(r, k, cols, ops), ops.c(UNIT_BYTES))], u8)
+            llvm.store(vec, place, alignment=UNIT_BYTES)
+
+    decode(data_ref, scale_ref, rows_ref, dst_ref)
+
+
+def _mlir_ops(arith, i32):
+    """The integer operations of :func:`unit_offset` / :func:`fp4_pair_bits` on 32-bit MLIR values."""
+    class ops:
+        c = staticmethod(lambda v: arith.constant(i32, v))
+        div = staticmethod(arith.divui)
+        rem = staticmethod(arith.remui)
+        add = staticmethod(arith.addi)
+        mul = staticmethod(arith.muli)
+        xor = staticmethod(arith.xori)
+        shl = staticmethod(arith.shli)
+        shr = staticmethod(arith.shrui)
+        band = staticmethod(arith.andi)
+        bor = staticmethod(arith.ori)
+
+    return ops
 
 
 def commit_group(plgpu) -> None:
@@ -162,4 +300,5 @@ def wait_group(plgpu, pending: int) -> None:
     wait()
 
 
-__all__ = ["check_gather_shape", "commit_group", "host_tile_image", "issue_row_copies", "unit_offset", "wait_group"]
+__all__ = ["check_gather_shape", "commit_group", "e4m3_scale_bits", "fp4_pair_bits", "host_decode_fp4_unit",
+           "host_tile_image", "issue_fp4_row_decode", "issue_row_copies", "unit_offset", "wait_group"]
