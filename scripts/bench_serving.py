@@ -365,8 +365,9 @@ def main() -> None:
     ap.add_argument("--mhc-impl", default="auto", choices=["auto", "jnp", "pallas"],
                     help="the mHC Sinkhorn: XLA (jnp), the Mosaic GPU kernel (pallas_kernels/mhc) or auto "
                          "(the kernel on a GPU)")
-    ap.add_argument("--attention-impl", default="auto", choices=["auto", "jnp", "pallas"],
-                    help="Model.attention_impl: 'pallas' also gives prefill chunks the decode-attention kernel")
+    ap.add_argument("--attention-impl", default="auto", choices=["auto", "jnp", "pallas", "pallas_gather"],
+                    help="Model.attention_impl: 'pallas' also gives prefill chunks the decode-attention kernel; "
+                         "'pallas_gather' as 'pallas', the kernel reading the selected rows from the cache itself")
     ap.add_argument("--linear-impl", default="auto", choices=["auto", "xla", "pallas"],
                     help="the FP8 linears: XLA's autotuned GEMM fusions, the Mosaic GPU kernel (pallas_kernels/linear) "
                          "for calls of up to 64 tokens, or auto (the engine's default: the kernel on a GPU)")

@@ -223,6 +223,13 @@ case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill
       | quiet | grep "^|\|copy\|Error"
     timeout 130 python3 scripts/bench_kernels.py attention-kernel --batches 1 16 64 --variants split_cta \
       "split_cta early" "model rule" --out "$OUT/attn_kernel" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
+  gather-serving)   # one call per preset: PRESET=deepseek-v4-flash (default) or deepseek-v4.1-flash
+    # issue 9: the 4-layer slice's batch-64 decode step with the decode kernel reading the selected rows from the
+    # cache itself (attention_impl=pallas_gather: V4's bf16 pool / V4.1's v41_fp4 rows) against the default path
+    P=${PRESET:-deepseek-v4-flash}; E=""; [ "$P" = deepseek-v4.1-flash ] && E="--engram-vocab 1000000"
+    cd scripts && for impl in pallas_gather auto; do timeout 270 python3 bench_serving.py --preset $P --layers 4 $E \
+      --batch 64 $C --attention-impl $impl --out "$OUT/${P}_$impl" 2>&1 | quiet | grep "^|\|Error"; \
+      echo "$P attention_impl=$impl"; done ;;
   rows-kernel)
     # issue 9: the decode-attention kernel gathering its rows by index itself (cp.async into the swizzled tiles,
     # sparse_decode_attention_rows): its GPU tests (bit-equal to the kernel on pool[rows]), then its time against

@@ -23,7 +23,7 @@ from dinfer_jax import LLM, SamplingParams
 from dinfer_jax.engine.runner import Buckets
 from dinfer_jax.models import load_config, random_model, run
 from dinfer_jax.models.attention import attend, attend_selected, use_selected_rows
-from dinfer_jax.models.cache_io import pages_gather, pages_read, pool_rows, take_rows
+from dinfer_jax.models.cache_io import pages_gather, pages_read, pool_rows, stored_rows, take_rows
 
 
 def test_attend_selected_equals_masked_attend():
@@ -73,6 +73,15 @@ def test_pool_rows_index_the_rows_pages_gather_reads():
         flat_pool, index = pool_rows(pool, k, pages, rows)
         assert flat_pool.shape == (3 * 9 * 4, 5) and index.shape == rows.shape and index.dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(flat_pool[index]), np.asarray(pages_gather(pool, k, pages, rows)))
+
+
+def test_stored_rows_index_the_rows_take_rows_reads():
+    rng = np.random.default_rng(3)
+    rows_all = jnp.asarray(rng.integers(0, 255, (3, 7, 6)), jnp.uint8)               # [B, T, C] bytes
+    idx = jnp.asarray(rng.integers(-1, 7, (3, 2, 4)), jnp.int32)                      # −1: none, read as row 0
+    flat_rows, index = stored_rows(rows_all, idx)
+    assert flat_rows.shape == (21, 6) and index.shape == idx.shape
+    np.testing.assert_array_equal(np.asarray(flat_rows[index]), np.asarray(take_rows(rows_all, idx)))
 
 
 def test_mode_rule_and_bad_mode():

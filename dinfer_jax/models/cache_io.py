@@ -86,6 +86,15 @@ def take_rows(rows_all: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(rows_all, flat[..., None], axis=1).reshape(*idx.shape, rows_all.shape[-1])
 
 
+def stored_rows(rows_all: jax.Array, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The rows :func:`take_rows` reads, as indices into ``rows_all [B,T,C]`` viewed as one array of rows (for a
+    kernel that gathers them itself): ``(rows_all.reshape(B·T, C), flat int32 [B, ...])`` with
+    ``rows_all.reshape(-1, C)[flat] == take_rows(rows_all, idx)``."""
+    B, T, C = rows_all.shape
+    flat = jnp.clip(idx.reshape(B, -1), 0, T - 1) + (jnp.arange(B) * T)[:, None]
+    return rows_all.reshape(B * T, C), flat.astype(jnp.int32).reshape(idx.shape)
+
+
 def pages_write(pool: jax.Array, k: jax.Array, pages: jax.Array, rows: jax.Array, valid: jax.Array,
                 values: jax.Array) -> jax.Array:
     """Write compressed rows ``rows [B,W]`` (sequence row index) of each sequence into layer ``k`` of

@@ -52,6 +52,7 @@ from dinfer_jax.models.cache_io import (
     ring_positions,
     ring_read,
     ring_write,
+    stored_rows,
     take_rows,
 )
 from dinfer_jax.models.config import ATTN_CSA, ATTN_SLIDING, ModelConfig
@@ -264,6 +265,15 @@ def _on_queries(fn: Callable[..., Any], q: jax.Array, extras: tuple[Any, ...], i
     return fn(q, *extras)
 
 
+def kernel_reads(codec: RowCodec, stored: jax.Array, q: jax.Array) -> bool:
+    """Whether the decode kernel can read rows stored as ``stored`` by ``codec`` itself (``attention_impl=
+    "pallas_gather"``): plain rows in the queries' dtype (V4's exact cache) or ``v41_fp4`` bytes (V4.1's compressed
+    KV, decoded in the kernel)."""
+    if codec.fmt is None:
+        return stored.dtype == q.dtype
+    return codec.fmt == "v41_fp4" and q.dtype == jnp.bfloat16
+
+
 def _attend_rows(q: jax.Array, keys: jax.Array, wmask: jax.Array, rows_of: Callable[[jax.Array], jax.Array],
                  idx: jax.Array, sink: jax.Array, ctx: StepContext, cfg: ModelConfig,
                  opts: LayerOptions, pool_rows_of: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None
@@ -400,9 +410,8 @@ def attention_v4(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, 
             def pool_rows_of(idx: jax.Array) -> tuple[jax.Array, jax.Array]:
                 return pool_rows(upd["ckv"], k, pages, idx)
 
-            readable = codecs.ckv.fmt is None and upd["ckv"].dtype == q.dtype   # rows stored as the model reads them
             o = _attend_rows(q, keys, wmask, rows_of, top_idx, p["attn_sink"], ctx, cfg, opts,
-                             pool_rows_of=pool_rows_of if readable else None)
+                             pool_rows_of=pool_rows_of if kernel_reads(codecs.ckv, upd["ckv"], q) else None)
             return o, dataclasses.replace(lc, **upd), aux
         ckv = codecs.ckv.unpack(pages_read(upd["ckv"], k, pages))
         cmask = jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]  # [B,Q,T]
@@ -504,7 +513,11 @@ def attention_v41(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array,
             def rows_of(idx: jax.Array) -> jax.Array:
                 return codecs.ckv.unpack(take_rows(stored, idx))
 
-            o = _attend_rows(q, keys, wmask, rows_of, carry["selected_idx"], p["attn_sink"], ctx, cfg, opts)
+            def pool_rows_of(idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+                return stored_rows(stored, idx)
+
+            o = _attend_rows(q, keys, wmask, rows_of, carry["selected_idx"], p["attn_sink"], ctx, cfg, opts,
+                             pool_rows_of=pool_rows_of if kernel_reads(codecs.ckv, stored, q) else None)
             return o, dataclasses.replace(lc, **upd), carry, aux
         ckv = codecs.ckv.unpack(stored)
         cmask = (jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]) & carry["selected"]
