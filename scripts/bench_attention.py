@@ -37,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dinfer_jax.engine.kv_formats import decode, encode  # noqa: E402
 from dinfer_jax.models import load_config  # noqa: E402
 from dinfer_jax.models.attention import (  # noqa: E402
     RopeTable,
@@ -301,6 +302,7 @@ def bench_decode_kernel(batches, device_times, copy_bw: float, *, h: int = 64, d
 
 GATHER_VARIANTS = ("XLA pool[rows] + kernel", "kernel on pre-gathered rows", "gathered in kernel",
                    "gathered in kernel, early release")
+FP4_GATHER_VARIANTS = ("v41_fp4: XLA gather + decode + kernel", "v41_fp4: gathered + decoded in kernel")
 
 
 def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int = 512, rows: int = 640,
@@ -309,8 +311,10 @@ def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int
     ``pool_rows`` rows (256K rows of 1 KiB by default, far beyond L2) through random indices — XLA's gather
     ``pool[rows]`` then the kernel (the model's way for bf16 caches), the kernel alone on the gathered rows, and
     ``sparse_decode_attention_rows`` (the gather inside the kernel: ``cp.async`` into the swizzled tiles), without and
-    with early release. GB/s of :func:`traffic`'s bytes (the rows read once) over the call time against
-    ``copy_bw``; ``equal``: the output is bit-equal to the kernel on ``pool[rows]``."""
+    with early release; then the same rows stored as ``v41_fp4`` bytes (V4.1), gathered and decoded by XLA before
+    the kernel or by the kernel itself. GB/s of :func:`traffic`'s bytes with the rows as stored (1 KiB or 288 B a
+    row, read once) over the call time against ``copy_bw``; ``equal``: the output is bit-equal to the kernel on
+    the XLA-gathered (and decoded) rows."""
     out = []
     scale = d ** -0.5
     early = dict(organisation="split_cta", early_release=True)
@@ -333,14 +337,30 @@ def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int
             GATHER_VARIANTS[3]: (jax.jit(functools.partial(sparse_decode_attention_rows, scale=scale,
                                                            early_release=True)), (q, pool, idx, valid, sink)),
         }
+        # V4.1's rows as stored (v41_fp4 bytes): decoded by XLA after its gather, or by the kernel as it fetches them
+        data, scales = encode(pool, "v41_fp4")
+        fp4 = jnp.concatenate([data, scales], axis=1)
+
+        def xla_fp4(q, p, i, v, s, nb=d // 2):
+            g = p[i]
+            return sparse_decode_attention(q, decode(g[..., :nb], g[..., nb:], "v41_fp4", dtype=jnp.bfloat16), v, s,
+                                           scale=scale, **early)
+
+        want_fp4 = jax.jit(xla_fp4)(q, fp4, idx, valid, sink)
+        calls[FP4_GATHER_VARIANTS[0]] = (jax.jit(xla_fp4), (q, fp4, idx, valid, sink))
+        calls[FP4_GATHER_VARIANTS[1]] = (jax.jit(functools.partial(sparse_decode_attention_rows, scale=scale,
+                                                                   early_release=n > 8)), (q, fp4, idx, valid, sink))
         t = traffic(n, h, d, rows)
+        # the stored bytes of the rows: 1 KiB (bf16) or 288 B (v41_fp4) a row, + queries, mask, sink, output
+        fp4_bytes = t["bytes"] - n * rows * d * 2 + n * rows * fp4.shape[1]
         for label, (f, args) in calls.items():
             row = dict(batch=n, heads=h, d=d, rows=rows, pool_rows=pool_rows, copy_GBps=copy_bw / 1e9, variant=label)
+            nbytes = fp4_bytes if label in FP4_GATHER_VARIANTS else t["bytes"]
             try:
                 got = f(*args)
-                row["equal"] = bool(jnp.array_equal(got, want))
+                row["equal"] = bool(jnp.array_equal(got, want_fp4 if label in FP4_GATHER_VARIANTS else want))
                 ms, per_kernel = device_times(f, *args)
-                row.update(call_us=ms * 1e3, kernels=per_kernel, GBps=t["bytes"] / (ms * 1e-3) / 1e9)
+                row.update(call_us=ms * 1e3, kernels=per_kernel, GBps=nbytes / (ms * 1e-3) / 1e9)
                 row["pct_copy"] = 100 * row["GBps"] * 1e9 / copy_bw
             except Exception as e:  # noqa: BLE001 - one variant failing (compile, ptxas) must not end the run
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -352,7 +372,7 @@ def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int
 
 def gathered_table(rows: list[dict]) -> str:
     lines = [f"copy bandwidth measured in this run: {rows[0]['copy_GBps']:.0f} GB/s" if rows else "", "",
-             "| N | H × d | L | pool rows | variant | call µs | GB/s (% copy) | bit-equal to kernel on pool[rows] |",
+             "| N | H × d | L | pool rows | variant | call µs | GB/s (% copy) | bit-equal to XLA gather + kernel |",
              "|---:|---|---:|---:|---|---:|---:|---|"]
     return "\n".join(lines + _variant_lines(
         rows, lambda r: f"| {r['batch']} | {r['heads']} × {r['d']} | {r['rows']} | {r['pool_rows']} | {r['variant']} |",
