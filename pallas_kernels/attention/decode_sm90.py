@@ -256,9 +256,11 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
     Per thread, the copies of KV step ``s`` form ``cp.async`` group ``s``: the first ``stages`` groups are issued up
     front and every loop iteration commits one more (the refill of the stage released one step earlier, or an empty
     group), so at iteration ``step`` ``stages + step`` groups exist and ``wait_group(stages − 1)`` means group
-    ``step`` has landed. Then the warpgroup fences (generic → async proxy, what the WGMMA reads through), syncs, and
-    arrives once on the stage's "loaded" barrier (which also counts the mask row's TMA copy). Only then does it wait
-    for the compute side to release the previous step's stage, so a step is announced as soon as it has landed.
+    ``step`` has landed. (With one stage, iteration ``step`` first refills it with step ``step`` itself, once step
+    ``step − 1`` has released it, and waits for everything.) Then the warpgroup fences (generic → async proxy, what
+    the WGMMA reads through), syncs, and arrives once on the stage's "loaded" barrier (which also counts the mask
+    row's TMA copy). Only then does it wait for the compute side to release the previous step's stage, so a step is
+    announced as soon as it has landed.
     A ``uint8`` pool holds ``v41_fp4`` rows: each thread loads its rows' code words and scale bytes and stores the
     decoded bf16 values (:func:`~pallas_kernels.attention.row_gather_sm90.issue_fp4_row_decode`; plain loads, so
     those steps' groups are empty and complete at once).
@@ -306,28 +308,31 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
         issue(i, i)
         commit_group(plgpu)
 
+    def refill(prev):
+        """Once the compute side has released step ``prev``'s stage, fetch step ``prev + stages`` into it."""
+        prev_slot = lax.rem(prev, jnp.array(stages, prev.dtype))
+        if others_consumed is None:
+            plgpu.barrier_wait(consumed_barriers.at[prev_slot])
+            issue(prev + stages, prev_slot)
+            return
+        plgpu.barrier_wait(others_consumed.at[prev_slot])
+        issue(prev + stages, prev_slot, which=[lax.rem(own_chunk + j, chunks) for j in range(1, chunks)],
+              with_bias=False)
+        plgpu.barrier_wait(consumed_barriers.at[prev_slot])
+        issue(prev + stages, prev_slot, which=[own_chunk])
+
     @pl.loop(0, kv_steps)
     def _step(step):
         slot = lax.rem(step, jnp.array(stages, step.dtype))
+        if stages == 1:   # the one stage holds this step only once the previous step has released it
+            pl.when(step >= 1)(lambda: refill(step - 1))
+            commit_group(plgpu)              # group `step` (group 0 came from the first issue)
         wait_group(plgpu, stages - 1)        # this thread's copies of step `step` have landed
         plgpu.commit_smem()                  # fence.proxy.async + warpgroup barrier: everyone's have
         plgpu.barrier_arrive(loaded_barriers.at[slot])
-        prev = step - 1                      # the stage the compute side works on now, to refill once released
-
-        @pl.when(jnp.logical_and(step >= 1, prev + stages < kv_steps))
-        def _refill():
-            prev_slot = lax.rem(prev, jnp.array(stages, step.dtype))
-            if others_consumed is None:
-                plgpu.barrier_wait(consumed_barriers.at[prev_slot])
-                issue(prev + stages, prev_slot)
-                return
-            plgpu.barrier_wait(others_consumed.at[prev_slot])
-            issue(prev + stages, prev_slot, which=[lax.rem(own_chunk + j, chunks) for j in range(1, chunks)],
-                  with_bias=False)
-            plgpu.barrier_wait(consumed_barriers.at[prev_slot])
-            issue(prev + stages, prev_slot, which=[own_chunk])
-
-        commit_group(plgpu)                  # one group per iteration, empty when nothing was refilled
+        if stages > 1:    # refill the stage the compute side works on now, step − 1's, once it is released
+            pl.when(jnp.logical_and(step >= 1, step - 1 + stages < kv_steps))(lambda: refill(step - 1))
+            commit_group(plgpu)              # one group per iteration, empty when nothing was refilled
 
 
 def _online_softmax_step(qk, bias, m_i, l_i, acc, *, qk_scale: float):
