@@ -253,14 +253,17 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
     but each KV tile's rows are fetched by index from the pool with ``cp.async`` into the swizzled tiles
     (:mod:`pallas_kernels.attention.row_gather_sm90`). The mask rows still come by TMA.
 
-    Per thread, the copies of KV step ``s`` form ``cp.async`` group ``s``: the first ``stages`` groups are issued up
-    front and every loop iteration commits one more (the refill of the stage released one step earlier, or an empty
-    group), so at iteration ``step`` ``stages + step`` groups exist and ``wait_group(stages − 1)`` means group
-    ``step`` has landed. (With one stage, iteration ``step`` first refills it with step ``step`` itself, once step
-    ``step − 1`` has released it, and waits for everything.) Then the warpgroup fences (generic → async proxy, what
-    the WGMMA reads through), syncs, and arrives once on the stage's "loaded" barrier (which also counts the mask
-    row's TMA copy). Only then does it wait for the compute side to release the previous step's stage, so a step is
-    announced as soon as it has landed.
+    Per thread, the first ``stages`` KV steps' copies form ``cp.async`` groups ``0 … stages − 1``, issued up front;
+    loop iteration ``i`` commits group ``stages + i`` (the refill of the stage step ``i − 1`` released, i.e. step
+    ``i − 1 + stages``, or an empty group at ``i = 0`` and at the end). So step ``s ≥ stages`` is group ``s + 1``,
+    and at iteration ``s`` (``stages + s`` groups committed) ``wait_group(stages − 2)`` — all but the newest
+    ``stages − 2`` — covers it, and the first steps too. (With one stage, iteration ``step`` first refills it with
+    step ``step`` itself, once step ``step − 1`` has released it, and waits for everything.) Measured on an H100
+    with ``wait_group(stages − 1)`` (one group short): outputs differed from the kernel on the gathered rows at 16
+    and 64 queries, not at 1 — the race the bit-equality check is there to catch. Then the warpgroup fences (generic
+    → async proxy, what the WGMMA reads through), syncs, and arrives once on the stage's "loaded" barrier (which
+    also counts the mask row's TMA copy). Only then does it wait for the compute side to release the previous step's
+    stage, so a step is announced as soon as it has landed.
     A ``uint8`` pool holds ``v41_fp4`` rows: each thread loads its rows' code words and scale bytes and stores the
     decoded bf16 values (:func:`~pallas_kernels.attention.row_gather_sm90.issue_fp4_row_decode`; plain loads, so
     those steps' groups are empty and complete at once).
@@ -327,7 +330,7 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
         if stages == 1:   # the one stage holds this step only once the previous step has released it
             pl.when(step >= 1)(lambda: refill(step - 1))
             commit_group(plgpu)              # group `step` (group 0 came from the first issue)
-        wait_group(plgpu, stages - 1)        # this thread's copies of step `step` have landed
+        wait_group(plgpu, max(stages - 2, 0))   # this thread's copies of step `step` have landed (docstring)
         plgpu.commit_smem()                  # fence.proxy.async + warpgroup barrier: everyone's have
         plgpu.barrier_arrive(loaded_barriers.at[slot])
         if stages > 1:    # refill the stage the compute side works on now, step − 1's, once it is released
