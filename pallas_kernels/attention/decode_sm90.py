@@ -283,26 +283,26 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
     plgpu.barrier_wait(rows_barrier)
     dh = kv_smem.shape[-1]
 
-    def fetch(src_ref, step, slot, c):
-        if src_ref.dtype == jnp.uint8:      # v41_fp4 rows [R, D/2 + D/16]: decoded into the tile on the way
+    def fetch(src_ref, step, slot, which):
+        if src_ref.dtype == jnp.uint8:      # v41_fp4 rows [R, D/2 + D/16]: decoded into the tiles on the way
             half = chunks * dh // 2
-            data = src_ref.at[:, pl.ds(c * (dh // 2), dh // 2)]
-            scales = src_ref.at[:, pl.ds(half + c * (dh // 16), dh // 16)]
-            issue_fp4_row_decode(plgpu, data, scales, rows_smem.at[step], kv_smem.at[slot, c], block_rows=block_kv,
-                                 cols=dh)
+            parts = [(src_ref.at[:, pl.ds(c * (dh // 2), dh // 2)],
+                      src_ref.at[:, pl.ds(half + c * (dh // 16), dh // 16)], kv_smem.at[slot, c]) for c in which]
+            issue_fp4_row_decode(plgpu, parts, rows_smem.at[step], block_rows=block_kv, cols=dh)
             return
-        issue_row_copies(plgpu, src_ref.at[:, c], rows_smem.at[step], kv_smem.at[slot, c], block_rows=block_kv,
-                         cols=dh)
+        for c in which:
+            issue_row_copies(plgpu, src_ref.at[:, c], rows_smem.at[step], kv_smem.at[slot, c], block_rows=block_kv,
+                             cols=dh)
 
     def issue(step, slot, which=None, with_bias=True):
-        for c in range(chunks) if which is None else which:
-            if window_ref is None or (isinstance(step, int) and step >= window_steps):
-                fetch(pool_ref, step, slot, c)
-            elif isinstance(step, int):
-                fetch(window_ref, step, slot, c)
-            else:
-                pl.when(step < window_steps)(lambda c=c: fetch(window_ref, step, slot, c))
-                pl.when(step >= window_steps)(lambda c=c: fetch(pool_ref, step, slot, c))
+        which = list(range(chunks)) if which is None else which
+        if window_ref is None or (isinstance(step, int) and step >= window_steps):
+            fetch(pool_ref, step, slot, which)
+        elif isinstance(step, int):
+            fetch(window_ref, step, slot, which)
+        else:
+            pl.when(step < window_steps)(lambda: fetch(window_ref, step, slot, which))
+            pl.when(step >= window_steps)(lambda: fetch(pool_ref, step, slot, which))
         if with_bias:
             plgpu.copy_gmem_to_smem(bias_ref.at[tok, pl.ds(step * block_kv, block_kv)], bias_smem.at[slot],
                                     loaded_barriers.at[slot])

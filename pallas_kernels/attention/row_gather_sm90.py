@@ -189,27 +189,38 @@ def host_decode_fp4_unit(word: int, scale_byte: int) -> np.ndarray:
     return np.concatenate(vals).astype(np.float32)
 
 
-def issue_fp4_row_decode(plgpu, data_ref, scale_ref, rows_ref, dst_ref, *, block_rows: int, cols: int) -> None:
-    """Every thread of the calling warpgroup loads, decodes and stores its units of ``dst[r] = decode(src[rows[r]])``
-    for ``r < block_rows`` (plain loads from global memory, ``st.shared`` of 16 bytes at the swizzled place; the
-    caller fences and synchronises before the tile is read by the WGMMA).
+UNITS_PER_LOAD = 4      # a thread loads 16 bytes of codes (4 units of 8 values) and their 2 scale bytes at once
+
+
+def issue_fp4_row_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int) -> None:
+    """Every thread of the calling warpgroup loads, decodes and stores its share of ``dst[r] = decode(src[rows[r]])``
+    for ``r < block_rows`` in each chunk (plain loads from global memory: 16 bytes of codes = 4 units, and their 2
+    scale bytes, every chunk's loads issued before any decode so that they are all in flight together;
+    ``st.shared`` of 16 bytes per unit at its swizzled place; the caller fences and synchronises before the tiles
+    are read by the WGMMA).
 
     Args:
-      data_ref: GMEM uint8 ``[R, cols / 2]``: the packed e2m1 bytes of this column chunk of each stored row (a
-        column slice of the ``v41_fp4`` pool ``[R, D/2 + D/16]``; row stride from the memref type).
-      scale_ref: GMEM uint8 ``[R, cols / 16]``: the chunk's e4m3 scale bytes.
+      chunks: ``[(data_ref, scale_ref, dst_ref), …]``, per column chunk: GMEM uint8 ``[R, cols / 2]``, the packed
+        e2m1 bytes of this chunk of each stored row (a column slice of the ``v41_fp4`` pool ``[R, D/2 + D/16]``;
+        row stride from the memref type), GMEM uint8 ``[R, cols / 16]``, its e4m3 scale bytes, and SMEM bf16
+        ``[block_rows, cols]`` tiled ``(8, 64)`` and 128-byte swizzled.
       rows_ref: SMEM int32 ``[block_rows]``, row indices into the pool (each in ``[0, R)``).
-      dst_ref: SMEM bf16 ``[block_rows, cols]`` tiled ``(8, 64)`` and 128-byte swizzled.
     """
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
     check_gather_shape(block_rows, cols)
+    loads_per_row = cols // 8 // UNITS_PER_LOAD
+    if (block_rows * loads_per_row) % WARPGROUP:
+        raise ValueError(f"[{block_rows}, {cols}]: {block_rows * loads_per_row} 16-byte code loads do not split "
+                         f"evenly over a warpgroup")
     tiled = (plgpu.TilingTransform((TILE_ROWS, TILE_COLS)), plgpu.SwizzleTransform(128))
+    chunk_types = tuple((plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled)) for _ in chunks)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled)))
-    def decode(_, data, scales, rows, dst):
+    @plgpu.inline_mgpu(arg_types=(chunk_types, plgpu.RefType()))
+    def decode(_, chunk_refs, rows):
+        i16 = ir.IntegerType.get_signless(16)
         i32 = ir.IntegerType.get_signless(32)
         i64 = ir.IntegerType.get_signless(64)
         u8 = ir.IntegerType.get_signless(8)
@@ -223,41 +234,46 @@ def issue_fp4_row_decode(plgpu, data_ref, scale_ref, rows_ref, dst_ref, *, block
                 raise ValueError(f"fp4 rows must be contiguous bytes, got column stride {col_stride}")
             return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref)), row_stride
 
-        data_ptr, stride = global_ptr(data)
-        scale_ptr, scale_stride = global_ptr(scales)
-        if scale_stride != stride:
-            raise ValueError(f"data and scale slices must be of one pool (row strides {stride} vs {scale_stride})")
-        rows_ptr, dst_ptr = mgpu_utils.memref_ptr(rows), mgpu_utils.memref_ptr(dst)
-
         def splat(v):
             value = ir.FloatAttr.get(ir.BF16Type.get(), v)
             return arith.constant(bf16x2, ir.DenseElementsAttr.get_splat(bf16x2, value))
 
         e2m1_unscale, e4m3_unscale = splat(E2M1_UNSCALE), splat(E4M3_UNSCALE)
-        units = cols // 8
+        rows_ptr = mgpu_utils.memref_ptr(rows)
         t = arith.remui(mgpu_utils.thread_idx(), ops.c(WARPGROUP))
-        per_thread = block_rows * units // WARPGROUP
         loaded = []
-        for j in range(per_thread):         # every load first: they are independent, so all are in flight at once
-            u = arith.addi(t, ops.c(WARPGROUP * j))
-            r, k = arith.divui(u, ops.c(units)), arith.remui(u, ops.c(units))
-            row = llvm.load(i32, mgpu_utils.getelementptr(rows_ptr, [r], i32))
-            base = arith.muli(arith.extui(i64, row), arith.constant(i64, stride))
-            word = llvm.load(i32, mgpu_utils.getelementptr(
-                data_ptr, [arith.addi(base, arith.extui(i64, arith.muli(k, ops.c(4))))], u8))
-            byte = llvm.load(u8, mgpu_utils.getelementptr(
-                scale_ptr, [arith.addi(base, arith.extui(i64, arith.divui(k, ops.c(2))))], u8))
-            loaded.append((r, k, word, arith.extui(i32, byte)))
-        for r, k, word, byte in loaded:
-            scale = arith.mulf(mgpu_utils.bitcast(e4m3_scale_bits(byte, ops), bf16x2), e4m3_unscale)
-            vec = llvm.mlir_undef(vec4)
-            for w in range(4):
-                pair = arith.mulf(mgpu_utils.bitcast(fp4_pair_bits(word, w, ops), bf16x2), e2m1_unscale)
-                vec = llvm.insertelement(vec, mgpu_utils.bitcast(arith.mulf(pair, scale), i32), ops.c(w))
-            place = mgpu_utils.getelementptr(dst_ptr, [arith.muli(unit_offset(r, k, cols, ops), ops.c(UNIT_BYTES))], u8)
-            llvm.store(vec, place, alignment=UNIT_BYTES)
+        for data, scales, dst in chunk_refs:      # every load first: they are independent, all in flight at once
+            data_ptr, stride = global_ptr(data)
+            scale_ptr, scale_stride = global_ptr(scales)
+            if scale_stride != stride:
+                raise ValueError(f"data and scale slices must be of one pool (row strides {stride}, {scale_stride})")
+            dst_ptr = mgpu_utils.memref_ptr(dst)
+            for j in range(block_rows * loads_per_row // WARPGROUP):
+                g = arith.addi(t, ops.c(WARPGROUP * j))
+                r = arith.divui(g, ops.c(loads_per_row))
+                k0 = arith.muli(arith.remui(g, ops.c(loads_per_row)), ops.c(UNITS_PER_LOAD))
+                row = llvm.load(i32, mgpu_utils.getelementptr(rows_ptr, [r], i32))
+                base = arith.muli(arith.extui(i64, row), arith.constant(i64, stride))
+                words = llvm.load(vec4, mgpu_utils.getelementptr(
+                    data_ptr, [arith.addi(base, arith.extui(i64, arith.muli(k0, ops.c(4))))], u8), alignment=16)
+                pair = llvm.load(i16, mgpu_utils.getelementptr(
+                    scale_ptr, [arith.addi(base, arith.extui(i64, arith.divui(k0, ops.c(2))))], u8), alignment=2)
+                loaded.append((dst_ptr, r, k0, words, arith.extui(i32, pair)))
+        for dst_ptr, r, k0, words, pair in loaded:
+            for i in range(UNITS_PER_LOAD):
+                word = llvm.extractelement(words, ops.c(i))
+                byte = ops.band(ops.shr(pair, ops.c(8 * (i // 2))), ops.c(0xFF)) if i // 2 else pair
+                scale = arith.mulf(mgpu_utils.bitcast(e4m3_scale_bits(byte, ops), bf16x2), e4m3_unscale)
+                vec = llvm.mlir_undef(vec4)
+                for w in range(4):
+                    two = arith.mulf(mgpu_utils.bitcast(fp4_pair_bits(word, w, ops), bf16x2), e2m1_unscale)
+                    vec = llvm.insertelement(vec, mgpu_utils.bitcast(arith.mulf(two, scale), i32), ops.c(w))
+                k = arith.addi(k0, ops.c(i))
+                place = mgpu_utils.getelementptr(dst_ptr, [arith.muli(unit_offset(r, k, cols, ops), ops.c(UNIT_BYTES))],
+                                                 u8)
+                llvm.store(vec, place, alignment=UNIT_BYTES)
 
-    decode(data_ref, scale_ref, rows_ref, dst_ref)
+    decode(tuple(tuple(c) for c in chunks), rows_ref)
 
 
 def _mlir_ops(arith, i32):
