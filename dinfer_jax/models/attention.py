@@ -341,6 +341,16 @@ def _attend_selected_pallas(q: jax.Array, kv: jax.Array, wm: jax.Array, rows: ja
     return o.reshape(B, S, H, d)
 
 
+def pooled_kernel_pays(n_queries: int) -> bool:
+    """Whether ``attention_impl="pallas_gather"`` hands a step of ``n_queries`` query rows the gathering kernel: above
+    ``tuning.SMALL_N_MAX`` (at 16 and 64 queries it beat XLA's gather + the kernel on an H100; with fewer, the
+    kernel on gathered rows splits each query's rows over many CTAs, which the gathering form does not: 22.9 µs
+    against 18.8 µs at one query, docs/perf/attention_h200.md)."""
+    from pallas_kernels.attention import tuning
+
+    return n_queries > tuning.SMALL_N_MAX
+
+
 def attend_selected_pooled(q: jax.Array, kv: jax.Array, wm: jax.Array, pool: jax.Array, rows: jax.Array,
                            row_mask: jax.Array, sink: jax.Array) -> jax.Array:
     """:func:`attend_selected` with ``impl="pallas"`` on the selected rows ``pool[rows]``, without gathering them:

@@ -36,6 +36,7 @@ from dinfer_jax.models.attention import (
     index_scores_paged,
     index_scores_stored,
     output_projection,
+    pooled_kernel_pays,
     query_and_window_kv,
     selected_attention_impl,
     use_selected_rows,
@@ -295,7 +296,7 @@ def _attend_rows(q: jax.Array, keys: jax.Array, wmask: jax.Array, rows_of: Calla
 
     def core(q: jax.Array, pos: jax.Array, wmask: jax.Array, idx: jax.Array) -> jax.Array:
         wkeys, wm = _query_windows(keys, wmask, ctx.inp.start, pos, chunk, cfg, per_query=kernel)
-        if impl == "pallas_gather" and pool_rows_of is not None:
+        if impl == "pallas_gather" and pool_rows_of is not None and pooled_kernel_pays(q.shape[0] * q.shape[1]):
             pool, rows = pool_rows_of(idx)
             return attend_selected_pooled(q, wkeys, wm, pool, rows, idx >= 0, sink)
         return attend_selected(q, wkeys, wm, rows_of(idx), idx >= 0, sink, impl="pallas" if kernel else impl)
