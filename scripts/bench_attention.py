@@ -277,7 +277,7 @@ def bench_decode_kernel(batches, device_times, copy_bw: float, *, h: int = 64, d
                 continue
             row = dict(batch=n, heads=h, d=d, rows=rows, copy_GBps=copy_bw / 1e9,
                        variant=f"{label}: {kw}" if label == MODEL_RULE else label)
-            try:
+            def measure(row=row, kw=kw, args=args, want=want, bound=bound, n=n):
                 f = jax.jit(functools.partial(sparse_decode_attention, scale=scale, **kw))
                 got = f(*args).astype(jnp.float32)
                 err = jnp.abs(got - want)
@@ -292,12 +292,21 @@ def bench_decode_kernel(batches, device_times, copy_bw: float, *, h: int = 64, d
                            TFLOPs_useful=t["flops_useful"] / (ms * 1e-3) / 1e12,
                            TFLOPs_executed=t["flops_executed"] / (ms * 1e-3) / 1e12)
                 row["pct_copy"] = 100 * row["GBps"] * 1e9 / copy_bw
-            except Exception as e:  # noqa: BLE001 - one variant failing (compile, ptxas) must not end the run
-                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-            out.append(row)
-            print(json.dumps(row, default=str)[:600], flush=True)
-            on_row(out)
+
+            _record(row, measure, out, on_row)
     return out
+
+
+def _record(row: dict, measure, out: list[dict], on_row) -> None:
+    """Runs ``measure()`` (which fills ``row``), keeps the error instead where it raises (one variant failing to
+    compile must not end the run), appends ``row`` to ``out``, prints it and hands ``out`` to ``on_row``."""
+    try:
+        measure()
+    except Exception as e:  # noqa: BLE001 - one variant failing (compile, ptxas) must not end the run
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    out.append(row)
+    print(json.dumps(row, default=str)[:600], flush=True)
+    on_row(out)
 
 
 GATHER_VARIANTS = ("XLA pool[rows] + kernel", "kernel on pre-gathered rows", "gathered in kernel",
@@ -356,17 +365,14 @@ def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int
         for label, (f, args) in calls.items():
             row = dict(batch=n, heads=h, d=d, rows=rows, pool_rows=pool_rows, copy_GBps=copy_bw / 1e9, variant=label)
             nbytes = fp4_bytes if label in FP4_GATHER_VARIANTS else t["bytes"]
-            try:
-                got = f(*args)
-                row["equal"] = bool(jnp.array_equal(got, want_fp4 if label in FP4_GATHER_VARIANTS else want))
+            def measure(row=row, f=f, args=args, nbytes=nbytes, reference=want_fp4 if label in FP4_GATHER_VARIANTS
+                        else want):
+                row["equal"] = bool(jnp.array_equal(f(*args), reference))
                 ms, per_kernel = device_times(f, *args)
                 row.update(call_us=ms * 1e3, kernels=per_kernel, GBps=nbytes / (ms * 1e-3) / 1e9)
                 row["pct_copy"] = 100 * row["GBps"] * 1e9 / copy_bw
-            except Exception as e:  # noqa: BLE001 - one variant failing (compile, ptxas) must not end the run
-                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-            out.append(row)
-            print(json.dumps(row, default=str)[:600], flush=True)
-            on_row(out)
+
+            _record(row, measure, out, on_row)
     return out
 
 

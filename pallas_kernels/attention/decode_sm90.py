@@ -234,16 +234,26 @@ def _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_
 
     @pl.loop(0, kv_steps - stages)
     def _refill(step):
-        slot = lax.rem(step, jnp.array(stages, step.dtype))
-        if others_consumed is None:
-            plgpu.barrier_wait(consumed_barriers.at[slot])
-            issue(step + stages, slot)
-            return
-        plgpu.barrier_wait(others_consumed.at[slot])
-        issue(step + stages, slot, which=[lax.rem(own_chunk + j, chunks) for j in range(1, chunks)],
-              with_bias=False)
+        _refill_stage(issue, lax.rem(step, jnp.array(stages, step.dtype)), step + stages,
+                      consumed_barriers=consumed_barriers, others_consumed=others_consumed, own_chunk=own_chunk,
+                      chunks=chunks)
+
+
+def _refill_stage(issue, slot, step, *, consumed_barriers, others_consumed, own_chunk, chunks: int) -> None:
+    """Both memory warpgroups' refill of ``slot`` with KV step ``step`` (``issue(step, slot, which=None,
+    with_bias=True)`` fetches the named column chunks and the mask row) once the compute side has released it:
+    all at once on ``consumed_barriers``, or with ``others_consumed`` (early release) the chunks other than
+    ``own_chunk`` as soon as the QK product has read them, then the own chunk and the mask row after P·V."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if others_consumed is None:
         plgpu.barrier_wait(consumed_barriers.at[slot])
-        issue(step + stages, slot, which=[own_chunk])
+        issue(step, slot)
+        return
+    plgpu.barrier_wait(others_consumed.at[slot])
+    issue(step, slot, which=[lax.rem(own_chunk + j, chunks) for j in range(1, chunks)], with_bias=False)
+    plgpu.barrier_wait(consumed_barriers.at[slot])
+    issue(step, slot, which=[own_chunk])
 
 
 def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_smem, rows_barrier, loaded_barriers,
@@ -313,16 +323,9 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
 
     def refill(prev):
         """Once the compute side has released step ``prev``'s stage, fetch step ``prev + stages`` into it."""
-        prev_slot = lax.rem(prev, jnp.array(stages, prev.dtype))
-        if others_consumed is None:
-            plgpu.barrier_wait(consumed_barriers.at[prev_slot])
-            issue(prev + stages, prev_slot)
-            return
-        plgpu.barrier_wait(others_consumed.at[prev_slot])
-        issue(prev + stages, prev_slot, which=[lax.rem(own_chunk + j, chunks) for j in range(1, chunks)],
-              with_bias=False)
-        plgpu.barrier_wait(consumed_barriers.at[prev_slot])
-        issue(prev + stages, prev_slot, which=[own_chunk])
+        _refill_stage(issue, lax.rem(prev, jnp.array(stages, prev.dtype)), prev + stages,
+                      consumed_barriers=consumed_barriers, others_consumed=others_consumed, own_chunk=own_chunk,
+                      chunks=chunks)
 
     @pl.loop(0, kv_steps)
     def _step(step):
