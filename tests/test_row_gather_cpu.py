@@ -19,6 +19,7 @@ from pallas_kernels.attention.row_gather_sm90 import (
     check_gather_shape,
     host_decode_fp4_unit,
     host_tile_image,
+    producer_wait_pending,
     unit_offset,
 )
 
@@ -136,3 +137,33 @@ def test_fp4_unit_decode_is_the_formats_decode_for_every_code_and_scale():
                                  dtype=jnp.bfloat16).astype(jnp.float32))[:, :8]
         got = np.stack([host_decode_fp4_unit(w, b) for w in words])
         np.testing.assert_array_equal(got, want, err_msg=f"scale byte {b:#x}")
+
+
+def _announced_before_landed(stages: int, kv_steps: int, pending: int) -> list[int]:
+    """Steps the gathering producer would announce while some of their copies may still be in flight, simulating its
+    loop as ``decode_sm90._produce_gathered`` runs it: the first ``stages`` steps issued and committed one group each;
+    then per iteration ``i`` (one stage: refill with step ``i`` and commit first), ``cp.async.wait_group pending``
+    (every group but the newest ``pending`` has landed), the announcement of step ``i``, and (several stages) the
+    refill of step ``i − 1``'s stage with step ``i − 1 + stages`` (when it exists) in one more committed group."""
+    groups: list[set[int]] = [{s} for s in range(stages)]   # committed groups, oldest first
+    landed = 0                                    # groups 0 … landed − 1 have completed
+    early = []
+    for i in range(kv_steps):
+        if stages == 1:
+            groups.append({i} if i >= 1 else set())
+        landed = max(landed, len(groups) - pending)
+        if any(i in g for g in groups[landed:]):
+            early.append(i)
+        if stages > 1:
+            groups.append({i - 1 + stages} if i >= 1 and i - 1 + stages < kv_steps else set())
+    return early
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_gathering_producer_waits_for_each_step_before_announcing_it(stages):
+    """The wait count the kernel uses (``producer_wait_pending``) covers every step at every length; one more pending
+    group — the count the first H100 run used, ``stages − 1`` — announces steps early (the race it measured)."""
+    for kv_steps in range(stages, 13):      # check_config caps the stages at the number of steps
+        assert _announced_before_landed(stages, kv_steps, producer_wait_pending(stages)) == []
+    if stages > 1:
+        assert _announced_before_landed(stages, 10, stages - 1) != []

@@ -285,6 +285,7 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
         commit_group,
         issue_fp4_row_decode,
         issue_row_copies,
+        producer_wait_pending,
         wait_group,
     )
 
@@ -333,7 +334,7 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
         if stages == 1:   # the one stage holds this step only once the previous step has released it
             pl.when(step >= 1)(lambda: refill(step - 1))
             commit_group(plgpu)              # group `step` (group 0 came from the first issue)
-        wait_group(plgpu, max(stages - 2, 0))   # this thread's copies of step `step` have landed (docstring)
+        wait_group(plgpu, producer_wait_pending(stages))   # this thread's copies of step `step` have landed
         plgpu.commit_smem()                  # fence.proxy.async + warpgroup barrier: everyone's have
         plgpu.barrier_arrive(loaded_barriers.at[slot])
         if stages > 1:    # refill the stage the compute side works on now, step − 1's, once it is released

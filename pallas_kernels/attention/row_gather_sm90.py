@@ -293,6 +293,15 @@ def _mlir_ops(arith, i32):
     return ops
 
 
+def producer_wait_pending(stages: int) -> int:
+    """``cp.async.wait_group`` count of the gathering producer (``decode_sm90._produce_gathered``) before it
+    announces step ``s``: its first ``stages`` steps are groups ``0 … stages − 1``; loop iteration ``i`` commits one
+    group holding step ``i − 1 + stages`` (or nothing), so step ``s ≥ stages`` is group ``s + 1`` and at iteration
+    ``s`` the newest ``stages − 2`` groups are the only ones that may still be in flight. One stage: iteration ``s``
+    commits step ``s`` itself before waiting, so everything is waited for."""
+    return max(stages - 2, 0)
+
+
 def commit_group(plgpu) -> None:
     """``cp.async.commit_group``: closes the calling thread's group of copies issued since the last commit."""
     from jax._src.lib.mlir.dialects import nvvm
@@ -317,4 +326,5 @@ def wait_group(plgpu, pending: int) -> None:
 
 
 __all__ = ["check_gather_shape", "commit_group", "e4m3_scale_bits", "fp4_pair_bits", "host_decode_fp4_unit",
-           "host_tile_image", "issue_fp4_row_decode", "issue_row_copies", "unit_offset", "wait_group"]
+           "host_tile_image", "issue_fp4_row_decode", "issue_row_copies", "producer_wait_pending", "unit_offset",
+           "wait_group"]
