@@ -1,7 +1,12 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
-# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after 2026-12-05, seventh
-# session, which got no device at all: every H200 / H100 start was refused):
+# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after 2026-12-06, whose one
+# H100 run measured the gathering decode kernel and exposed a race, fixed since but not rerun):
+#   00. STAGE=rows-first (any card; H200 preferred) — tests/test_decode_attention_rows_gpu.py (bit-equality of the
+#      gathering kernel after the wait_group fix; the FP4 decoding producer's 16-byte loads), its timing against
+#      XLA's gather + the kernel, then the kernel's organisations (the H200 figure of issue 9's 60%);
+#   01. STAGE=gather-serving PRESET=deepseek-v4-flash, then PRESET=deepseek-v4.1-flash — the 4-layer slices' decode
+#      step with attention_impl=pallas_gather against the default (if rows-first passed);
 #   0. on an H200: STAGE=h200-attn — issue 9's 60% is an H200 figure (split_cta was 48-55% there): the kernel with
 #      early release (the model's rule above 8 queries; +5% on the H100) against split_cta, its GPU tests, and the
 #      model's attention path at batch 64, 32K context (its "kernel alone" column now uses the model's rule);
@@ -86,7 +91,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
