@@ -19,6 +19,10 @@ Four organisations, chosen by ``sparse_decode_attention(..., organisation=...)``
 warpgroups taking the KV blocks in turn, so one's softmax overlaps the other's WGMMAs;
 :mod:`pallas_kernels.attention.decode_pingpong_sm90`).
 
+:func:`sparse_decode_attention_rows` is ``split_cta`` reading its rows from a pool by index (bf16 rows copied with
+``cp.async`` into the tiles, or ``v41_fp4`` rows decoded into them; :mod:`pallas_kernels.attention.row_gather_sm90`):
+the same compute warpgroup, another memory warpgroup (:func:`_produce_gathered`).
+
 Organisation ``split_cta`` (one kernel launch, no combine step):
 
 * Grid ``(v_split, H / 64, N)``, one CTA per (column split of d, block of 64 heads, query token). The split is the
