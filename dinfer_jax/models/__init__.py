@@ -65,8 +65,8 @@ class Model:
     the gathered rows in the serving steps (:func:`~dinfer_jax.models.attention.selected_attention_impl`:
     ``"auto"``, the Mosaic GPU decode-attention kernel for steps of up to 8 queries a row on a GPU and XLA
     elsewhere; ``"jnp"``; ``"pallas"``, the kernel for every step that gathers rows, prefill chunks included; or
-    ``"pallas_gather"``, as ``"pallas"`` with the kernel fetching the selected rows from the paged pool itself
-    where the cache stores plain bf16 rows — V4's exact cache),
+    ``"pallas_gather"``, as ``"pallas"`` with the kernel fetching the selected rows from the cache itself where it
+    can read them — V4's exact bf16 cache, V4.1's ``v41_fp4`` rows — for steps of more than 8 query rows),
     and whether the indexer's kernel scores them (the same switch: :func:`~dinfer_jax.models.attention.index_impl`).
     """
 

@@ -272,8 +272,9 @@ def attend(q: jax.Array, kv: jax.Array, win_mask: jax.Array, ckv: jax.Array | No
     return matmul("bhst,btd->bshd", probs.astype(dt), v).astype(dt)
 
 
-# "pallas_gather": "pallas", and where the selected rows are stored as plain bf16 rows (V4's exact cache) the decode
-# kernel reads them from the paged pool itself instead of XLA gathering them first (attend_selected_pooled)
+# "pallas_gather": "pallas", and where the selected rows are stored as the kernel can read them (V4's exact bf16 cache,
+# V4.1's v41_fp4 rows) the decode kernel fetches them itself instead of XLA gathering them first
+# (attend_selected_pooled)
 ATTENTION_IMPLS = ("auto", "jnp", "pallas", "pallas_gather")
 KERNEL_IMPLS = ("pallas", "pallas_gather")
 
@@ -299,8 +300,8 @@ def selected_attention_impl(requested: str, q: jax.Array) -> str:
     it can run and the step has few queries per row (decode); prefill chunks keep XLA's path until the kernel's gain
     on them (1.25x per chunk in ``bench_kernels.py prefill-attention``) is measured in the serving step.
     ``"pallas"`` takes the kernel for every step and raises where it cannot run; ``"pallas_gather"`` likewise, with
-    the kernel reading plain bf16 rows from the paged pool itself (:func:`attend_selected_pooled`) where the cache
-    stores them so."""
+    the kernel fetching the selected rows from the cache itself (:func:`attend_selected_pooled`) where it can read
+    them (``layers.kernel_reads``) and the step has more than 8 query rows (:func:`pooled_kernel_pays`)."""
     if requested not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {requested!r}")
     why = selected_kernel_unsupported(q)
@@ -359,7 +360,9 @@ def attend_selected_pooled(q: jax.Array, kv: jax.Array, wm: jax.Array, pool: jax
 
     Args:
       q: ``bf16 [B,S,H,d]``; kv, wm: each query's own window rows and mask.
-      pool: ``bf16 [R, d]`` (a paged cache viewed as rows, :func:`~dinfer_jax.models.cache_io.pool_rows`).
+      pool: ``bf16 [R, d]`` (a paged cache viewed as rows, :func:`~dinfer_jax.models.cache_io.pool_rows`) or
+        ``uint8 [R, d/2 + d/16]`` ``v41_fp4`` rows (:func:`~dinfer_jax.models.cache_io.stored_rows`), decoded by the
+        kernel.
       rows: ``int32 [B,S,K]`` indices into ``pool``; row_mask ``bool [B,S,K]`` (False: no entry).
       sink: ``[H]``.
     Returns:

@@ -89,7 +89,7 @@ class LayerOptions:
     # (decode at long context), "sparse" / "dense" force one way (attention.use_selected_rows)
     attention: str = "auto"
     # how the gathered rows are attended: "auto" (the Mosaic GPU decode kernel where it runs, else XLA), "jnp",
-    # "pallas", "pallas_gather" (the kernel also fetches plain bf16 rows from the pool)
+    # "pallas", "pallas_gather" (the kernel also fetches the selected rows from the cache)
     # (attention.selected_attention_impl)
     attention_impl: str = "auto"
     # the mHC Sinkhorn: "auto" (the Mosaic GPU kernel on a GPU, XLA elsewhere), "jnp" or "pallas" (mhc.sinkhorn)

@@ -441,7 +441,8 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
 
     Args:
       q4: ``bf16 [N, H, v_split, dh]`` (q with d split into ``v_split`` chunks; a free reshape).
-      kv4: ``bf16 [N, L, v_split, dh]``; with ``rows_idx``, the pool ``bf16 [R, v_split, dh]``.
+      kv4: ``bf16 [N, L, v_split, dh]``; with ``rows_idx``, the pool ``bf16 [R, v_split, dh]`` or ``uint8
+        [R, v_split · dh · (1/2 + 1/16)]`` (``v41_fp4`` rows).
       bias: ``fp32 [N, L]``, 0 for a valid row and −inf otherwise.
       sink: ``fp32 [H]``.
       rows_idx: ``int32 [N, L / block_kv, block_kv]``, row ``l`` of query ``n`` is ``pool[rows_idx[n].flat[l]]``
