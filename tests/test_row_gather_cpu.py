@@ -167,3 +167,19 @@ def test_gathering_producer_waits_for_each_step_before_announcing_it(stages):
         assert _announced_before_landed(stages, kv_steps, producer_wait_pending(stages)) == []
     if stages > 1:
         assert _announced_before_landed(stages, 10, stages - 1) != []
+
+
+@pytest.mark.parametrize("pool_dtype,window", [(jnp.bfloat16, 128), (jnp.uint8, 128), (jnp.bfloat16, 100)])
+def test_model_pooled_path_lowers_for_cuda(pool_dtype, window):
+    """The model's call of the gathering kernel (``attention.attend_selected_pooled``: per-query windows padded to 64
+    rows, the selected rows' indices padded to a multiple of 64, masks, the kernel through ``kernel_call``) lowers
+    for CUDA at V4-Flash's width with a bf16 pool (V4) and ``v41_fp4`` rows (V4.1), and with a window that needs
+    padding; its numbers are checked on the GPU (tests/test_decode_attention_rows_gpu.py)."""
+    from dinfer_jax.models.attention import attend_selected_pooled
+
+    b, s, h, d, k = 16, 1, 64, 512, 512
+    width = d // 2 + d // 16 if pool_dtype == jnp.uint8 else d
+    traced = jax.jit(attend_selected_pooled).trace(
+        S((b, s, h, d), jnp.bfloat16), S((b, s, window, d), jnp.bfloat16), S((b, s, window), jnp.bool_),
+        S((8192, width), pool_dtype), S((b, s, k), jnp.int32), S((b, s, k), jnp.bool_), S((h,), jnp.float32))
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
