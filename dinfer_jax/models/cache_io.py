@@ -59,11 +59,16 @@ def pages_read(pool: jax.Array, k: jax.Array, pages: jax.Array) -> jax.Array:
 def pages_gather(pool: jax.Array, k: jax.Array, pages: jax.Array, rows: jax.Array) -> jax.Array:
     """Rows ``rows [B, ...]`` (sequence row index; negative = none, read as row 0) of each sequence from layer ``k``
     of ``pool [L, N, rpb, C]`` through its page table ``pages [B,P]`` → ``[B, ..., C]``. Reads only those rows."""
-    B = rows.shape[0]
-    rpb = pool.shape[2]
-    flat = jnp.maximum(rows.reshape(B, -1), 0)
+    page, offset = _page_and_offset(pages, rows, pool.shape[2])
+    return pool[k, page, offset].reshape(*rows.shape, pool.shape[-1])
+
+
+def _page_and_offset(pages: jax.Array, rows: jax.Array, rpb: int) -> tuple[jax.Array, jax.Array]:
+    """Pool page and row within it ``[B, n]`` of each sequence row ``rows [B, ...]`` through ``pages [B,P]``
+    (negative rows: row 0 of the first page; rows past the table: its last page)."""
+    flat = jnp.maximum(rows.reshape(rows.shape[0], -1), 0)
     page = jnp.take_along_axis(pages, jnp.clip(flat // rpb, 0, pages.shape[1] - 1), axis=1)
-    return pool[k, page, jnp.mod(flat, rpb)].reshape(*rows.shape, pool.shape[-1])
+    return page, jnp.mod(flat, rpb)
 
 
 def pool_rows(pool: jax.Array, k: jax.Array, pages: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -72,10 +77,8 @@ def pool_rows(pool: jax.Array, k: jax.Array, pages: jax.Array, rows: jax.Array) 
     ``pool.reshape(-1, C)[flat] == pages_gather(pool, k, pages, rows)`` (negative rows read row 0 of the
     sequence's first page, as there). The reshape is free (no copy)."""
     L, N, rpb, C = pool.shape
-    B = rows.shape[0]
-    flat = jnp.maximum(rows.reshape(B, -1), 0)
-    page = jnp.take_along_axis(pages, jnp.clip(flat // rpb, 0, pages.shape[1] - 1), axis=1)
-    index = (k * N + page) * rpb + jnp.mod(flat, rpb)
+    page, offset = _page_and_offset(pages, rows, rpb)
+    index = (k * N + page) * rpb + offset
     return pool.reshape(L * N * rpb, C), index.astype(jnp.int32).reshape(rows.shape)
 
 

@@ -267,17 +267,13 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
     but each KV tile's rows are fetched by index from the pool with ``cp.async`` into the swizzled tiles
     (:mod:`pallas_kernels.attention.row_gather_sm90`). The mask rows still come by TMA.
 
-    Per thread, the first ``stages`` KV steps' copies form ``cp.async`` groups ``0 … stages − 1``, issued up front;
-    loop iteration ``i`` commits group ``stages + i`` (the refill of the stage step ``i − 1`` released, i.e. step
-    ``i − 1 + stages``, or an empty group at ``i = 0`` and at the end). So step ``s ≥ stages`` is group ``s + 1``,
-    and at iteration ``s`` (``stages + s`` groups committed) ``wait_group(stages − 2)`` — all but the newest
-    ``stages − 2`` — covers it, and the first steps too. (With one stage, iteration ``step`` first refills it with
-    step ``step`` itself, once step ``step − 1`` has released it, and waits for everything.) Measured on an H100
-    with ``wait_group(stages − 1)`` (one group short): outputs differed from the kernel on the gathered rows at 16
-    and 64 queries, not at 1 — the race the bit-equality check is there to catch. Then the warpgroup fences (generic
-    → async proxy, what the WGMMA reads through), syncs, and arrives once on the stage's "loaded" barrier (which
-    also counts the mask row's TMA copy). Only then does it wait for the compute side to release the previous step's
-    stage, so a step is announced as soon as it has landed.
+    Per thread, each KV step's copies are one ``cp.async`` group; before announcing step ``s`` the warpgroup waits
+    until all but its newest :func:`~pallas_kernels.attention.row_gather_sm90.producer_wait_pending` groups have
+    landed (that function says why the count is right; one group short was a race measured on an H100). With one
+    stage, iteration ``s`` first refills it with step ``s`` itself, once step ``s − 1`` has released it. Then the
+    warpgroup fences (generic → async proxy, what the WGMMA reads through), syncs, and arrives once on the stage's
+    "loaded" barrier (which also counts the mask row's TMA copy). Only then does it wait for the compute side to
+    release the previous step's stage, so a step is announced as soon as it has landed.
     A ``uint8`` pool holds ``v41_fp4`` rows: each thread loads its rows' code words and scale bytes and stores the
     decoded bf16 values (:func:`~pallas_kernels.attention.row_gather_sm90.issue_fp4_row_decode`; plain loads, so
     those steps' groups are empty and complete at once).

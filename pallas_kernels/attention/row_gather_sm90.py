@@ -114,10 +114,7 @@ def issue_row_copies(plgpu, src_ref, rows_ref, dst_ref, *, block_rows: int, cols
         u8 = ir.IntegerType.get_signless(8)
 
         ops = _mlir_ops(arith, i32)
-        (row_stride, col_stride), _ = ir.MemRefType(src.type).get_strides_and_offset()
-        if col_stride != 1:
-            raise ValueError(f"gather source rows must be contiguous, got column stride {col_stride}")
-        src_ptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(src))
+        src_ptr, row_stride = _global_rows(src)
         rows_ptr = mgpu_utils.memref_ptr(rows)
         dst_ptr = mgpu_utils.memref_ptr(dst)
         units = cols // 8
@@ -228,12 +225,6 @@ def issue_fp4_row_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int)
         vec4 = ir.VectorType.get((4,), i32)
         ops = _mlir_ops(arith, i32)
 
-        def global_ptr(ref):
-            (row_stride, col_stride), _ = ir.MemRefType(ref.type).get_strides_and_offset()
-            if col_stride != 1:
-                raise ValueError(f"fp4 rows must be contiguous bytes, got column stride {col_stride}")
-            return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref)), row_stride
-
         def splat(v):
             value = ir.FloatAttr.get(ir.BF16Type.get(), v)
             return arith.constant(bf16x2, ir.DenseElementsAttr.get_splat(bf16x2, value))
@@ -243,8 +234,8 @@ def issue_fp4_row_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int)
         t = arith.remui(mgpu_utils.thread_idx(), ops.c(WARPGROUP))
         loaded = []
         for data, scales, dst in chunk_refs:      # every load first: they are independent, all in flight at once
-            data_ptr, stride = global_ptr(data)
-            scale_ptr, scale_stride = global_ptr(scales)
+            data_ptr, stride = _global_rows(data)
+            scale_ptr, scale_stride = _global_rows(scales)
             if scale_stride != stride:
                 raise ValueError(f"data and scale slices must be of one pool (row strides {stride}, {scale_stride})")
             dst_ptr = mgpu_utils.memref_ptr(dst)
@@ -274,6 +265,19 @@ def issue_fp4_row_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int)
                 llvm.store(vec, place, alignment=UNIT_BYTES)
 
     decode(tuple(tuple(c) for c in chunks), rows_ref)
+
+
+def _global_rows(ref):
+    """``(global-address-space pointer, row stride in elements)`` of a GMEM ``[R, cols]`` memref whose rows are
+    contiguous (a column slice of a wider pool keeps the pool's row stride)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    (row_stride, col_stride), _ = ir.MemRefType(ref.type).get_strides_and_offset()
+    if col_stride != 1:
+        raise ValueError(f"gathered rows must be contiguous, got column stride {col_stride}")
+    return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref)), row_stride
 
 
 def _mlir_ops(arith, i32):
