@@ -222,8 +222,8 @@ case "${STAGE:?set STAGE to rows-first, gather-serving, rows-kernel, engram, lin
   rows-first)
     # one call for a session that may get only one: the gathering kernel's GPU tests, its time against XLA's gather +
     # the kernel, then issue 9's H200 kernel figure (split_cta vs early release vs the model's rule)
-    timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_rows_gpu.py -x 2>&1 \
-      | grep "^E \|passed\|failed\|Error" | head -20
+    timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_rows_gpu.py 2>&1 \
+      | tee "$OUT/rows_tests.txt" | grep "^E \|passed\|failed\|Error" | head -20
     timeout 150 python3 scripts/bench_kernels.py attention-rows --batches 1 16 64 --out "$OUT/attn_rows" 2>&1 \
       | quiet | grep "^|\|copy\|Error"
     timeout 130 python3 scripts/bench_kernels.py attention-kernel --batches 1 16 64 --variants split_cta \
@@ -231,7 +231,8 @@ case "${STAGE:?set STAGE to rows-first, gather-serving, rows-kernel, engram, lin
   gather-serving)   # one call per preset: PRESET=deepseek-v4-flash (default) or deepseek-v4.1-flash
     # issue 9: the 4-layer slice's batch-64 decode step with the decode kernel reading the selected rows from the
     # cache itself (attention_impl=pallas_gather: V4's bf16 pool / V4.1's v41_fp4 rows) against the default path
-    P=${PRESET:-deepseek-v4-flash}; E=""; [ "$P" = deepseek-v4.1-flash ] && E="--engram-vocab 1000000"
+    # (ENGRAM_VOCAB=100000 on an H100: V4.1's slice with the 1M-row tables ran out of its 78 GiB on 2026-12-06)
+    P=${PRESET:-deepseek-v4-flash}; E=""; [ "$P" = deepseek-v4.1-flash ] && E="--engram-vocab ${ENGRAM_VOCAB:-1000000}"
     cd scripts && for impl in pallas_gather auto; do timeout 270 python3 bench_serving.py --preset $P --layers 4 $E \
       --batch 64 $C --attention-impl $impl --out "$OUT/${P}_$impl" 2>&1 | quiet | grep "^|\|Error"; \
       echo "$P attention_impl=$impl"; done ;;

@@ -169,6 +169,26 @@ def test_model_uses_the_jnp_indexer_on_cpu():
             index_impl(impl, cfg, 1)
 
 
+@pytest.mark.parametrize("impl", ["pallas", "pallas_gather"])
+def test_kernel_switch_on_a_gpu_scores_with_xla_where_the_indexer_kernel_cannot_read(impl):
+    """On a GPU the attention-kernel switch keeps the indexer kernel for V4.1's fp4_index keys at decode widths and
+    leaves XLA the rest: prefill widths, and V4's exact cache whose index keys are plain values (the H100 run of
+    2026-12-06 stopped V4's pallas_gather serving bench on a ValueError here)."""
+    import dataclasses
+
+    from dinfer_jax.models.attention import index_impl, index_kernel_unsupported
+    from dinfer_jax.models.config import load_config
+
+    v41 = load_config("deepseek-v4.1-flash")
+    v4 = load_config("deepseek-v4-flash")
+    assert not v4.kv_fake_quant
+    assert index_impl(impl, v41, 1, backend="gpu") == "pallas"
+    assert index_impl(impl, v41, 64, backend="gpu") == "jnp"
+    assert "fp4_index" in index_kernel_unsupported(v4, 1, backend="gpu")
+    assert index_impl(impl, v4, 1, backend="gpu") == "jnp"
+    assert index_impl(impl, dataclasses.replace(v4, kv_fake_quant=True), 1, backend="gpu") == "pallas"
+
+
 @pytest.mark.parametrize("rpb,pages", [(64, 7), (32, 5), (128, 3)])
 def test_paged_kernel_lowers_for_cuda(rpb, pages):
     """Through the page table: V4.1 (ratio 2, 64 rows a 128-token page), V4 (ratio 4, 32 rows), 128-row pages;

@@ -102,15 +102,16 @@ def mask_visible(scores: jax.Array, pos: jax.Array, ratio: int) -> jax.Array:
     return jnp.where(visible, scores, -jnp.inf)
 
 
-def index_kernel_unsupported(cfg: ModelConfig, num_queries: int) -> str | None:
+def index_kernel_unsupported(cfg: ModelConfig, num_queries: int, backend: str | None = None) -> str | None:
     """Why the Mosaic GPU indexer kernel (``pallas_kernels.indexer``) cannot score ``num_queries`` query tokens per
-    sequence of ``cfg`` over its stored index keys (None when it can): it needs a GPU, keys stored as ``fp4_index``
-    bytes with FP4 queries (:func:`index_operands_fp4`), index heads of width 128 in a multiple of 32 up to 128,
-    and at most 8 query tokens per sequence (decode and verification rows)."""
+    sequence of ``cfg`` over its stored index keys on ``backend`` (default: jax's; None when it can): it needs a
+    GPU, keys stored as ``fp4_index`` bytes with FP4 queries (:func:`index_operands_fp4`), index heads of width 128
+    in a multiple of 32 up to 128, and at most 8 query tokens per sequence (decode and verification rows)."""
     from pallas_kernels.indexer.scores_sm90 import DIM, MAX_QUERIES
 
-    if jax.default_backend() != "gpu":
-        return f"backend is {jax.default_backend()!r}, the kernel needs a GPU"
+    backend = backend or jax.default_backend()
+    if backend != "gpu":
+        return f"backend is {backend!r}, the kernel needs a GPU"
     if not index_operands_fp4(cfg):
         return "index keys are not stored as fp4_index bytes (kv_fake_quant off)"
     if cfg.index_head_dim != DIM:
@@ -122,20 +123,21 @@ def index_kernel_unsupported(cfg: ModelConfig, num_queries: int) -> str | None:
     return None
 
 
-def index_impl(requested: str, cfg: ModelConfig, num_queries: int) -> str:
+def index_impl(requested: str, cfg: ModelConfig, num_queries: int, backend: str | None = None) -> str:
     """``"jnp"`` or ``"pallas"`` for the indexer's scores (:func:`index_scores_stored`), under the same switch as
     the decode-attention kernel (``LayerOptions.attention_impl``): ``"auto"`` takes the kernel where it can run
-    (:func:`index_kernel_unsupported`) outside batch-invariant mode; ``"pallas"`` takes it too, leaves steps with
-    more query tokens than it holds (prefill) to XLA, and raises where it cannot run at all."""
+    (:func:`index_kernel_unsupported`) outside batch-invariant mode. ``"pallas"`` / ``"pallas_gather"`` raise off a
+    GPU and otherwise take it where the model and its cache can feed it: steps with more query tokens than it holds
+    (prefill) and index keys it cannot read (V4's exact cache: plain keys, not ``fp4_index`` bytes) are scored by
+    XLA — the switch names the decode-attention kernel, which runs either way."""
     if requested not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {requested!r}")
-    why = index_kernel_unsupported(cfg, num_queries)
-    if requested in KERNEL_IMPLS and why is not None and index_kernel_unsupported(cfg, 1) is None:
-        return "jnp"   # only the step's query count is out of the kernel's reach (prefill): XLA scores it
-    if requested in KERNEL_IMPLS and why is not None:
+    backend = backend or jax.default_backend()
+    why = index_kernel_unsupported(cfg, num_queries, backend)
+    if requested in KERNEL_IMPLS and backend != "gpu":
         raise ValueError(f"attention_impl={requested!r} cannot run the indexer kernel here: {why}")
-    if requested == "pallas_gather":
-        return "pallas"
+    if requested in KERNEL_IMPLS:
+        return "jnp" if why is not None else "pallas"
     if requested == "auto":
         return "pallas" if why is None and not active_tile() else "jnp"
     return requested
