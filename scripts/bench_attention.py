@@ -312,6 +312,11 @@ def _record(row: dict, measure, out: list[dict], on_row) -> None:
 GATHER_VARIANTS = ("XLA pool[rows] + kernel", "kernel on pre-gathered rows", "gathered in kernel",
                    "gathered in kernel, early release")
 FP4_GATHER_VARIANTS = ("v41_fp4: XLA gather + decode + kernel", "v41_fp4: gathered + decoded in kernel")
+# the gathering producer's pipeline depth: with 64-row steps only 2 stages fit at d = 512, so one step's copies are
+# in flight while the other is computed on; 32-row steps in 3 or 4 stages keep 2 or 3 in flight
+DEPTH_VARIANTS = {"gathered in kernel, early, 32-row steps × 3": dict(block_kv=32, num_stages=3),
+                  "gathered in kernel, early, 32-row steps × 4": dict(block_kv=32, num_stages=4)}
+FP4_DEPTH_VARIANTS = {"v41_fp4: gathered + decoded, 32-row steps × 4": dict(block_kv=32, num_stages=4)}
 
 
 def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int = 512, rows: int = 640,
@@ -350,23 +355,38 @@ def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int
         data, scales = encode(pool, "v41_fp4")
         fp4 = jnp.concatenate([data, scales], axis=1)
 
-        def xla_fp4(q, p, i, v, s, nb=d // 2):
+        def xla_fp4(q, p, i, v, s, nb=d // 2, block_kv=64):
             g = p[i]
             return sparse_decode_attention(q, decode(g[..., :nb], g[..., nb:], "v41_fp4", dtype=jnp.bfloat16), v, s,
-                                           scale=scale, **early)
+                                           scale=scale, block_kv=block_kv, **early)
 
         want_fp4 = jax.jit(xla_fp4)(q, fp4, idx, valid, sink)
         calls[FP4_GATHER_VARIANTS[0]] = (jax.jit(xla_fp4), (q, fp4, idx, valid, sink))
         calls[FP4_GATHER_VARIANTS[1]] = (jax.jit(functools.partial(sparse_decode_attention_rows, scale=scale,
                                                                    early_release=n > 8)), (q, fp4, idx, valid, sink))
+        # 32-row steps sum the softmax in another order: their reference is the kernel on the gathered rows in
+        # 32-row steps
+        references = {}
+        for label, kw in DEPTH_VARIANTS.items():
+            calls[label] = (jax.jit(functools.partial(sparse_decode_attention_rows, scale=scale, early_release=True,
+                                                      **kw)), (q, pool, idx, valid, sink))
+            references[label] = sparse_decode_attention(q, kv, valid, sink, scale=scale, **early,
+                                                        block_kv=kw["block_kv"])
+        for label, kw in FP4_DEPTH_VARIANTS.items():
+            calls[label] = (jax.jit(functools.partial(sparse_decode_attention_rows, scale=scale,
+                                                      early_release=n > 8, **kw)), (q, fp4, idx, valid, sink))
+            references[label] = jax.jit(functools.partial(xla_fp4, block_kv=kw["block_kv"]))(q, fp4, idx, valid,
+                                                                                               sink)
         t = traffic(n, h, d, rows)
         # the stored bytes of the rows: 1 KiB (bf16) or 288 B (v41_fp4) a row, + queries, mask, sink, output
         fp4_bytes = t["bytes"] - n * rows * d * 2 + n * rows * fp4.shape[1]
         for label, (f, args) in calls.items():
             row = dict(batch=n, heads=h, d=d, rows=rows, pool_rows=pool_rows, copy_GBps=copy_bw / 1e9, variant=label)
-            nbytes = fp4_bytes if label in FP4_GATHER_VARIANTS else t["bytes"]
-            def measure(row=row, f=f, args=args, nbytes=nbytes, reference=want_fp4 if label in FP4_GATHER_VARIANTS
-                        else want):
+            fp4_row = label in FP4_GATHER_VARIANTS or label in FP4_DEPTH_VARIANTS
+            nbytes = fp4_bytes if fp4_row else t["bytes"]
+            reference = references.get(label, want_fp4 if fp4_row else want)
+
+            def measure(row=row, f=f, args=args, nbytes=nbytes, reference=reference):
                 row["equal"] = bool(jnp.array_equal(f(*args), reference))
                 ms, per_kernel = device_times(f, *args)
                 row.update(call_us=ms * 1e3, kernels=per_kernel, GBps=nbytes / (ms * 1e-3) / 1e9)

@@ -87,7 +87,10 @@ def test_gathered_kernel_equals_kernel_on_gathered_rows(n, h, length, mask):
     (256, dict(v_split=1, num_stages=3)),            # one 256-column chunk, three stages
     (256, dict(block_kv=128, num_stages=1)),         # 128-row tiles, no pipelining (every step waits for its copy)
     (128, dict(v_split=1)),                          # 64-byte pieces of a row per warp: 4 rows per warp pass
-], ids=["d512-early", "d512-split4", "d512-split4-early", "d256-split1-3stages", "d256-bkv128-1stage", "d128"])
+    (512, dict(block_kv=32, num_stages=4, early_release=True)),   # 32-row steps: 64-byte swizzled tiles, 4 stages
+    (512, dict(block_kv=32, num_stages=3)),
+], ids=["d512-early", "d512-split4", "d512-split4-early", "d256-split1-3stages", "d256-bkv128-1stage", "d128",
+        "d512-bkv32-4stages-early", "d512-bkv32-3stages"])
 def test_gathered_kernel_configs(d, kw):
     _check_rows(8, 128, d, 640, "random", seed=d, **kw)
 
@@ -139,7 +142,8 @@ def test_model_pooled_path_equals_kernel_on_gathered_rows(b, s):
     assert np.all(got[0, 0] == 0)
 
 
-@pytest.mark.parametrize("n,kw", [(64, dict(early_release=True)), (4, {}), (8, dict(v_split=4))])
+@pytest.mark.parametrize("n,kw", [(64, dict(early_release=True)), (4, {}), (8, dict(v_split=4)),
+                                  (64, dict(block_kv=32, num_stages=4, early_release=True))])
 def test_fp4_pool_rows_decoded_in_kernel(n, kw):
     """V4.1's compressed rows as the cache stores them (``v41_fp4``: 256 B of e2m1 codes + 32 e4m3 scales per row,
     from ``kv_formats.encode`` of random rows spanning several decades, so that many scale exponents occur) read by

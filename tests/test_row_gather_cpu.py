@@ -24,38 +24,54 @@ from pallas_kernels.attention.row_gather_sm90 import (
 )
 
 
-def _mosaic_layout(block: np.ndarray) -> np.ndarray:
-    """A ``[rows, cols]`` 2-byte block as Mosaic GPU stores it under ``TilingTransform((8, 64))`` +
-    ``SwizzleTransform(128)``, written from the definitions: tiling makes the buffer ``[rows/8, cols/64, 8, 64]``
-    (row-major), and 128-byte swizzling stores 16-byte unit ``j`` of each 128-byte line ``ℓ`` (counted from the
-    1 KiB-aligned base) at position ``j XOR (ℓ mod 8)`` of that line. Returned as 16-byte units in address order."""
+def _mosaic_layout(block: np.ndarray, swizzle: int = 128) -> np.ndarray:
+    """A ``[rows, cols]`` 2-byte block as Mosaic GPU stores it under ``TilingTransform((8, w))`` +
+    ``SwizzleTransform(swizzle)`` (``w = swizzle / 2`` elements), written from the definitions: tiling makes the
+    buffer ``[rows/8, cols/w, 8, w]`` (row-major); swizzling moves the 16-byte unit at unit address ``a`` (counted
+    from the aligned base) to ``a XOR ((a // 8) mod (swizzle / 16))`` — its 128-byte chunk's index modulo the number
+    of units a swizzle span holds, as Mosaic's ``transfer_tiled`` computes it (and the hardware's 128B / 64B modes:
+    address bits 4-6 / 4-5 XOR bits 7-9 / 7-8). Returned as 16-byte units in address order."""
     rows, cols = block.shape
-    tiled = block.reshape(rows // 8, 8, cols // 64, 64).transpose(0, 2, 1, 3)    # [rt, ct, 8, 64]
-    lines = tiled.reshape(-1, 8, 8)                                              # [line, unit, 8 elements]
-    out = np.empty_like(lines)
-    for line in range(lines.shape[0]):
-        for j in range(8):
-            out[line, j ^ (line % 8)] = lines[line, j]
-    return out.reshape(-1, 8)
+    w = swizzle // 2
+    tiled = block.reshape(rows // 8, 8, cols // w, w).transpose(0, 2, 1, 3)      # [rt, ct, 8, w]
+    units = tiled.reshape(-1, 8)                                                 # [unit address, 8 elements]
+    out = np.empty_like(units)
+    for a in range(units.shape[0]):
+        out[a ^ ((a // 8) % (swizzle // 16))] = units[a]
+    return out
 
 
-@pytest.mark.parametrize("rows,cols", [(64, 256), (64, 128), (64, 64), (128, 256), (8, 512)])
-def test_placement_matches_mosaic_tiled_swizzled_layout(rows, cols):
+@pytest.mark.parametrize("swizzle", [128, 64])
+@pytest.mark.parametrize("rows,cols", [(64, 256), (64, 128), (64, 64), (128, 256), (8, 512), (32, 256)])
+def test_placement_matches_mosaic_tiled_swizzled_layout(rows, cols, swizzle):
     block = np.arange(rows * cols, dtype=np.int32).astype(np.uint16).reshape(rows, cols)
-    np.testing.assert_array_equal(host_tile_image(block), _mosaic_layout(block))
+    np.testing.assert_array_equal(host_tile_image(block, swizzle=swizzle), _mosaic_layout(block, swizzle))
 
 
-def test_placement_is_a_bijection_onto_the_buffer():
-    """Every 16-byte unit of a [64, 256] tile gets exactly one destination inside the 32 KiB buffer: no piece lands
-    on another and none outside."""
-    offsets = [unit_offset(r, k, 256) for r in range(64) for k in range(32)]
-    assert sorted(offsets) == list(range(64 * 32))
+@pytest.mark.parametrize("rows,swizzle", [(64, 128), (32, 64)])
+def test_placement_is_a_bijection_onto_the_buffer(rows, swizzle):
+    """Every 16-byte unit of a [rows, 256] tile gets exactly one destination inside the buffer: no piece lands on
+    another and none outside."""
+    offsets = [unit_offset(r, k, 256, swizzle=swizzle) for r in range(rows) for k in range(32)]
+    assert sorted(offsets) == list(range(rows * 32))
+
+
+def test_kernel_swizzle_rule():
+    """The gather writes the tiles the kernel declares: 64-byte lines for 32-row steps, 128-byte ones otherwise."""
+    from pallas_kernels.attention.decode_sm90 import kv_swizzle
+
+    assert [kv_swizzle(b) for b in (32, 64, 96, 128)] == [64, 128, 64, 128]
+    with pytest.raises(ValueError, match="swizzle must be"):
+        unit_offset(0, 0, 256, swizzle=32)
 
 
 def test_gather_shape_checks():
     check_gather_shape(64, 256)
     with pytest.raises(ValueError, match=r"whole \(8, 64\) tiles"):
         check_gather_shape(64, 96)
+    check_gather_shape(32, 96, swizzle=64)
+    with pytest.raises(ValueError, match=r"whole \(8, 32\) tiles"):
+        check_gather_shape(32, 80, swizzle=64)
     with pytest.raises(ValueError, match="per thread"):
         check_gather_shape(8, 64)          # 64 units for 128 threads
 
@@ -89,6 +105,8 @@ def _trace(n=4, h=64, d=512, length=640, pool_rows=4096, *, pool_dtype=jnp.bfloa
     (64, 64, 512, 640, dict(window=128, early_release=True)),  # the model's layout: 128 window rows + top-k 512
     (4, 64, 512, 256, dict(window=64, num_stages=1)),          # a window step refilled in the loop
     (64, 64, 512, 640, dict(window=128, early_release=True, pool_dtype=jnp.uint8)),   # V4.1: v41_fp4 pool rows
+    (64, 64, 512, 640, dict(block_kv=32, num_stages=4, early_release=True)),          # deeper copy pipeline
+    (64, 64, 512, 640, dict(block_kv=32, num_stages=4, window=128, pool_dtype=jnp.uint8)),
     (4, 64, 512, 256, dict(v_split=4, pool_dtype=jnp.uint8)),
 ])
 def test_gathered_kernel_lowers_for_cuda(n, h, d, length, kw):
@@ -111,8 +129,8 @@ def test_wrapper_rejects_bad_inputs():
         _trace(pool_dtype=jnp.float32)
     with pytest.raises(ValueError, match="integer row indices"):
         _trace(rows_dtype=jnp.float32)
-    with pytest.raises(ValueError, match="multiple of 64"):
-        _trace(block_kv=32, num_stages=4)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _trace(block_kv=48)
     with pytest.raises(ValueError, match="dividing the window"):
         _trace(window=96)
     with pytest.raises(ValueError, match="shared memory"):

@@ -299,11 +299,12 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
             half = chunks * dh // 2
             parts = [(src_ref.at[:, pl.ds(c * (dh // 2), dh // 2)],
                       src_ref.at[:, pl.ds(half + c * (dh // 16), dh // 16)], kv_smem.at[slot, c]) for c in which]
-            issue_fp4_row_decode(plgpu, parts, rows_smem.at[step], block_rows=block_kv, cols=dh)
+            issue_fp4_row_decode(plgpu, parts, rows_smem.at[step], block_rows=block_kv, cols=dh,
+                                 swizzle=kv_swizzle(block_kv))
             return
         for c in which:
             issue_row_copies(plgpu, src_ref.at[:, c], rows_smem.at[step], kv_smem.at[slot, c], block_rows=block_kv,
-                             cols=dh)
+                             cols=dh, swizzle=kv_swizzle(block_kv))
 
     def issue(step, slot, which=None, with_bias=True):
         which = list(range(chunks)) if which is None else which
@@ -426,6 +427,12 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
     return stages
 
 
+def kv_swizzle(block_kv: int) -> int:
+    """Swizzle (bytes) of ``split_cta``'s KV tiles: 128-byte lines, except for 32-row steps, whose P·V product
+    contracts too few rows for them (as pingpong's): 64-byte lines in ``(8, 32)`` tiles."""
+    return 128 if block_kv % 64 == 0 else 64
+
+
 def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
                            block_kv: int, stages: int, cluster: bool = False, early_release: bool = False,
                            rows_idx: jax.Array | None = None, window4: jax.Array | None = None) -> jax.Array:
@@ -457,9 +464,8 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
     kv_steps = rows // block_kv
     hb = HEADS_PER_CTA
     qk_scale = float(scale) * LOG2E   # logits in base 2: exp(x) = exp2(x · log2 e)
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    if block_kv % 64:   # 32-row tiles: 128-byte swizzling needs a P·V contraction of ≥ 64 rows (as pingpong's)
-        tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
+    swizzle = kv_swizzle(block_kv)
+    tiled = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
     multicast = dict(collective_axes="split") if cluster else {}
 
     def body(*refs):
@@ -834,7 +840,10 @@ def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array,
       sink: ``fp32 [H]``; scale, num_stages, v_split, early_release: as in :func:`sparse_decode_attention`.
       window: optional ``bf16 [N, Sw, d]``, rows each query reads before its pool rows (its sliding window, laid
         out by the caller), ``Sw`` a multiple of ``block_kv``; fetched by the same copies from this second source.
-      block_kv: KV rows per pipeline step, a multiple of 64 (the gather writes 128-byte-swizzled (8, 64) tiles).
+      block_kv: KV rows per pipeline step, a multiple of 32 (split_cta's smallest step; the gather writes whole
+        128-byte-swizzled (8, 64) tiles). The producer can have ``num_stages − 1`` steps' copies in flight
+        (:func:`~pallas_kernels.attention.row_gather_sm90.producer_wait_pending`), so 32-row steps in 4 stages
+        keep 96 rows in flight where 64-row steps in 2 stages (what fits at d = 512) keep 64.
     Returns:
       ``o bf16 [N, H, d]``.
     """
@@ -859,12 +868,12 @@ def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array,
         raise ValueError(f"rows must be integer row indices, got {rows.dtype}")
     length = sw + rows.shape[1]
     check_shapes(q, jax.ShapeDtypeStruct((n, length, d), jnp.bfloat16), valid, sink)
-    if block_kv % 64 or sw % block_kv:
-        raise ValueError(f"block_kv={block_kv} must be a multiple of 64 dividing the window's {sw} rows")
+    if block_kv % 32 or sw % block_kv:
+        raise ValueError(f"block_kv={block_kv} must be a multiple of 32 dividing the window's {sw} rows")
     stages = check_config(h, d, length, block_kv=block_kv, num_stages=num_stages, v_split=v_split,
                           organisation="split_cta", early_release=early_release, extra_smem=4 * length)
     dh = d // v_split
-    check_gather_shape(block_kv, dh)
+    check_gather_shape(block_kv, dh, kv_swizzle(block_kv))
     bias = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
     idx = jnp.clip(rows, 0, pool.shape[0] - 1).astype(jnp.int32)
     window4 = None

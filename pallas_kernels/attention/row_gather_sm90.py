@@ -16,8 +16,11 @@ swizzling XORs the 16-byte unit index within a line with the line index modulo 8
 
     ((r // 8) · (cols / 64) + k // 8) · 64 + (r % 8) · 8 + ((k % 8) XOR (r % 8))
 
-of the buffer, whose base Pallas aligns to 1 KiB (the XOR is of address bits). :func:`unit_offset` is that formula,
-written once for both the host model (integers) and the kernel (MLIR values).
+of the buffer, whose base Pallas aligns to 1 KiB (the XOR is of address bits). 32-row KV steps use ``(8, 32)`` tiles
+with 64-byte swizzling instead (the kernel's P·V product needs 64 contracted rows for 128-byte swizzling): 512-byte
+tiles of eight 64-byte lines, where Mosaic XORs the unit index within a line (4 units) with the index of its
+128-byte chunk modulo 4, i.e. ``(r % 8) // 2``. :func:`unit_offset` is that formula for both swizzles, written once
+for both the host model (integers) and the kernel (MLIR values).
 
 **Work split.** For one ``[block_rows, cols]`` destination the ``block_rows · cols / 8`` units are spread over the
 128 threads: thread ``t`` takes units ``u = t + 128 j``, row ``u // (cols / 8)``, unit ``u % (cols / 8)``, so a
@@ -36,8 +39,8 @@ from __future__ import annotations
 import numpy as np
 
 UNIT_BYTES = 16                 # one cp.async transfer
-LINE_UNITS = 8                  # 16-byte units per 128-byte swizzled line
-TILE_ROWS, TILE_COLS = 8, 64    # the (8, 64) bf16 tiling of a 128-byte-swizzled WGMMA operand
+TILE_ROWS = 8                   # rows of a WGMMA operand tile: (8, swizzle / 2) bf16, i.e. 8 swizzled lines
+SWIZZLES = (128, 64)            # 128-byte lines for 64-row KV steps, 64-byte lines for 32-row steps
 WARPGROUP = 128
 
 
@@ -59,17 +62,27 @@ class _IntOps:
     bor = staticmethod(lambda a, b: a | b)
 
 
-def unit_offset(r, k, cols: int, ops=_IntOps):
-    """16-byte unit of a ``(8, 64)``-tiled, 128-byte-swizzled bf16 ``[rows, cols]`` buffer holding elements
-    ``(r, 8k … 8k + 7)`` (module docstring); ``r`` and ``k`` host ints or values of ``ops``' kind."""
+def line_units(swizzle: int) -> int:
+    """16-byte units per swizzled line (= per tile row): 8 for 128-byte swizzling, 4 for 64-byte."""
+    if swizzle not in SWIZZLES:
+        raise ValueError(f"swizzle must be one of {SWIZZLES} bytes, got {swizzle}")
+    return swizzle // UNIT_BYTES
+
+
+def unit_offset(r, k, cols: int, ops=_IntOps, *, swizzle: int = 128):
+    """16-byte unit of a ``(8, swizzle / 2)``-tiled, ``swizzle``-byte-swizzled bf16 ``[rows, cols]`` buffer
+    holding elements ``(r, 8k … 8k + 7)`` (module docstring); ``r`` and ``k`` host ints or values of ``ops``'
+    kind."""
     c = ops.c
-    tile = ops.add(ops.mul(ops.div(r, c(TILE_ROWS)), c(cols // TILE_COLS)), ops.div(k, c(LINE_UNITS)))
+    n = line_units(swizzle)
+    tile = ops.add(ops.mul(ops.div(r, c(TILE_ROWS)), c(cols // (8 * n))), ops.div(k, c(n)))
     line = ops.rem(r, c(TILE_ROWS))
-    return ops.add(ops.add(ops.mul(tile, c(TILE_ROWS * LINE_UNITS)), ops.mul(line, c(LINE_UNITS))),
-                   ops.xor(ops.rem(k, c(LINE_UNITS)), line))
+    # the XOR key: the 128-byte chunk of the unit modulo n (the line itself for 128 bytes, half of it for 64)
+    key = line if n == 8 else ops.rem(ops.div(line, c(8 // n)), c(n))
+    return ops.add(ops.add(ops.mul(tile, c(TILE_ROWS * n)), ops.mul(line, c(n))), ops.xor(ops.rem(k, c(n)), key))
 
 
-def host_tile_image(block: np.ndarray) -> np.ndarray:
+def host_tile_image(block: np.ndarray, *, swizzle: int = 128) -> np.ndarray:
     """What the gather leaves in shared memory for the rows ``block [rows, cols]`` (any dtype, 2 bytes per element):
     the buffer's 16-byte units in address order, ``[rows · cols / 8, 8]``, placed by :func:`unit_offset`."""
     rows, cols = block.shape
@@ -77,20 +90,26 @@ def host_tile_image(block: np.ndarray) -> np.ndarray:
     image = np.zeros((rows * cols // 8, 8), block.dtype)
     for r in range(rows):
         for k in range(cols // 8):
-            image[unit_offset(r, k, cols)] = units[r, k]
+            image[unit_offset(r, k, cols, swizzle=swizzle)] = units[r, k]
     return image
 
 
-def check_gather_shape(block_rows: int, cols: int) -> None:
-    """The gather's static constraints: whole ``(8, 64)`` tiles and a whole number of units per thread."""
-    if cols % TILE_COLS or block_rows % TILE_ROWS:
-        raise ValueError(f"a gathered tile must be whole (8, 64) tiles, got [{block_rows}, {cols}]")
+def tile_transforms(plgpu, swizzle: int) -> tuple:
+    """Pallas' transforms of a gathered tile: ``TilingTransform((8, swizzle / 2))`` + ``SwizzleTransform(swizzle)``."""
+    return (plgpu.TilingTransform((TILE_ROWS, 8 * line_units(swizzle))), plgpu.SwizzleTransform(swizzle))
+
+
+def check_gather_shape(block_rows: int, cols: int, swizzle: int = 128) -> None:
+    """The gather's static constraints: whole ``(8, swizzle / 2)`` tiles and a whole number of units per thread."""
+    tile_cols = 8 * line_units(swizzle)
+    if cols % tile_cols or block_rows % TILE_ROWS:
+        raise ValueError(f"a gathered tile must be whole (8, {tile_cols}) tiles, got [{block_rows}, {cols}]")
     if (block_rows * cols // 8) % WARPGROUP:
         raise ValueError(f"[{block_rows}, {cols}] bf16 is not a whole number of 16-byte units per thread of a "
                          f"warpgroup")
 
 
-def issue_row_copies(plgpu, src_ref, rows_ref, dst_ref, *, block_rows: int, cols: int) -> None:
+def issue_row_copies(plgpu, src_ref, rows_ref, dst_ref, *, block_rows: int, cols: int, swizzle: int = 128) -> None:
     """Every thread of the calling warpgroup issues its ``cp.async`` copies of ``dst[r] = src[rows[r]]`` for
     ``r < block_rows`` (no commit, no wait).
 
@@ -98,14 +117,14 @@ def issue_row_copies(plgpu, src_ref, rows_ref, dst_ref, *, block_rows: int, cols
       src_ref: GMEM bf16 ``[R, cols]`` (row stride from its memref type: a column chunk ``pool.at[:, c]`` of a
         ``[R, chunks, cols]`` pool has stride ``chunks · cols``).
       rows_ref: SMEM int32 ``[block_rows]``, row indices into ``src`` (each in ``[0, R)``: nothing is checked).
-      dst_ref: SMEM bf16 ``[block_rows, cols]`` tiled ``(8, 64)`` and 128-byte swizzled.
+      dst_ref: SMEM bf16 ``[block_rows, cols]`` tiled ``(8, swizzle / 2)`` and ``swizzle``-byte swizzled.
     """
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, nvvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-    check_gather_shape(block_rows, cols)
-    tiled = (plgpu.TilingTransform((TILE_ROWS, TILE_COLS)), plgpu.SwizzleTransform(128))
+    check_gather_shape(block_rows, cols, swizzle)
+    tiled = tile_transforms(plgpu, swizzle)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled)))
     def issue(_, src, rows, dst):
@@ -127,7 +146,7 @@ def issue_row_copies(plgpu, src_ref, rows_ref, dst_ref, *, block_rows: int, cols
                                   arith.extui(i64, arith.muli(k, ops.c(8))))
             src_piece = mgpu_utils.getelementptr(src_ptr, [arith.muli(src_elem, arith.constant(i64, 2))], u8)
             dst_piece = mgpu_utils.getelementptr(
-                dst_ptr, [arith.muli(unit_offset(r, k, cols, ops), ops.c(UNIT_BYTES))], u8)
+                dst_ptr, [arith.muli(unit_offset(r, k, cols, ops, swizzle=swizzle), ops.c(UNIT_BYTES))], u8)
             nvvm.cp_async_shared_global(dst_piece, src_piece, UNIT_BYTES, nvvm.LoadCacheModifierKind.CG)
 
     issue(src_ref, rows_ref, dst_ref)
@@ -189,7 +208,7 @@ def host_decode_fp4_unit(word: int, scale_byte: int) -> np.ndarray:
 UNITS_PER_LOAD = 4      # a thread loads 16 bytes of codes (4 units of 8 values) and their 2 scale bytes at once
 
 
-def issue_fp4_row_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int) -> None:
+def issue_fp4_row_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int, swizzle: int = 128) -> None:
     """Every thread of the calling warpgroup loads, decodes and stores its share of ``dst[r] = decode(src[rows[r]])``
     for ``r < block_rows`` in each chunk (plain loads from global memory: 16 bytes of codes = 4 units, and their 2
     scale bytes, every chunk's loads issued before any decode so that they are all in flight together;
@@ -200,19 +219,19 @@ def issue_fp4_row_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int)
       chunks: ``[(data_ref, scale_ref, dst_ref), …]``, per column chunk: GMEM uint8 ``[R, cols / 2]``, the packed
         e2m1 bytes of this chunk of each stored row (a column slice of the ``v41_fp4`` pool ``[R, D/2 + D/16]``;
         row stride from the memref type), GMEM uint8 ``[R, cols / 16]``, its e4m3 scale bytes, and SMEM bf16
-        ``[block_rows, cols]`` tiled ``(8, 64)`` and 128-byte swizzled.
+        ``[block_rows, cols]`` tiled ``(8, swizzle / 2)`` and ``swizzle``-byte swizzled.
       rows_ref: SMEM int32 ``[block_rows]``, row indices into the pool (each in ``[0, R)``).
     """
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-    check_gather_shape(block_rows, cols)
+    check_gather_shape(block_rows, cols, swizzle)
     loads_per_row = cols // 8 // UNITS_PER_LOAD
     if (block_rows * loads_per_row) % WARPGROUP:
         raise ValueError(f"[{block_rows}, {cols}]: {block_rows * loads_per_row} 16-byte code loads do not split "
                          f"evenly over a warpgroup")
-    tiled = (plgpu.TilingTransform((TILE_ROWS, TILE_COLS)), plgpu.SwizzleTransform(128))
+    tiled = tile_transforms(plgpu, swizzle)
     chunk_types = tuple((plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled)) for _ in chunks)
 
     @plgpu.inline_mgpu(arg_types=(chunk_types, plgpu.RefType()))
@@ -260,8 +279,8 @@ def issue_fp4_row_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int)
                     two = arith.mulf(mgpu_utils.bitcast(fp4_pair_bits(word, w, ops), bf16x2), e2m1_unscale)
                     vec = llvm.insertelement(vec, mgpu_utils.bitcast(arith.mulf(two, scale), i32), ops.c(w))
                 k = arith.addi(k0, ops.c(i))
-                place = mgpu_utils.getelementptr(dst_ptr, [arith.muli(unit_offset(r, k, cols, ops), ops.c(UNIT_BYTES))],
-                                                 u8)
+                offset = unit_offset(r, k, cols, ops, swizzle=swizzle)
+                place = mgpu_utils.getelementptr(dst_ptr, [arith.muli(offset, ops.c(UNIT_BYTES))], u8)
                 llvm.store(vec, place, alignment=UNIT_BYTES)
 
     decode(tuple(tuple(c) for c in chunks), rows_ref)
@@ -330,5 +349,5 @@ def wait_group(plgpu, pending: int) -> None:
 
 
 __all__ = ["check_gather_shape", "commit_group", "e4m3_scale_bits", "fp4_pair_bits", "host_decode_fp4_unit",
-           "host_tile_image", "issue_fp4_row_decode", "issue_row_copies", "producer_wait_pending", "unit_offset",
-           "wait_group"]
+           "host_tile_image", "issue_fp4_row_decode", "issue_row_copies", "line_units", "producer_wait_pending",
+           "tile_transforms", "unit_offset", "wait_group"]
