@@ -1,18 +1,19 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
-# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after 2026-12-06, whose one
-# H100 run measured the gathering decode kernel and exposed a race, fixed since but not rerun):
-#   00. STAGE=rows-first (any card; H200 preferred) — tests/test_decode_attention_rows_gpu.py (bit-equality of the
-#      gathering kernel after the wait_group fix; the FP4 decoding producer's 16-byte loads), its timing against
-#      XLA's gather + the kernel, then the kernel's organisations (the H200 figure of issue 9's 60%);
-#   01. STAGE=gather-serving PRESET=deepseek-v4-flash, then PRESET=deepseek-v4.1-flash — the 4-layer slices' decode
-#      step with attention_impl=pallas_gather against the default (if rows-first passed);
+# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after the second of
+# 2026-12-06, whose H100 runs passed the gathering kernel's GPU tests and measured it in the serving step):
+#   00. STAGE=rows-depth (any card) — the gathering kernel in 32-row steps (64-byte swizzled tiles, 3-4 stages: 2-3
+#      steps of copies in flight instead of 1): its GPU cases, then bench_kernels.py attention-rows at 64 and 16
+#      queries with the depth variants (bf16 and v41_fp4); if faster and bit-equal, make it the default of
+#      sparse_decode_attention_rows / the model's pooled path;
+#   01. STAGE=gather-serving PRESET=deepseek-v4.1-flash (on an H100: ENGRAM_VOCAB=100000 KV_GIB=4) — the decode step
+#      with attention_impl=pallas_gather against the default after 00;
 #   0. on an H200: STAGE=h200-attn — issue 9's 60% is an H200 figure (split_cta was 48-55% there): the kernel with
 #      early release (the model's rule above 8 queries; +5% on the H100) against split_cta, its GPU tests, and the
 #      model's attention path at batch 64, 32K context (its "kernel alone" column now uses the model's rule);
 #   0b. STAGE=row-gather (any card) — can a kernel fetch gathered rows (one copy per row, or register loads) as fast as XLA's gather?
 #      (scripts/probe_row_gather.py; decides how the decode-attention kernel should gather through the page table);
-#   1. STAGE=compile-depth — issue 8's "8 layers <= 1.3x 2 layers" measured as the engine compiles (FP8 linear
+#   1. STAGE=compile-depth (measured on an H100, second session of 2026-12-06: serving_h200.md) — issue 8's "8 layers <= 1.3x 2 layers" measured as the engine compiles (FP8 linear
 #      kernel, Triton GEMMs off, decode without autotuning): scripts/bench_compile.py --engine-defaults (any card);
 #   2. STAGE=h200-sampler — the sampler's filters alone and the batch-64 V4-Flash 4-layer slice's sampled decode
 #      step with and without top-k (issue 8 follow-up; the stage also exercises bench_kernels' saver(echo=True));
@@ -91,7 +92,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -219,6 +220,13 @@ case "${STAGE:?set STAGE to rows-first, gather-serving, rows-kernel, engram, lin
       -k "early or model" 2>&1 | grep "^E \|passed\|failed\|Error" | head -20
     timeout ${T:-180} python3 scripts/bench_kernels.py attention --contexts ${CONTEXTS:-32768} --batches 64 \
       --out "$OUT/attention" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
+  rows-depth)
+    # issue 9: the gathering kernel's 32-row steps (more copies in flight): GPU cases, then the depth variants
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_rows_gpu.py \
+      -k "bkv32 or block_kv or equals_kernel" 2>&1 | tee "$OUT/rows_depth_tests.txt" | grep "^E \|passed\|failed" \
+      | head -20
+    timeout 200 python3 scripts/bench_kernels.py attention-rows --batches 16 64 --out "$OUT/attn_rows" 2>&1 \
+      | quiet | grep "^|\|copy\|Error" ;;
   rows-first)
     # one call for a session that may get only one: the gathering kernel's GPU tests, its time against XLA's gather +
     # the kernel, then issue 9's H200 kernel figure (split_cta vs early release vs the model's rule)
@@ -231,10 +239,11 @@ case "${STAGE:?set STAGE to rows-first, gather-serving, rows-kernel, engram, lin
   gather-serving)   # one call per preset: PRESET=deepseek-v4-flash (default) or deepseek-v4.1-flash
     # issue 9: the 4-layer slice's batch-64 decode step with the decode kernel reading the selected rows from the
     # cache itself (attention_impl=pallas_gather: V4's bf16 pool / V4.1's v41_fp4 rows) against the default path
-    # (ENGRAM_VOCAB=100000 on an H100: V4.1's slice with the 1M-row tables ran out of its 78 GiB on 2026-12-06)
+    # (ENGRAM_VOCAB=100000 KV_GIB=4 on an H100: V4.1's slice with 1M-row tables and 8 GiB of KV pages ran out of its
+    # 78 GiB on 2026-12-06)
     P=${PRESET:-deepseek-v4-flash}; E=""; [ "$P" = deepseek-v4.1-flash ] && E="--engram-vocab ${ENGRAM_VOCAB:-1000000}"
     cd scripts && for impl in pallas_gather auto; do timeout 270 python3 bench_serving.py --preset $P --layers 4 $E \
-      --batch 64 $C --attention-impl $impl --out "$OUT/${P}_$impl" 2>&1 | quiet | grep "^|\|Error"; \
+      --batch 64 $C --kv-gib ${KV_GIB:-8} --attention-impl $impl --out "$OUT/${P}_$impl" 2>&1 | quiet | grep "^|\|Error"; \
       echo "$P attention_impl=$impl"; done ;;
   rows-kernel)
     # issue 9: the decode-attention kernel gathering its rows by index itself (cp.async into the swizzled tiles,
