@@ -316,7 +316,11 @@ FP4_GATHER_VARIANTS = ("v41_fp4: XLA gather + decode + kernel", "v41_fp4: gather
 # in flight while the other is computed on; 32-row steps in 3 or 4 stages keep 2 or 3 in flight
 DEPTH_VARIANTS = {"gathered in kernel, early, 32-row steps × 3": dict(block_kv=32, num_stages=3),
                   "gathered in kernel, early, 32-row steps × 4": dict(block_kv=32, num_stages=4)}
-FP4_DEPTH_VARIANTS = {"v41_fp4: gathered + decoded, 32-row steps × 4": dict(block_kv=32, num_stages=4)}
+# the FP4 producer loads, decodes and stores one step at a time; staged, the next step's rows are in flight (cp.async
+# into shared memory) while this one is decoded
+FP4_DEPTH_VARIANTS = {"v41_fp4: gathered + decoded, 32-row steps × 4": dict(block_kv=32, num_stages=4),
+                      "v41_fp4: staged a step ahead, 32-row steps × 4": dict(block_kv=32, num_stages=4,
+                                                                            fp4_prefetch=True)}
 
 
 def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int = 512, rows: int = 640,

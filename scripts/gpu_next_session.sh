@@ -4,7 +4,8 @@
 # 2026-12-06, whose H100 runs passed the gathering kernel's GPU tests and measured it in the serving step):
 #   00. STAGE=rows-depth (any card) — the gathering kernel in 32-row steps (64-byte swizzled tiles, 3-4 stages: 2-3
 #      steps of copies in flight instead of 1): its GPU cases, then bench_kernels.py attention-rows at 64 and 16
-#      queries with the depth variants (bf16 and v41_fp4); if faster and bit-equal, make it the default of
+#      queries with the depth variants (bf16 and v41_fp4, and v41_fp4 rows staged one step ahead in shared memory,
+#      fp4_prefetch); if faster and bit-equal, make it the default of
 #      sparse_decode_attention_rows / the model's pooled path;
 #   01. STAGE=gather-serving PRESET=deepseek-v4.1-flash (on an H100: ENGRAM_VOCAB=100000 KV_GIB=4) — the decode step
 #      with attention_impl=pallas_gather against the default after 00;
@@ -223,7 +224,7 @@ case "${STAGE:?set STAGE to rows-depth, rows-first, gather-serving, rows-kernel,
   rows-depth)
     # issue 9: the gathering kernel's 32-row steps (more copies in flight): GPU cases, then the depth variants
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_rows_gpu.py \
-      -k "bkv32 or block_kv or equals_kernel" 2>&1 | tee "$OUT/rows_depth_tests.txt" | grep "^E \|passed\|failed" \
+      -k "bkv32 or equals_kernel" 2>&1 | tee "$OUT/rows_depth_tests.txt" | grep "^E \|passed\|failed" \
       | head -20
     timeout 200 python3 scripts/bench_kernels.py attention-rows --batches 16 64 --out "$OUT/attn_rows" 2>&1 \
       | quiet | grep "^|\|copy\|Error" ;;

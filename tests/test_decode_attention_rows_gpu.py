@@ -142,8 +142,15 @@ def test_model_pooled_path_equals_kernel_on_gathered_rows(b, s):
     assert np.all(got[0, 0] == 0)
 
 
-@pytest.mark.parametrize("n,kw", [(64, dict(early_release=True)), (4, {}), (8, dict(v_split=4)),
-                                  (64, dict(block_kv=32, num_stages=4, early_release=True))])
+@pytest.mark.parametrize("n,kw", [
+    (64, dict(early_release=True)), (4, {}), (8, dict(v_split=4)),
+    (64, dict(block_kv=32, num_stages=4, early_release=True)),
+    # rows staged whole one step ahead and decoded from shared memory (_produce_fp4_prefetch)
+    (64, dict(block_kv=32, num_stages=4, early_release=True, fp4_prefetch=True)),
+    (4, dict(block_kv=32, num_stages=4, fp4_prefetch=True)),
+    (8, dict(block_kv=32, num_stages=4, v_split=4, fp4_prefetch=True)),
+], ids=["n64-early", "n4", "n8-split4", "n64-bkv32-early", "n64-bkv32-early-prefetch", "n4-bkv32-prefetch",
+        "n8-bkv32-split4-prefetch"])
 def test_fp4_pool_rows_decoded_in_kernel(n, kw):
     """V4.1's compressed rows as the cache stores them (``v41_fp4``: 256 B of e2m1 codes + 32 e4m3 scales per row,
     from ``kv_formats.encode`` of random rows spanning several decades, so that many scale exponents occur) read by
@@ -166,6 +173,7 @@ def test_fp4_pool_rows_decoded_in_kernel(n, kw):
         got = sparse_decode_attention_rows(q, pool, rows, valid, sink, scale=d ** -0.5, window=window, **kw)
         decoded = decode(pool[rows][..., : d // 2], pool[rows][..., d // 2:], "v41_fp4", dtype=jnp.bfloat16)
         keys = jnp.concatenate([window, decoded], axis=1)
-        want = sparse_decode_attention(q, keys, valid, sink, scale=d ** -0.5, **kw)
+        same = {k: v for k, v in kw.items() if k != "fp4_prefetch"}     # how the rows arrive, not the result
+        want = sparse_decode_attention(q, keys, valid, sink, scale=d ** -0.5, **same)
     got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
     assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max():.3g}, max |want| {np.abs(want).max():.3g}"

@@ -107,6 +107,12 @@ def _trace(n=4, h=64, d=512, length=640, pool_rows=4096, *, pool_dtype=jnp.bfloa
     (64, 64, 512, 640, dict(window=128, early_release=True, pool_dtype=jnp.uint8)),   # V4.1: v41_fp4 pool rows
     (64, 64, 512, 640, dict(block_kv=32, num_stages=4, early_release=True)),          # deeper copy pipeline
     (64, 64, 512, 640, dict(block_kv=32, num_stages=4, window=128, pool_dtype=jnp.uint8)),
+    # V4.1's rows staged whole one step ahead, decoded from shared memory (with and without early release, 4 chunks)
+    (64, 64, 512, 640, dict(block_kv=32, num_stages=4, window=128, early_release=True, pool_dtype=jnp.uint8,
+                            fp4_prefetch=True)),
+    (4, 64, 512, 640, dict(block_kv=32, num_stages=3, pool_dtype=jnp.uint8, fp4_prefetch=True)),
+    (4, 64, 512, 256, dict(block_kv=32, num_stages=4, window=64, v_split=4, pool_dtype=jnp.uint8,
+                           fp4_prefetch=True)),
     (4, 64, 512, 256, dict(v_split=4, pool_dtype=jnp.uint8)),
 ])
 def test_gathered_kernel_lowers_for_cuda(n, h, d, length, kw):
@@ -185,6 +191,72 @@ def test_gathering_producer_waits_for_each_step_before_announcing_it(stages):
         assert _announced_before_landed(stages, kv_steps, producer_wait_pending(stages)) == []
     if stages > 1:
         assert _announced_before_landed(stages, 10, stages - 1) != []
+
+
+def _prefetch_violations(stages: int, kv_steps: int, window_steps: int, pending: int = 1,
+                         buffers: int = 2) -> list[str]:
+    """What would go wrong in the FP4 prefetching producer, simulating ``decode_sm90._produce_fp4_prefetch``'s order:
+    one group with the window's copies, one with step ``W``'s staged rows, announcement of the window's steps after
+    ``wait_group(pending)``; then per iteration ``t``: stage step ``t + 1``'s rows into buffer ``(t + 1) mod buffers``
+    and commit, ``wait_group(pending)``, decode step ``t`` from buffer ``t mod buffers``, announce. Violations: a
+    step announced or decoded before its copies landed, or a staging buffer overwritten before its rows were
+    decoded."""
+    groups: list[set] = [{("window", i) for i in range(window_steps)},
+                         {("rows", window_steps)} if window_steps < kv_steps else set()]
+    landed = 0
+    holds: dict[int, int] = {}           # staging buffer -> step whose rows it holds until decoded
+    if window_steps < kv_steps:
+        holds[window_steps % buffers] = window_steps
+    bad = []
+    if window_steps:
+        landed = max(landed, len(groups) - pending)
+        bad += [f"window step {i} announced in flight" for i in range(window_steps)
+                if any(("window", i) in g for g in groups[landed:])]
+    for t in range(window_steps, kv_steps):
+        if t + 1 < kv_steps:
+            if (t + 1) % buffers in holds:
+                bad.append(f"step {t + 1} staged over step {holds[(t + 1) % buffers]}'s undecoded rows")
+            holds[(t + 1) % buffers] = t + 1
+        groups.append({("rows", t + 1)} if t + 1 < kv_steps else set())
+        landed = max(landed, len(groups) - pending)
+        if any(("rows", t) in g for g in groups[landed:]):
+            bad.append(f"step {t} decoded before its rows landed")
+        if holds.get(t % buffers) != t:
+            bad.append(f"step {t} decoded from a buffer holding step {holds.get(t % buffers)}")
+        holds.pop(t % buffers, None)
+    return bad
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_fp4_prefetching_producer_order(stages):
+    """The prefetching producer's order (``wait_group(1)`` with two staging buffers) at every length and every window
+    that fits the stages: no step decoded before its rows landed, no buffer overwritten early; a wait for one more
+    pending group, or a single buffer, breaks it (so the simulation can fail)."""
+    for kv_steps in range(stages, 13):
+        for window_steps in range(stages + 1):
+            assert _prefetch_violations(stages, kv_steps, window_steps) == [], (kv_steps, window_steps)
+    assert _prefetch_violations(stages, 10, 0, pending=2) != []
+    assert _prefetch_violations(stages, 10, 0, buffers=1) != []
+
+
+def test_fp4_prefetch_wrapper_checks():
+    with pytest.raises(ValueError, match="must be uint8 v41_fp4"):
+        _trace(block_kv=32, num_stages=4, fp4_prefetch=True)
+    with pytest.raises(ValueError, match="must fit the 3 stages"):
+        _trace(n=64, block_kv=32, num_stages=3, window=128, pool_dtype=jnp.uint8, fp4_prefetch=True)
+    with pytest.raises(ValueError, match="shared memory"):
+        _trace(block_kv=64, num_stages=2, pool_dtype=jnp.uint8, fp4_prefetch=True)   # 2 × 18 KiB of staging
+
+
+def test_raw_row_copy_split():
+    """Whole 288-byte rows in 16-byte units over 128 threads: 32 rows = 576 units (5 passes, the last clamped), 64
+    rows = 1152 (9 passes); rows that are not whole units are refused."""
+    from pallas_kernels.attention.row_gather_sm90 import raw_copy_units
+
+    assert raw_copy_units(32, 288) == (576, 5)
+    assert raw_copy_units(64, 288) == (1152, 9)
+    with pytest.raises(ValueError, match="16-byte units"):
+        raw_copy_units(32, 68)
 
 
 @pytest.mark.parametrize("pool_dtype,window", [(jnp.bfloat16, 128), (jnp.uint8, 128), (jnp.bfloat16, 100)])

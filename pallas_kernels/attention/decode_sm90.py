@@ -343,6 +343,88 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
             commit_group(plgpu)              # one group per iteration, empty when nothing was refilled
 
 
+def _produce_fp4_prefetch(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, raw_smem, bias_smem, rows_barrier,
+                          loaded_barriers, consumed_barriers, *, tok, chunks: int, block_kv: int, stages: int,
+                          kv_steps: int, own_chunk, others_consumed=None, window_ref=None,
+                          window_steps: int = 0) -> None:
+    """The gathering warpgroup for ``v41_fp4`` pool rows with the next step's rows in flight while this step is
+    decoded (``sparse_decode_attention_rows(..., fp4_prefetch=True)``): each step's stored rows are copied whole
+    (``cp.async``, 16-byte units) into one of two staging buffers ``raw_smem [2, block_kv, D/2 + D/16]``, and decoded
+    from there into the stage's tiles once the compute side has released it.
+
+    Order (``W = window_steps ≤ stages``, checked by the caller): the window's ``W`` steps are copied into their
+    (still free) stages and committed as one group, then step ``W``'s rows into staging buffer ``W mod 2`` as the next
+    group; once the first group has landed the window stages are announced. Iteration ``t = W … kv_steps − 1``:
+    copy step ``t + 1``'s rows into buffer ``(t + 1) mod 2`` (which held step ``t − 1``, decoded in the previous
+    iteration) and commit (an empty group after the last step); ``wait_group(1)`` = every group but that newest one has
+    landed, i.e. step ``t``'s rows; a warpgroup barrier makes every thread's copies visible to all; then, once
+    the stage is free (step ``t − stages`` released — with early release the other CTAs' column chunks first, the own
+    chunk and the mask row after P·V), decode into it, fence, synchronise and arrive on its "loaded" barrier."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.attention.row_gather_sm90 import (
+        commit_group,
+        decode_staged_fp4_rows,
+        issue_raw_row_copies,
+        issue_row_copies,
+        wait_group,
+    )
+
+    plgpu.set_max_registers(GATHER_REGISTERS, action="decrease")
+    plgpu.copy_gmem_to_smem(rows_ref.at[tok], rows_smem, rows_barrier)
+    plgpu.barrier_wait(rows_barrier)
+    dh = kv_smem.shape[-1]
+    half = chunks * dh // 2
+    swizzle = kv_swizzle(block_kv)
+
+    def mask_row(step, slot):
+        plgpu.copy_gmem_to_smem(bias_ref.at[tok, pl.ds(step * block_kv, block_kv)], bias_smem.at[slot],
+                                loaded_barriers.at[slot])
+
+    def stage_rows(step):
+        issue_raw_row_copies(plgpu, pool_ref, rows_smem.at[step], raw_smem.at[lax.rem(step, 2)], block_rows=block_kv)
+
+    def fill(step, slot, which=None, with_bias=True):
+        """Decodes step ``step``'s staged rows (column chunks ``which``, default all) into stage ``slot``."""
+        raw = raw_smem.at[lax.rem(step, 2)]
+        parts = [(raw.at[:, pl.ds(c * (dh // 2), dh // 2)], raw.at[:, pl.ds(half + c * (dh // 16), dh // 16)],
+                  kv_smem.at[slot, c]) for c in (range(chunks) if which is None else which)]
+        decode_staged_fp4_rows(plgpu, parts, block_rows=block_kv, cols=dh, swizzle=swizzle)
+        if with_bias:
+            mask_row(step, slot)
+
+    for i in range(window_steps):            # the window's steps: bf16 rows straight into their free stages
+        for c in range(chunks):
+            issue_row_copies(plgpu, window_ref.at[:, c], rows_smem.at[i], kv_smem.at[i, c], block_rows=block_kv,
+                             cols=dh, swizzle=swizzle)
+        mask_row(i, i)
+    commit_group(plgpu)
+    if window_steps < kv_steps:
+        stage_rows(window_steps)
+    commit_group(plgpu)
+    if window_steps:
+        wait_group(plgpu, 1)                 # the window's copies have landed (the staged rows may not have)
+        plgpu.commit_smem()
+        for i in range(window_steps):
+            plgpu.barrier_arrive(loaded_barriers.at[i])
+
+    @pl.loop(window_steps, kv_steps)
+    def _step(step):
+        slot = lax.rem(step, jnp.array(stages, step.dtype))
+        pl.when(step + 1 < kv_steps)(lambda: stage_rows(step + 1))
+        commit_group(plgpu)
+        wait_group(plgpu, 1)                 # this thread's copies of step `step`'s rows have landed
+        plgpu.commit_smem()                  # warpgroup barrier: everyone's have
+
+        pl.when(step < stages)(lambda: fill(step, slot))      # a stage not used yet
+        pl.when(step >= stages)(lambda: _refill_stage(fill, slot, step, consumed_barriers=consumed_barriers,
+                                                      others_consumed=others_consumed, own_chunk=own_chunk,
+                                                      chunks=chunks))
+
+        plgpu.commit_smem()                  # fence.proxy.async + barrier: the tiles are written for the WGMMA
+        plgpu.barrier_arrive(loaded_barriers.at[slot])
+
+
 def _online_softmax_step(qk, bias, m_i, l_i, acc, *, qk_scale: float):
     """One KV block of the base-2 online softmax, shared by every organisation: ``qk fp32 [64, block_kv]`` (WGMMA
     layout), ``bias fp32 [block_kv]`` (0 / −inf, column layout), running max ``m_i`` and sum ``l_i`` (``[64]``), the
@@ -435,7 +517,8 @@ def kv_swizzle(block_kv: int) -> int:
 
 def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
                            block_kv: int, stages: int, cluster: bool = False, early_release: bool = False,
-                           rows_idx: jax.Array | None = None, window4: jax.Array | None = None) -> jax.Array:
+                           rows_idx: jax.Array | None = None, window4: jax.Array | None = None,
+                           fp4_prefetch: bool = False) -> jax.Array:
     """The Mosaic GPU kernel on the split layouts (``cluster``: organisation ``split_cluster``, the ``v_split`` CTAs
     of a (head block, token) launched as one cluster sharing their Q and KV copies; ``early_release``: the column
     chunks only the QK product reads are released for refill before the softmax and P·V; ``rows_idx``: the KV rows
@@ -452,6 +535,8 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         (every index in ``[0, R)``).
       window4: with ``rows_idx``, an optional second source ``bf16 [Rw, v_split, dh]`` for the first ``Rw / N``
         rows of every query (a multiple of ``block_kv``; their ``rows_idx`` entries index it).
+      fp4_prefetch: with a ``uint8`` pool, the producer stages each step's rows in shared memory one step ahead
+        (:func:`_produce_fp4_prefetch`).
     Returns:
       ``bf16 [N, H, v_split, dh]``.
     """
@@ -470,12 +555,15 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
 
     def body(*refs):
         window_ref = None
-        if gathered and window4 is not None:
-            (q_ref, kv_ref, bias_ref, sink_ref, rows_ref, window_ref, o_ref, q_smem, kv_smem, bias_smem, sink_smem,
-             rows_smem, setup_barrier, rows_barrier, loaded_barriers, consumed_barriers, *others_consumed) = refs
-        elif gathered:
-            (q_ref, kv_ref, bias_ref, sink_ref, rows_ref, o_ref, q_smem, kv_smem, bias_smem, sink_smem, rows_smem,
-             setup_barrier, rows_barrier, loaded_barriers, consumed_barriers, *others_consumed) = refs
+        raw_smem = None
+        if gathered:
+            (q_ref, kv_ref, bias_ref, sink_ref, rows_ref, *refs) = refs
+            if window4 is not None:
+                window_ref, *refs = refs
+            (o_ref, q_smem, kv_smem, bias_smem, sink_smem, rows_smem, *refs) = refs
+            if fp4_prefetch:
+                raw_smem, *refs = refs
+            (setup_barrier, rows_barrier, loaded_barriers, consumed_barriers, *others_consumed) = refs
         else:
             (q_ref, kv_ref, bias_ref, sink_ref, o_ref, q_smem, kv_smem, bias_smem, sink_smem, setup_barrier,
              loaded_barriers, consumed_barriers, *others_consumed) = refs
@@ -546,6 +634,13 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
 
         @pl.when(wg == 1)
         def _memory():
+            if fp4_prefetch:
+                _produce_fp4_prefetch(kv_ref, rows_ref, bias_ref, kv_smem, rows_smem, raw_smem, bias_smem,
+                                      rows_barrier, loaded_barriers, consumed_barriers, tok=tok, chunks=v_split,
+                                      block_kv=block_kv, stages=stages, kv_steps=kv_steps, own_chunk=split,
+                                      others_consumed=others_consumed, window_ref=window_ref,
+                                      window_steps=window_steps)
+                return
             if gathered:
                 _produce_gathered(kv_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_smem, rows_barrier,
                                   loaded_barriers, consumed_barriers, tok=tok, chunks=v_split, block_kv=block_kv,
@@ -557,7 +652,8 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
                         multicast="split" if cluster else None, own_chunk=split, others_consumed=others_consumed)
 
     body.__name__ = (f"sparse_decode_attention_d{v_split * dh}_bkv{block_kv}{'_cluster' if cluster else ''}"
-                     f"{'_early' if early_release else ''}{'_gathered' if gathered else ''}")
+                     f"{'_early' if early_release else ''}{'_gathered' if gathered else ''}"
+                     f"{'_prefetch' if fp4_prefetch else ''}")
     # split_cluster: a stage is refilled (into both CTAs' shared memory) only once both CTAs' compute warpgroups
     # are done with it, so its "consumed" barrier counts the arrivals of the whole cluster.
     consumed = (plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1, num_barriers=stages) if cluster
@@ -568,6 +664,7 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         plgpu.SMEM((stages, block_kv), jnp.float32),
         plgpu.SMEM((hb,), jnp.float32),
         *([plgpu.SMEM((kv_steps, block_kv), jnp.int32)] if gathered else []),
+        *([plgpu.SMEM((2, block_kv, kv4.shape[-1]), jnp.uint8)] if fp4_prefetch else []),   # staged fp4 rows
         plgpu.Barrier(num_arrivals=v_split + 1),
         *([plgpu.Barrier(num_arrivals=1)] if gathered else []),
         # a stage has landed: its v_split column chunks (TMA) or the gathering warpgroup's one arrival, + the mask row
@@ -819,10 +916,12 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
     return out.reshape(n, h, d)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "v_split", "early_release"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "v_split", "early_release",
+                                             "fp4_prefetch"))
 def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array, valid: jax.Array, sink: jax.Array,
                                  *, scale: float, window: jax.Array | None = None, block_kv: int = 64,
-                                 num_stages: int = 2, v_split: int = 2, early_release: bool = False) -> jax.Array:
+                                 num_stages: int = 2, v_split: int = 2, early_release: bool = False,
+                                 fp4_prefetch: bool = False) -> jax.Array:
     """:func:`sparse_decode_attention` on ``kv = pool[rows]`` (or ``concat(window, pool[rows])``) without
     materialising the gathered rows: the kernel's memory warpgroup fetches each query's rows by index straight into
     its shared-memory tiles (``cp.async``, 16 bytes per thread and copy;
@@ -840,10 +939,14 @@ def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array,
       sink: ``fp32 [H]``; scale, num_stages, v_split, early_release: as in :func:`sparse_decode_attention`.
       window: optional ``bf16 [N, Sw, d]``, rows each query reads before its pool rows (its sliding window, laid
         out by the caller), ``Sw`` a multiple of ``block_kv``; fetched by the same copies from this second source.
-      block_kv: KV rows per pipeline step, a multiple of 32 (split_cta's smallest step; the gather writes whole
-        128-byte-swizzled (8, 64) tiles). The producer can have ``num_stages − 1`` steps' copies in flight
-        (:func:`~pallas_kernels.attention.row_gather_sm90.producer_wait_pending`), so 32-row steps in 4 stages
-        keep 96 rows in flight where 64-row steps in 2 stages (what fits at d = 512) keep 64.
+      block_kv: KV rows per pipeline step, a multiple of 32 (split_cta's smallest step; 32-row steps use 64-byte
+        swizzled ``(8, 32)`` tiles, :func:`kv_swizzle`). The producer can have ``num_stages − 1`` steps' copies in
+        flight (:func:`~pallas_kernels.attention.row_gather_sm90.producer_wait_pending`), so 32-row steps in 4
+        stages keep 96 rows in flight where 64-row steps in 2 stages (what fits at d = 512) keep 64.
+      fp4_prefetch: ``v41_fp4`` pools only: copy each step's stored rows whole into shared memory one step ahead
+        and decode them from there (:func:`_produce_fp4_prefetch`), instead of loading, decoding and storing
+        each step synchronously; needs two staging buffers of ``block_kv`` rows (fits with 32-row steps) and the
+        window's steps to fit the stages.
     Returns:
       ``o bf16 [N, H, d]``.
     """
@@ -870,8 +973,14 @@ def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array,
     check_shapes(q, jax.ShapeDtypeStruct((n, length, d), jnp.bfloat16), valid, sink)
     if block_kv % 32 or sw % block_kv:
         raise ValueError(f"block_kv={block_kv} must be a multiple of 32 dividing the window's {sw} rows")
+    if fp4_prefetch and not fp4:
+        raise ValueError("fp4_prefetch stages v41_fp4 rows: the pool must be uint8 v41_fp4 rows")
+    staging = 2 * block_kv * row_width if fp4_prefetch else 0
     stages = check_config(h, d, length, block_kv=block_kv, num_stages=num_stages, v_split=v_split,
-                          organisation="split_cta", early_release=early_release, extra_smem=4 * length)
+                          organisation="split_cta", early_release=early_release, extra_smem=4 * length + staging)
+    if fp4_prefetch and sw // block_kv > stages:
+        raise ValueError(f"fp4_prefetch fetches the window's {sw // block_kv} steps into fresh stages first: they "
+                         f"must fit the {stages} stages")
     dh = d // v_split
     check_gather_shape(block_kv, dh, kv_swizzle(block_kv))
     bias = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
@@ -884,7 +993,7 @@ def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array,
                           bias,
                           sink.astype(jnp.float32), scale=scale, block_kv=block_kv, stages=stages,
                           early_release=early_release, rows_idx=idx.reshape(n, length // block_kv, block_kv),
-                          window4=window4)
+                          window4=window4, fp4_prefetch=fp4_prefetch)
     return out.reshape(n, h, d)
 
 

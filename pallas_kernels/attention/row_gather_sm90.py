@@ -222,6 +222,22 @@ def issue_fp4_row_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int,
         ``[block_rows, cols]`` tiled ``(8, swizzle / 2)`` and ``swizzle``-byte swizzled.
       rows_ref: SMEM int32 ``[block_rows]``, row indices into the pool (each in ``[0, R)``).
     """
+    _fp4_decode(plgpu, chunks, rows_ref, block_rows=block_rows, cols=cols, swizzle=swizzle)
+
+
+def decode_staged_fp4_rows(plgpu, chunks, *, block_rows: int, cols: int, swizzle: int = 128) -> None:
+    """:func:`issue_fp4_row_decode` from rows already in shared memory (``v41_fp4`` bytes that
+    :func:`issue_raw_row_copies` staged): ``dst[r] = decode(staged[r])``, loads from shared memory instead of a
+    gather from global memory. ``chunks``: ``[(data_ref, scale_ref, dst_ref), …]`` with ``data_ref`` SMEM uint8
+    ``[block_rows, cols / 2]`` and ``scale_ref`` SMEM uint8 ``[block_rows, cols / 16]`` (column slices of the staged
+    rows ``[block_rows, D/2 + D/16]``). Every thread must see the staged bytes (the caller waits for the copies and
+    synchronises the warpgroup first)."""
+    _fp4_decode(plgpu, chunks, None, block_rows=block_rows, cols=cols, swizzle=swizzle)
+
+
+def _fp4_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int, swizzle: int) -> None:
+    """Both FP4 decodes: rows gathered from global memory through ``rows_ref``, or (``rows_ref`` None) row ``r`` of
+    staged rows in shared memory."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -233,9 +249,10 @@ def issue_fp4_row_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int,
                          f"evenly over a warpgroup")
     tiled = tile_transforms(plgpu, swizzle)
     chunk_types = tuple((plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled)) for _ in chunks)
+    staged = rows_ref is None
 
-    @plgpu.inline_mgpu(arg_types=(chunk_types, plgpu.RefType()))
-    def decode(_, chunk_refs, rows):
+    @plgpu.inline_mgpu(arg_types=(chunk_types, *(() if staged else (plgpu.RefType(),))))
+    def decode(_, chunk_refs, *rows):
         i16 = ir.IntegerType.get_signless(16)
         i32 = ir.IntegerType.get_signless(32)
         i64 = ir.IntegerType.get_signless(64)
@@ -249,12 +266,12 @@ def issue_fp4_row_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int,
             return arith.constant(bf16x2, ir.DenseElementsAttr.get_splat(bf16x2, value))
 
         e2m1_unscale, e4m3_unscale = splat(E2M1_UNSCALE), splat(E4M3_UNSCALE)
-        rows_ptr = mgpu_utils.memref_ptr(rows)
+        rows_ptr = None if staged else mgpu_utils.memref_ptr(rows[0])
         t = arith.remui(mgpu_utils.thread_idx(), ops.c(WARPGROUP))
         loaded = []
         for data, scales, dst in chunk_refs:      # every load first: they are independent, all in flight at once
-            data_ptr, stride = _global_rows(data)
-            scale_ptr, scale_stride = _global_rows(scales)
+            data_ptr, stride = _shared_rows(data) if staged else _global_rows(data)
+            scale_ptr, scale_stride = _shared_rows(scales) if staged else _global_rows(scales)
             if scale_stride != stride:
                 raise ValueError(f"data and scale slices must be of one pool (row strides {stride}, {scale_stride})")
             dst_ptr = mgpu_utils.memref_ptr(dst)
@@ -262,7 +279,7 @@ def issue_fp4_row_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int,
                 g = arith.addi(t, ops.c(WARPGROUP * j))
                 r = arith.divui(g, ops.c(loads_per_row))
                 k0 = arith.muli(arith.remui(g, ops.c(loads_per_row)), ops.c(UNITS_PER_LOAD))
-                row = llvm.load(i32, mgpu_utils.getelementptr(rows_ptr, [r], i32))
+                row = r if staged else llvm.load(i32, mgpu_utils.getelementptr(rows_ptr, [r], i32))
                 base = arith.muli(arith.extui(i64, row), arith.constant(i64, stride))
                 words = llvm.load(vec4, mgpu_utils.getelementptr(
                     data_ptr, [arith.addi(base, arith.extui(i64, arith.muli(k0, ops.c(4))))], u8), alignment=16)
@@ -283,7 +300,74 @@ def issue_fp4_row_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int,
                 place = mgpu_utils.getelementptr(dst_ptr, [arith.muli(offset, ops.c(UNIT_BYTES))], u8)
                 llvm.store(vec, place, alignment=UNIT_BYTES)
 
-    decode(tuple(tuple(c) for c in chunks), rows_ref)
+    decode(tuple(tuple(c) for c in chunks), *(() if staged else (rows_ref,)))
+
+
+def raw_copy_units(block_rows: int, row_bytes: int) -> tuple[int, int]:
+    """``(units, copies per thread)`` of :func:`issue_raw_row_copies`: the 16-byte units of ``block_rows`` stored rows
+    of ``row_bytes`` each, and how many a warpgroup thread issues (the last pass clamps its unit to the last one,
+    so a few threads copy that unit again: the same bytes to the same place)."""
+    if row_bytes % UNIT_BYTES:
+        raise ValueError(f"stored rows of {row_bytes} B are not whole 16-byte units")
+    units = block_rows * row_bytes // UNIT_BYTES
+    return units, -(-units // WARPGROUP)
+
+
+def issue_raw_row_copies(plgpu, src_ref, rows_ref, dst_ref, *, block_rows: int) -> None:
+    """Every thread of the calling warpgroup issues its ``cp.async`` copies of whole stored rows, ``dst[r] =
+    src[rows[r]]`` byte for byte (no commit, no wait): the ``v41_fp4`` rows that :func:`decode_staged_fp4_rows` then
+    decodes from shared memory, so that one step's rows can be in flight while the previous step is decoded.
+
+    Args:
+      src_ref: GMEM uint8 ``[R, row_bytes]`` (``row_bytes`` a multiple of 16; rows 16-byte aligned).
+      rows_ref: SMEM int32 ``[block_rows]``, row indices into ``src`` (each in ``[0, R)``).
+      dst_ref: SMEM uint8 ``[block_rows, row_bytes]``, plain (no tiling).
+    """
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, nvvm
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    row_bytes = src_ref.shape[-1]
+    units, passes = raw_copy_units(block_rows, row_bytes)
+    per_row = row_bytes // UNIT_BYTES
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
+    def issue(_, src, rows, dst):
+        i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
+        u8 = ir.IntegerType.get_signless(8)
+
+        ops = _mlir_ops(arith, i32)
+        src_ptr, stride = _global_rows(src)
+        dst_ptr, dst_stride = _shared_rows(dst)
+        rows_ptr = mgpu_utils.memref_ptr(rows)
+        t = arith.remui(mgpu_utils.thread_idx(), ops.c(WARPGROUP))
+        for j in range(passes):
+            u = arith.addi(t, ops.c(WARPGROUP * j))
+            if WARPGROUP * (j + 1) > units:
+                u = arith.minui(u, ops.c(units - 1))
+            r, k = arith.divui(u, ops.c(per_row)), arith.remui(u, ops.c(per_row))
+            row = llvm.load(i32, mgpu_utils.getelementptr(rows_ptr, [r], i32))
+            src_byte = arith.addi(arith.muli(arith.extui(i64, row), arith.constant(i64, stride)),
+                                  arith.extui(i64, arith.muli(k, ops.c(UNIT_BYTES))))
+            dst_byte = arith.addi(arith.muli(r, ops.c(dst_stride)), arith.muli(k, ops.c(UNIT_BYTES)))
+            nvvm.cp_async_shared_global(mgpu_utils.getelementptr(dst_ptr, [dst_byte], u8),
+                                        mgpu_utils.getelementptr(src_ptr, [src_byte], u8), UNIT_BYTES,
+                                        nvvm.LoadCacheModifierKind.CG)
+
+    issue(src_ref, rows_ref, dst_ref)
+
+
+def _shared_rows(ref):
+    """``(pointer, row stride in elements)`` of an SMEM ``[rows, cols]`` memref with contiguous rows (a column slice
+    of staged rows keeps their row stride)."""
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    (row_stride, col_stride), _ = ir.MemRefType(ref.type).get_strides_and_offset()
+    if col_stride != 1:
+        raise ValueError(f"staged rows must be contiguous, got column stride {col_stride}")
+    return mgpu_utils.memref_ptr(ref), row_stride
 
 
 def _global_rows(ref):
@@ -349,5 +433,6 @@ def wait_group(plgpu, pending: int) -> None:
 
 
 __all__ = ["check_gather_shape", "commit_group", "e4m3_scale_bits", "fp4_pair_bits", "host_decode_fp4_unit",
-           "host_tile_image", "issue_fp4_row_decode", "issue_row_copies", "line_units", "producer_wait_pending",
-           "tile_transforms", "unit_offset", "wait_group"]
+           "decode_staged_fp4_rows", "host_tile_image", "issue_fp4_row_decode", "issue_raw_row_copies",
+           "issue_row_copies", "line_units", "producer_wait_pending", "raw_copy_units", "tile_transforms",
+           "unit_offset", "wait_group"]
