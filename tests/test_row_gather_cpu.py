@@ -273,3 +273,19 @@ def test_model_pooled_path_lowers_for_cuda(pool_dtype, window):
         S((b, s, h, d), jnp.bfloat16), S((b, s, window, d), jnp.bfloat16), S((b, s, window), jnp.bool_),
         S((8192, width), pool_dtype), S((b, s, k), jnp.int32), S((b, s, k), jnp.bool_), S((h,), jnp.float32))
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("n", [1, 8, 9, 64])
+def test_model_gather_options_are_valid_kernel_configs(n):
+    """The model's rule for the gathering kernel (``tuning.gather_options``) gives options the kernel accepts at every
+    query count, with early release (which needs v_split ≥ 2 and split_cta) only above ``SMALL_N_MAX``."""
+    from pallas_kernels.attention.tuning import SMALL_N_MAX, gather_options
+
+    options = gather_options(n)
+    assert options.get("early_release", False) == (n > SMALL_N_MAX)
+    for pool_dtype in (jnp.bfloat16, jnp.uint8):
+        text = _trace(n, 64, 512, 640, window=128, pool_dtype=pool_dtype, **options).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+    with pytest.raises(ValueError, match="n_queries > 0"):
+        gather_options(0)

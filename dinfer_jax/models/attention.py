@@ -384,18 +384,17 @@ def attend_selected_pooled(q: jax.Array, kv: jax.Array, wm: jax.Array, pool: jax
     n, L = B * S, Sw + wpad + K + kpad
     o = kernel_call(_rows_kernel, q.reshape(n, H, d), pool, rows.reshape(n, K + kpad), valid.reshape(n, L),
                     sink.astype(F32), window.reshape(n, Sw + wpad, d), scale=d ** -0.5,
-                    early_release=n > tuning.SMALL_N_MAX)
+                    **tuning.gather_options(n))
     return o.reshape(B, S, H, d)
 
 
 def _rows_kernel(q: jax.Array, pool: jax.Array, rows: jax.Array, valid: jax.Array, sink: jax.Array,
-                 window: jax.Array, *, scale: float, early_release: bool) -> jax.Array:
+                 window: jax.Array, *, scale: float, **options) -> jax.Array:
     """``sparse_decode_attention_rows`` with the window as an operand (:func:`kernel_call` takes statics by
-    keyword only)."""
+    keyword only); ``options``: ``tuning.gather_options``."""
     from pallas_kernels.attention.decode_sm90 import sparse_decode_attention_rows
 
-    return sparse_decode_attention_rows(q, pool, rows, valid, sink, scale=scale, window=window,
-                                        early_release=early_release)
+    return sparse_decode_attention_rows(q, pool, rows, valid, sink, scale=scale, window=window, **options)
 
 
 def attend_selected(q: jax.Array, kv: jax.Array, win_mask: jax.Array, rows: jax.Array, row_mask: jax.Array,

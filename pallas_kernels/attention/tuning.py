@@ -34,4 +34,15 @@ def decode_options(n_queries: int, rows: int, block_kv: int = 64) -> dict:
     return dict(organisation="shared_qk", l_split=l_split)
 
 
-__all__ = ["NUM_SMS", "SMALL_N_MAX", "decode_options"]
+def gather_options(n_queries: int) -> dict:
+    """Keyword arguments of ``sparse_decode_attention_rows`` (the kernel fetching its rows from the cache) for a call
+    of ``n_queries`` query rows: 64-row steps in two stages, early release above :data:`SMALL_N_MAX` queries — what
+    was measured correct and faster than XLA's gather + the kernel on an H100 (docs/perf/attention_h200.md, second
+    session of 2026-12-06). The deeper 32-row forms (``block_kv=32``, 3-4 stages; ``fp4_prefetch`` for ``v41_fp4``
+    rows) stay out of this rule until a GPU has measured them."""
+    if n_queries <= 0:
+        raise ValueError(f"need n_queries > 0, got {n_queries}")
+    return dict(early_release=n_queries > SMALL_N_MAX)
+
+
+__all__ = ["NUM_SMS", "SMALL_N_MAX", "decode_options", "gather_options"]
