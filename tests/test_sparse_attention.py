@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -101,6 +102,26 @@ def test_mode_rule_and_bad_mode():
     for impl in ("pallas", "pallas_gather"):
         with pytest.raises(ValueError, match=f"attention_impl='{impl}'.*needs a GPU"):
             LLM(dataclasses.replace(model, attention_impl=impl), warmup=False, progress=False)
+
+
+def test_selected_attention_rule_by_backend_and_shape():
+    """Which attention the model's "auto" takes for its selected rows: on a GPU, the kernel fetching the rows from
+    the cache for decode-like steps (≤ 8 queries per row, bf16, 64-head blocks); XLA for prefill chunks, other
+    dtypes and off a GPU. The explicit kernel switches raise where the kernel cannot run."""
+    from dinfer_jax.models.attention import selected_attention_impl
+
+    def q(b, s, dtype=jnp.bfloat16, h=64, d=512):
+        return jax.ShapeDtypeStruct((b, s, h, d), dtype)
+
+    assert selected_attention_impl("auto", q(64, 1), backend="gpu") == "pallas_gather"
+    assert selected_attention_impl("auto", q(1, 8), backend="gpu") == "pallas_gather"
+    assert selected_attention_impl("auto", q(1, 9), backend="gpu") == "jnp"          # a prefill chunk
+    assert selected_attention_impl("auto", q(64, 1, jnp.float32), backend="gpu") == "jnp"
+    assert selected_attention_impl("auto", q(64, 1, h=32), backend="gpu") == "jnp"
+    assert selected_attention_impl("auto", q(64, 1), backend="cpu") == "jnp"
+    assert selected_attention_impl("pallas", q(1, 300), backend="gpu") == "pallas"
+    with pytest.raises(ValueError, match="cannot run here: .*float32"):
+        selected_attention_impl("pallas_gather", q(64, 1, jnp.float32), backend="gpu")
 
 
 @pytest.mark.parametrize("preset,fake_quant", [("tiny-v4", None), ("tiny-v41", False), ("tiny-v41", True)])

@@ -63,8 +63,9 @@ class Model:
     else XLA; ``"xla"``; or ``"pallas"``, the Mosaic GPU kernel for calls of up to 64 tokens, XLA's GEMM above;
     ``docs/perf/linear_kernel_h200.md``). ``attention_impl``: what attends to
     the gathered rows in the serving steps (:func:`~dinfer_jax.models.attention.selected_attention_impl`:
-    ``"auto"``, the Mosaic GPU decode-attention kernel for steps of up to 8 queries a row on a GPU and XLA
-    elsewhere; ``"jnp"``; ``"pallas"``, the kernel for every step that gathers rows, prefill chunks included; or
+    ``"auto"``, the Mosaic GPU decode-attention kernel for steps of up to 8 queries a row on a GPU, fetching the
+    selected rows from the cache itself as ``"pallas_gather"`` does, and XLA elsewhere; ``"jnp"``; ``"pallas"``,
+    the kernel on XLA-gathered rows for every step that gathers rows, prefill chunks included; or
     ``"pallas_gather"``, as ``"pallas"`` with the kernel fetching the selected rows from the cache itself where it
     can read them — V4's exact bf16 cache, V4.1's ``v41_fp4`` rows — for steps of more than 8 query rows),
     and whether the indexer's kernel scores them (the same switch: :func:`~dinfer_jax.models.attention.index_impl`).
