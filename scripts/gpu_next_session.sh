@@ -8,7 +8,7 @@
 #      fp4_prefetch); if faster and bit-equal, make it the default of
 #      sparse_decode_attention_rows / the model's pooled path;
 #   01. STAGE=gather-serving PRESET=deepseek-v4.1-flash (on an H100: ENGRAM_VOCAB=100000 KV_GIB=4) — the decode step
-#      with attention_impl=pallas_gather against the default after 00;
+#      with the default (the kernel fetching its rows) against "pallas" (XLA's gather + the kernel) after 00;
 #   0. on an H200: STAGE=h200-attn — issue 9's 60% is an H200 figure (split_cta was 48-55% there): the kernel with
 #      early release (the model's rule above 8 queries; +5% on the H100) against split_cta, its GPU tests, and the
 #      model's attention path at batch 64, 32K context (its "kernel alone" column now uses the model's rule);
@@ -243,7 +243,9 @@ case "${STAGE:?set STAGE to rows-depth, rows-first, gather-serving, rows-kernel,
     # (ENGRAM_VOCAB=100000 KV_GIB=4 on an H100: V4.1's slice with 1M-row tables and 8 GiB of KV pages ran out of its
     # 78 GiB on 2026-12-06)
     P=${PRESET:-deepseek-v4-flash}; E=""; [ "$P" = deepseek-v4.1-flash ] && E="--engram-vocab ${ENGRAM_VOCAB:-1000000}"
-    cd scripts && for impl in pallas_gather auto; do timeout 270 python3 bench_serving.py --preset $P --layers 4 $E \
+    # ("auto" fetches the rows in the kernel for decode since 2026-12-06; "pallas" is XLA's gather + the kernel for
+    # decode, as "auto" was before — and the kernel for prefill chunks too, so compare decode columns only)
+    cd scripts && for impl in auto pallas; do timeout 270 python3 bench_serving.py --preset $P --layers 4 $E \
       --batch 64 $C --kv-gib ${KV_GIB:-8} --attention-impl $impl --out "$OUT/${P}_$impl" 2>&1 | quiet | grep "^|\|Error"; \
       echo "$P attention_impl=$impl"; done ;;
   rows-kernel)
