@@ -56,7 +56,7 @@ from pallas_kernels.attention.decode_sm90 import (  # noqa: E402
     traffic,
 )
 from pallas_kernels.attention.reference import sparse_decode_attention_ref  # noqa: E402
-from pallas_kernels.attention.tuning import decode_options  # noqa: E402
+from pallas_kernels.attention.tuning import SMALL_N_MAX, decode_options  # noqa: E402
 
 BLOCK = 128  # tokens per page (DeepInfer's default)
 
@@ -318,6 +318,11 @@ DEPTH_VARIANTS = {"gathered in kernel, early, 32-row steps × 3": dict(block_kv=
                   "gathered in kernel, early, 32-row steps × 4": dict(block_kv=32, num_stages=4)}
 # the FP4 producer loads, decodes and stores one step at a time; staged, the next step's rows are in flight (cp.async
 # into shared memory) while this one is decoded
+# up to tuning.SMALL_N_MAX queries the model's rule is shared_qk with an L split: XLA's gather then that kernel,
+# against its gathering form (each of the L-split CTAs fetching its part of the rows)
+SMALL_N_VARIANTS = ("shared_qk rule: XLA pool[rows] + kernel", "shared_qk rule: gathered in kernel",
+                    "shared_qk rule, v41_fp4: XLA gather + decode + kernel",
+                    "shared_qk rule, v41_fp4: gathered + decoded in kernel")
 FP4_DEPTH_VARIANTS = {"v41_fp4: gathered + decoded, 32-row steps × 4": dict(block_kv=32, num_stages=4),
                       "v41_fp4: staged a step ahead, 32-row steps × 4": dict(block_kv=32, num_stages=4,
                                                                             fp4_prefetch=True)}
@@ -359,10 +364,10 @@ def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int
         data, scales = encode(pool, "v41_fp4")
         fp4 = jnp.concatenate([data, scales], axis=1)
 
-        def xla_fp4(q, p, i, v, s, nb=d // 2, block_kv=64):
+        def xla_fp4(q, p, i, v, s, nb=d // 2, block_kv=64, options=early):
             g = p[i]
             return sparse_decode_attention(q, decode(g[..., :nb], g[..., nb:], "v41_fp4", dtype=jnp.bfloat16), v, s,
-                                           scale=scale, block_kv=block_kv, **early)
+                                           scale=scale, block_kv=block_kv, **options)
 
         want_fp4 = jax.jit(xla_fp4)(q, fp4, idx, valid, sink)
         calls[FP4_GATHER_VARIANTS[0]] = (jax.jit(xla_fp4), (q, fp4, idx, valid, sink))
@@ -381,12 +386,28 @@ def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int
                                                       early_release=n > 8, **kw)), (q, fp4, idx, valid, sink))
             references[label] = jax.jit(functools.partial(xla_fp4, block_kv=kw["block_kv"]))(q, fp4, idx, valid,
                                                                                                sink)
+        if n <= SMALL_N_MAX:   # few queries: the model's shared_qk rule, gathering in each of its L-split CTAs
+            small = decode_options(n, rows)
+            calls[SMALL_N_VARIANTS[0]] = (jax.jit(lambda q, p, i, v, s, small=small: sparse_decode_attention(
+                q, p[i], v, s, scale=scale, **small)), (q, pool, idx, valid, sink))
+            calls[SMALL_N_VARIANTS[1]] = (jax.jit(functools.partial(sparse_decode_attention_rows, scale=scale,
+                                                                    num_stages=1, **small)),
+                                          (q, pool, idx, valid, sink))
+            references[SMALL_N_VARIANTS[0]] = references[SMALL_N_VARIANTS[1]] = sparse_decode_attention(
+                q, kv, valid, sink, scale=scale, **small)
+            calls[SMALL_N_VARIANTS[2]] = (jax.jit(functools.partial(xla_fp4, options=small)),
+                                          (q, fp4, idx, valid, sink))
+            calls[SMALL_N_VARIANTS[3]] = (jax.jit(functools.partial(sparse_decode_attention_rows, scale=scale,
+                                                                    num_stages=1, **small)),
+                                          (q, fp4, idx, valid, sink))
+            references[SMALL_N_VARIANTS[2]] = references[SMALL_N_VARIANTS[3]] = jax.jit(
+                functools.partial(xla_fp4, options=small))(q, fp4, idx, valid, sink)
         t = traffic(n, h, d, rows)
         # the stored bytes of the rows: 1 KiB (bf16) or 288 B (v41_fp4) a row, + queries, mask, sink, output
         fp4_bytes = t["bytes"] - n * rows * d * 2 + n * rows * fp4.shape[1]
         for label, (f, args) in calls.items():
             row = dict(batch=n, heads=h, d=d, rows=rows, pool_rows=pool_rows, copy_GBps=copy_bw / 1e9, variant=label)
-            fp4_row = label in FP4_GATHER_VARIANTS or label in FP4_DEPTH_VARIANTS
+            fp4_row = label in FP4_GATHER_VARIANTS or label in FP4_DEPTH_VARIANTS or label in SMALL_N_VARIANTS[2:]
             nbytes = fp4_bytes if fp4_row else t["bytes"]
             reference = references.get(label, want_fp4 if fp4_row else want)
 

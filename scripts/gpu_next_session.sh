@@ -5,7 +5,8 @@
 #   00. STAGE=rows-depth (any card) — the gathering kernel in 32-row steps (64-byte swizzled tiles, 3-4 stages: 2-3
 #      steps of copies in flight instead of 1): its GPU cases, then bench_kernels.py attention-rows at 64 and 16
 #      queries with the depth variants (bf16 and v41_fp4, and v41_fp4 rows staged one step ahead in shared memory,
-#      fp4_prefetch); if faster and bit-equal, make it the default of
+#      fp4_prefetch), and at 1 query shared_qk's gathering form (each L-split CTA fetching its rows) against XLA's
+#      gather + shared_qk; if faster and bit-equal, make it the default of
 #      sparse_decode_attention_rows / the model's pooled path;
 #   01. STAGE=gather-serving PRESET=deepseek-v4.1-flash (on an H100: ENGRAM_VOCAB=100000 KV_GIB=4) — the decode step
 #      with the default (the kernel fetching its rows) against "pallas" (XLA's gather + the kernel) after 00;
@@ -224,9 +225,9 @@ case "${STAGE:?set STAGE to rows-depth, rows-first, gather-serving, rows-kernel,
   rows-depth)
     # issue 9: the gathering kernel's 32-row steps (more copies in flight): GPU cases, then the depth variants
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_rows_gpu.py \
-      -k "bkv32 or equals_kernel" 2>&1 | tee "$OUT/rows_depth_tests.txt" | grep "^E \|passed\|failed" \
+      -k "bkv32 or sharedqk or equals_kernel" 2>&1 | tee "$OUT/rows_depth_tests.txt" | grep "^E \|passed\|failed" \
       | head -20
-    timeout 200 python3 scripts/bench_kernels.py attention-rows --batches 16 64 --out "$OUT/attn_rows" 2>&1 \
+    timeout 240 python3 scripts/bench_kernels.py attention-rows --batches 1 16 64 --out "$OUT/attn_rows" 2>&1 \
       | quiet | grep "^|\|copy\|Error" ;;
   rows-first)
     # one call for a session that may get only one: the gathering kernel's GPU tests, its time against XLA's gather +

@@ -89,13 +89,18 @@ def test_gathered_kernel_equals_kernel_on_gathered_rows(n, h, length, mask):
     (128, dict(v_split=1)),                          # 64-byte pieces of a row per warp: 4 rows per warp pass
     (512, dict(block_kv=32, num_stages=4, early_release=True)),   # 32-row steps: 64-byte swizzled tiles, 4 stages
     (512, dict(block_kv=32, num_stages=3)),
+    (512, dict(organisation="shared_qk", l_split=10, num_stages=1)),   # few queries: one KV step per CTA
+    (512, dict(organisation="shared_qk", num_stages=1)),               # one CTA walking all ten steps
 ], ids=["d512-early", "d512-split4", "d512-split4-early", "d256-split1-3stages", "d256-bkv128-1stage", "d128",
-        "d512-bkv32-4stages-early", "d512-bkv32-3stages"])
+        "d512-bkv32-4stages-early", "d512-bkv32-3stages", "d512-sharedqk-l10", "d512-sharedqk-l1"])
 def test_gathered_kernel_configs(d, kw):
     _check_rows(8, 128, d, 640, "random", seed=d, **kw)
 
 
-@pytest.mark.parametrize("n,kw", [(64, dict(early_release=True)), (3, dict(num_stages=1)), (8, dict(v_split=4))])
+@pytest.mark.parametrize("n,kw", [(64, dict(early_release=True)), (3, dict(num_stages=1)), (8, dict(v_split=4)),
+                                  (1, dict(organisation="shared_qk", l_split=10, num_stages=1)),
+                                  (8, dict(organisation="shared_qk", l_split=5, num_stages=1))],
+                         ids=["n64-early", "n3-1stage", "n8-split4", "n1-sharedqk-l10", "n8-sharedqk-l5"])
 def test_gathered_kernel_with_window_source(n, kw):
     """The model's layout: 128 window rows per query from a second source, then 512 pool rows (two KV steps from the
     window, eight from the pool; with one stage, a window step is fetched inside the loop)."""
@@ -149,8 +154,9 @@ def test_model_pooled_path_equals_kernel_on_gathered_rows(b, s):
     (64, dict(block_kv=32, num_stages=4, early_release=True, fp4_prefetch=True)),
     (4, dict(block_kv=32, num_stages=4, fp4_prefetch=True)),
     (8, dict(block_kv=32, num_stages=4, v_split=4, fp4_prefetch=True)),
+    (1, dict(organisation="shared_qk", l_split=10, num_stages=1)),   # V4.1 batch-1 decode: the model's rule
 ], ids=["n64-early", "n4", "n8-split4", "n64-bkv32-early", "n64-bkv32-early-prefetch", "n4-bkv32-prefetch",
-        "n8-bkv32-split4-prefetch"])
+        "n8-bkv32-split4-prefetch", "n1-sharedqk-l10"])
 def test_fp4_pool_rows_decoded_in_kernel(n, kw):
     """V4.1's compressed rows as the cache stores them (``v41_fp4``: 256 B of e2m1 codes + 32 e4m3 scales per row,
     from ``kv_formats.encode`` of random rows spanning several decades, so that many scale exponents occur) read by

@@ -113,6 +113,11 @@ def _trace(n=4, h=64, d=512, length=640, pool_rows=4096, *, pool_dtype=jnp.bfloa
     (4, 64, 512, 640, dict(block_kv=32, num_stages=3, pool_dtype=jnp.uint8, fp4_prefetch=True)),
     (4, 64, 512, 256, dict(block_kv=32, num_stages=4, window=64, v_split=4, pool_dtype=jnp.uint8,
                            fp4_prefetch=True)),
+    # few queries: shared_qk, each of l_split CTAs gathering its part of the rows (the model's rule at 1-8 queries)
+    (1, 64, 512, 640, dict(organisation="shared_qk", l_split=10, window=128)),
+    (8, 64, 512, 640, dict(organisation="shared_qk", l_split=10, window=128, pool_dtype=jnp.uint8)),
+    (2, 64, 512, 640, dict(organisation="shared_qk", l_split=2, num_stages=1, window=128)),
+    (4, 64, 512, 256, dict(organisation="shared_qk", num_stages=1, pool_dtype=jnp.uint8)),
     (4, 64, 512, 256, dict(v_split=4, pool_dtype=jnp.uint8)),
 ])
 def test_gathered_kernel_lowers_for_cuda(n, h, d, length, kw):
@@ -246,6 +251,28 @@ def test_fp4_prefetch_wrapper_checks():
         _trace(n=64, block_kv=32, num_stages=3, window=128, pool_dtype=jnp.uint8, fp4_prefetch=True)
     with pytest.raises(ValueError, match="shared memory"):
         _trace(block_kv=64, num_stages=2, pool_dtype=jnp.uint8, fp4_prefetch=True)   # 2 × 18 KiB of staging
+
+
+def test_shared_qk_gather_wrapper_checks():
+    """The gathering form of shared_qk: one stage per CTA (two do not fit beside the row indices at d = 512, which the
+    model's rule never asks for: its L split leaves one KV step per CTA), no FP4 staging, and the register split
+    adds up to a thread slot's 512."""
+    from pallas_kernels.attention.decode_sm90 import (
+        SHARED_QK_COMPUTE_REGISTERS,
+        SHARED_QK_CONSUMERS,
+        SHARED_QK_GATHER_REGISTERS,
+    )
+
+    assert SHARED_QK_CONSUMERS * SHARED_QK_COMPUTE_REGISTERS + SHARED_QK_GATHER_REGISTERS == 512
+    assert SHARED_QK_GATHER_REGISTERS % 8 == 0 and SHARED_QK_GATHER_REGISTERS >= 24    # setmaxnreg's rule
+    with pytest.raises(ValueError, match="shared memory"):
+        _trace(n=2, organisation="shared_qk", l_split=2, num_stages=2)
+    with pytest.raises(ValueError, match="split_cta producer"):
+        _trace(block_kv=32, num_stages=4, pool_dtype=jnp.uint8, fp4_prefetch=True, organisation="shared_qk")
+    with pytest.raises(ValueError, match="organisation must be"):
+        _trace(organisation="pingpong")
+    with pytest.raises(ValueError, match="must divide"):
+        _trace(organisation="shared_qk", l_split=3, num_stages=1)
 
 
 def test_raw_row_copy_split():

@@ -199,6 +199,8 @@ GATHER_REGISTERS = 96
 # 2 · 128 · 232 + 128 · 40 = 64512 ≤ 65536 registers per SM.
 SHARED_QK_COMPUTE_REGISTERS = 232
 SHARED_QK_CONSUMERS = 2       # compute warpgroups; consumer c owns output columns [c·d/2, (c+1)·d/2)
+# shared_qk's gathering warpgroup: what the two 232-register consumers leave of a thread slot's 512 (64K per SM)
+SHARED_QK_GATHER_REGISTERS = 512 - SHARED_QK_CONSUMERS * SHARED_QK_COMPUTE_REGISTERS
 SMEM_ALIGNMENT = 1024         # Pallas rounds every shared-memory scratch buffer up to 1 KiB
 ORGANISATIONS = ("split_cta", "split_cluster", "shared_qk", "pingpong")   # pingpong: decode_pingpong_sm90.py
 MAX_CLUSTER = 8                # the portable cluster size limit of Hopper
@@ -262,7 +264,8 @@ def _refill_stage(issue, slot, step, *, consumed_barriers, others_consumed, own_
 
 def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_smem, rows_barrier, loaded_barriers,
                       consumed_barriers, *, tok, chunks: int, block_kv: int, stages: int, kv_steps: int,
-                      own_chunk=None, others_consumed=None, window_ref=None, window_steps: int = 0) -> None:
+                      own_chunk=None, others_consumed=None, window_ref=None, window_steps: int = 0, step0=0,
+                      registers: int = GATHER_REGISTERS) -> None:
     """The gathering warpgroup of :func:`sparse_decode_attention_rows`: the same pipeline as :func:`_produce_kv`,
     but each KV tile's rows are fetched by index from the pool with ``cp.async`` into the swizzled tiles
     (:mod:`pallas_kernels.attention.row_gather_sm90`). The mask rows still come by TMA.
@@ -278,7 +281,9 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
     decoded bf16 values (:func:`~pallas_kernels.attention.row_gather_sm90.issue_fp4_row_decode`; plain loads, so
     those steps' groups are empty and complete at once).
     ``window_ref``: a second source for the first ``window_steps`` KV steps (each query's window rows, laid out by
-    the caller; their indices in ``rows_ref`` are rows of ``window_ref``)."""
+    the caller; their indices in ``rows_ref`` are rows of ``window_ref``). ``step0``: this CTA's first KV step of
+    the query's ``L / block_kv`` (``shared_qk``'s L split; ``rows_smem`` holds all of the query's row indices);
+    ``kv_steps`` counts this CTA's steps. ``registers``: the warpgroup's register budget."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.attention.row_gather_sm90 import (
@@ -289,7 +294,7 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
         wait_group,
     )
 
-    plgpu.set_max_registers(GATHER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(registers, action="decrease")
     plgpu.copy_gmem_to_smem(rows_ref.at[tok], rows_smem, rows_barrier)
     plgpu.barrier_wait(rows_barrier)
     dh = kv_smem.shape[-1]
@@ -320,12 +325,12 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
                                     loaded_barriers.at[slot])
 
     for i in range(stages):
-        issue(i, i)
+        issue(step0 + i, i)
         commit_group(plgpu)
 
     def refill(prev):
-        """Once the compute side has released step ``prev``'s stage, fetch step ``prev + stages`` into it."""
-        _refill_stage(issue, lax.rem(prev, jnp.array(stages, prev.dtype)), prev + stages,
+        """Once the compute side has released local step ``prev``'s stage, fetch step ``prev + stages`` into it."""
+        _refill_stage(issue, lax.rem(prev, jnp.array(stages, prev.dtype)), step0 + prev + stages,
                       consumed_barriers=consumed_barriers, others_consumed=others_consumed, own_chunk=own_chunk,
                       chunks=chunks)
 
@@ -687,12 +692,16 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
 
 
 def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array, *, scale: float,
-                    block_kv: int, stages: int, l_split: int):
+                    block_kv: int, stages: int, l_split: int, rows_idx: jax.Array | None = None,
+                    window4: jax.Array | None = None):
     """The ``shared_qk`` kernel (module docstring): one CTA per (L part, head block, token), two consumer warpgroups
-    exchanging their partial logits through shared memory, one TMA warpgroup.
+    exchanging their partial logits through shared memory, one TMA warpgroup — or, with ``rows_idx``, a warpgroup
+    gathering each step's rows by index (:func:`_produce_gathered`, as :func:`_split_cta_call`'s).
 
     Args:
       q4: ``bf16 [N, H, 2, dh]``; kv4: ``bf16 [N, L, 2, dh]``; bias: ``fp32 [N, L]``; sink: ``fp32 [H]``.
+      rows_idx, window4: as :func:`_split_cta_call`'s (``kv4`` is then the pool ``bf16 [R, 2, dh]`` or ``uint8
+        [R, 2 · dh · (1/2 + 1/16)]``).
     Returns:
       ``l_split == 1``: ``bf16 [N, H, 2, dh]``, the output. ``l_split > 1``: ``(acc, ml)`` with ``acc fp32
       [l_split, N, H, 2, dh]`` the unnormalised partial outputs of each part of L and ``ml fp32 [l_split, N, 2, H]``
@@ -702,8 +711,10 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
 
     n, h, consumers, dh = q4.shape
     assert consumers == SHARED_QK_CONSUMERS
-    rows = kv4.shape[1]
+    gathered = rows_idx is not None
+    rows = bias.shape[1]
     kv_steps = rows // block_kv // l_split      # KV blocks per CTA
+    window_steps = 0 if window4 is None else window4.shape[0] // n // block_kv
     hb = HEADS_PER_CTA
     qk_scale = float(scale) * LOG2E
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -711,12 +722,22 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
     split_l = l_split > 1
 
     def body(q_ref, kv_ref, bias_ref, sink_ref, *refs):
+        rows_ref = window_ref = rows_smem = rows_barrier = None
+        if gathered:
+            rows_ref, *refs = refs
+            if window4 is not None:
+                window_ref, *refs = refs
         if split_l:
             acc_ref, ml_ref, *refs = refs
         else:
             o_ref, *refs = refs
-        (q_smem, kv_smem, bias_smem, sink_smem, exch_smem, setup_barriers, loaded_barriers, consumed_barriers,
-         written_barrier, read_barrier) = refs
+        q_smem, kv_smem, bias_smem, sink_smem, exch_smem, *refs = refs
+        if gathered:
+            rows_smem, *refs = refs
+        setup_barriers, *refs = refs
+        if gathered:
+            rows_barrier, *refs = refs
+        loaded_barriers, consumed_barriers, written_barrier, read_barrier = refs
         part = lax.axis_index("part")
         h0 = lax.axis_index("head_block") * hb
         tok = lax.axis_index("token")
@@ -813,19 +834,28 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
 
         @pl.when(wg == consumers)
         def _memory():
+            if gathered:
+                _produce_gathered(kv_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_smem, rows_barrier,
+                                  loaded_barriers, consumed_barriers, tok=tok, chunks=consumers, block_kv=block_kv,
+                                  stages=stages, kv_steps=kv_steps, window_ref=window_ref, window_steps=window_steps,
+                                  step0=part * kv_steps, registers=SHARED_QK_GATHER_REGISTERS)
+                return
             _produce_kv(kv_ref, bias_ref, kv_smem, bias_smem, loaded_barriers, consumed_barriers, tok=tok, row0=row0,
                         chunks=consumers, block_kv=block_kv, stages=stages, kv_steps=kv_steps)
 
-    body.__name__ = f"sparse_decode_attention_shared_qk_d{consumers * dh}_bkv{block_kv}" + (
-        f"_l{l_split}" if split_l else "")
+    body.__name__ = (f"sparse_decode_attention_shared_qk_d{consumers * dh}_bkv{block_kv}"
+                     f"{f'_l{l_split}' if split_l else ''}{'_gathered' if gathered else ''}")
     scratch = [
         plgpu.SMEM((consumers, hb, dh), jnp.bfloat16, transforms=tiled),
         plgpu.SMEM((stages, consumers, block_kv, dh), jnp.bfloat16, transforms=tiled),
         plgpu.SMEM((stages, block_kv), jnp.float32),
         plgpu.SMEM((consumers, hb), jnp.float32),
         plgpu.SMEM((consumers, hb, block_kv), jnp.float32, transforms=tiled32),
+        *([plgpu.SMEM((rows // block_kv, block_kv), jnp.int32)] if gathered else []),   # all the query's indices
         plgpu.Barrier(num_arrivals=2, num_barriers=consumers),                 # Q chunk + sink, per consumer
-        plgpu.Barrier(num_arrivals=consumers + 1, num_barriers=stages),        # KV chunks + mask row
+        *([plgpu.Barrier(num_arrivals=1)] if gathered else []),                # the indices have landed
+        # a stage has landed: its KV chunks (TMA) or the gathering warpgroup's one arrival, + the mask row
+        plgpu.Barrier(num_arrivals=(1 if gathered else consumers) + 1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),            # both consumers done with a stage
         plgpu.Barrier(num_arrivals=consumers),                                 # both partial logits written
         plgpu.Barrier(num_arrivals=consumers),                                 # both partial logits read
@@ -845,7 +875,7 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
-    return kernel(q4, kv4, bias, sink)
+    return kernel(q4, kv4, bias, sink, *([rows_idx] if gathered else []), *([] if window4 is None else [window4]))
 
 
 def _combine_parts(acc: jax.Array, ml: jax.Array) -> jax.Array:
@@ -917,16 +947,18 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "v_split", "early_release",
-                                             "fp4_prefetch"))
+                                             "fp4_prefetch", "organisation", "l_split"))
 def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array, valid: jax.Array, sink: jax.Array,
                                  *, scale: float, window: jax.Array | None = None, block_kv: int = 64,
                                  num_stages: int = 2, v_split: int = 2, early_release: bool = False,
-                                 fp4_prefetch: bool = False) -> jax.Array:
+                                 fp4_prefetch: bool = False, organisation: str = "split_cta",
+                                 l_split: int = 1) -> jax.Array:
     """:func:`sparse_decode_attention` on ``kv = pool[rows]`` (or ``concat(window, pool[rows])``) without
     materialising the gathered rows: the kernel's memory warpgroup fetches each query's rows by index straight into
     its shared-memory tiles (``cp.async``, 16 bytes per thread and copy;
-    :mod:`pallas_kernels.attention.row_gather_sm90`). Organisation ``split_cta``; the compute warpgroup is the same
-    code, so the result equals ``sparse_decode_attention(q, kv, valid, sink)`` bit for bit.
+    :mod:`pallas_kernels.attention.row_gather_sm90`). Organisations ``split_cta`` and ``shared_qk`` (few queries,
+    ``l_split`` CTAs per query, each gathering its part of the rows); the compute warpgroups are the same code, so
+    the result equals ``sparse_decode_attention(q, kv, valid, sink, organisation=…, l_split=…)`` bit for bit.
 
     Args:
       q: ``bf16 [N, H, d]`` as in :func:`sparse_decode_attention`.
@@ -946,7 +978,10 @@ def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array,
       fp4_prefetch: ``v41_fp4`` pools only: copy each step's stored rows whole into shared memory one step ahead
         and decode them from there (:func:`_produce_fp4_prefetch`), instead of loading, decoding and storing
         each step synchronously; needs two staging buffers of ``block_kv`` rows (fits with 32-row steps) and the
-        window's steps to fit the stages.
+        window's steps to fit the stages. ``split_cta`` only.
+      organisation, l_split: ``"split_cta"`` or ``"shared_qk"`` (``v_split`` 2; ``l_split`` dividing ``L /
+        block_kv``; its gathering warpgroup has :data:`SHARED_QK_GATHER_REGISTERS` registers), as in
+        :func:`sparse_decode_attention`.
     Returns:
       ``o bf16 [N, H, d]``.
     """
@@ -973,11 +1008,17 @@ def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array,
     check_shapes(q, jax.ShapeDtypeStruct((n, length, d), jnp.bfloat16), valid, sink)
     if block_kv % 32 or sw % block_kv:
         raise ValueError(f"block_kv={block_kv} must be a multiple of 32 dividing the window's {sw} rows")
+    if organisation not in ("split_cta", "shared_qk"):
+        raise ValueError(f"the gathering kernel's organisation must be 'split_cta' or 'shared_qk', got "
+                         f"{organisation!r}")
     if fp4_prefetch and not fp4:
         raise ValueError("fp4_prefetch stages v41_fp4 rows: the pool must be uint8 v41_fp4 rows")
+    if fp4_prefetch and organisation != "split_cta":
+        raise ValueError("fp4_prefetch is a split_cta producer")
     staging = 2 * block_kv * row_width if fp4_prefetch else 0
     stages = check_config(h, d, length, block_kv=block_kv, num_stages=num_stages, v_split=v_split,
-                          organisation="split_cta", early_release=early_release, extra_smem=4 * length + staging)
+                          organisation=organisation, l_split=l_split, early_release=early_release,
+                          extra_smem=4 * length + staging)
     if fp4_prefetch and sw // block_kv > stages:
         raise ValueError(f"fp4_prefetch fetches the window's {sw // block_kv} steps into fresh stages first: they "
                          f"must fit the {stages} stages")
@@ -989,11 +1030,17 @@ def sparse_decode_attention_rows(q: jax.Array, pool: jax.Array, rows: jax.Array,
     if window is not None:        # query n's window rows are rows n·Sw … n·Sw + Sw − 1 of the window source
         idx = jnp.concatenate([jnp.arange(n * sw, dtype=jnp.int32).reshape(n, sw), idx], axis=1)
         window4 = window.reshape(n * sw, v_split, dh)
-    out = _split_cta_call(q.reshape(n, h, v_split, dh), pool if fp4 else pool.reshape(pool.shape[0], v_split, dh),
-                          bias,
-                          sink.astype(jnp.float32), scale=scale, block_kv=block_kv, stages=stages,
-                          early_release=early_release, rows_idx=idx.reshape(n, length // block_kv, block_kv),
-                          window4=window4, fp4_prefetch=fp4_prefetch)
+    args = (q.reshape(n, h, v_split, dh), pool if fp4 else pool.reshape(pool.shape[0], v_split, dh), bias,
+            sink.astype(jnp.float32))
+    gather = dict(rows_idx=idx.reshape(n, length // block_kv, block_kv), window4=window4)
+    if organisation == "shared_qk" and l_split > 1:
+        acc, ml = _shared_qk_call(*args, scale=scale, block_kv=block_kv, stages=stages, l_split=l_split, **gather)
+        return _combine_parts(acc.reshape(l_split, n, h, d), ml)
+    if organisation == "shared_qk":
+        out = _shared_qk_call(*args, scale=scale, block_kv=block_kv, stages=stages, l_split=1, **gather)
+    else:
+        out = _split_cta_call(*args, scale=scale, block_kv=block_kv, stages=stages, early_release=early_release,
+                              fp4_prefetch=fp4_prefetch, **gather)
     return out.reshape(n, h, d)
 
 
