@@ -262,6 +262,16 @@ def _refill_stage(issue, slot, step, *, consumed_barriers, others_consumed, own_
     issue(step, slot, which=[own_chunk])
 
 
+def _gathering_prologue(rows_ref, rows_smem, rows_barrier, *, tok, registers: int) -> None:
+    """Both gathering producers' start: give up registers to the compute side, then copy the query's row indices
+    ``rows_ref[tok]`` into shared memory (TMA) and wait for them."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.set_max_registers(registers, action="decrease")
+    plgpu.copy_gmem_to_smem(rows_ref.at[tok], rows_smem, rows_barrier)
+    plgpu.barrier_wait(rows_barrier)
+
+
 def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_smem, rows_barrier, loaded_barriers,
                       consumed_barriers, *, tok, chunks: int, block_kv: int, stages: int, kv_steps: int,
                       own_chunk=None, others_consumed=None, window_ref=None, window_steps: int = 0, step0=0,
@@ -294,9 +304,7 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
         wait_group,
     )
 
-    plgpu.set_max_registers(registers, action="decrease")
-    plgpu.copy_gmem_to_smem(rows_ref.at[tok], rows_smem, rows_barrier)
-    plgpu.barrier_wait(rows_barrier)
+    _gathering_prologue(rows_ref, rows_smem, rows_barrier, tok=tok, registers=registers)
     dh = kv_smem.shape[-1]
 
     def fetch(src_ref, step, slot, which):
@@ -375,9 +383,7 @@ def _produce_fp4_prefetch(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, raw_
         wait_group,
     )
 
-    plgpu.set_max_registers(GATHER_REGISTERS, action="decrease")
-    plgpu.copy_gmem_to_smem(rows_ref.at[tok], rows_smem, rows_barrier)
-    plgpu.barrier_wait(rows_barrier)
+    _gathering_prologue(rows_ref, rows_smem, rows_barrier, tok=tok, registers=GATHER_REGISTERS)
     dh = kv_smem.shape[-1]
     half = chunks * dh // 2
     swizzle = kv_swizzle(block_kv)

@@ -119,7 +119,6 @@ def issue_row_copies(plgpu, src_ref, rows_ref, dst_ref, *, block_rows: int, cols
       rows_ref: SMEM int32 ``[block_rows]``, row indices into ``src`` (each in ``[0, R)``: nothing is checked).
       dst_ref: SMEM bf16 ``[block_rows, cols]`` tiled ``(8, swizzle / 2)`` and ``swizzle``-byte swizzled.
     """
-    from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, nvvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
@@ -128,10 +127,7 @@ def issue_row_copies(plgpu, src_ref, rows_ref, dst_ref, *, block_rows: int, cols
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled)))
     def issue(_, src, rows, dst):
-        i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
-        u8 = ir.IntegerType.get_signless(8)
-
+        i32, i64, u8 = _int_types()
         ops = _mlir_ops(arith, i32)
         src_ptr, row_stride = _global_rows(src)
         rows_ptr = mgpu_utils.memref_ptr(rows)
@@ -254,9 +250,7 @@ def _fp4_decode(plgpu, chunks, rows_ref, *, block_rows: int, cols: int, swizzle:
     @plgpu.inline_mgpu(arg_types=(chunk_types, *(() if staged else (plgpu.RefType(),))))
     def decode(_, chunk_refs, *rows):
         i16 = ir.IntegerType.get_signless(16)
-        i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
-        u8 = ir.IntegerType.get_signless(8)
+        i32, i64, u8 = _int_types()
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
         vec4 = ir.VectorType.get((4,), i32)
         ops = _mlir_ops(arith, i32)
@@ -323,7 +317,6 @@ def issue_raw_row_copies(plgpu, src_ref, rows_ref, dst_ref, *, block_rows: int) 
       rows_ref: SMEM int32 ``[block_rows]``, row indices into ``src`` (each in ``[0, R)``).
       dst_ref: SMEM uint8 ``[block_rows, row_bytes]``, plain (no tiling).
     """
-    from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, nvvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
@@ -333,10 +326,7 @@ def issue_raw_row_copies(plgpu, src_ref, rows_ref, dst_ref, *, block_rows: int) 
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
     def issue(_, src, rows, dst):
-        i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
-        u8 = ir.IntegerType.get_signless(8)
-
+        i32, i64, u8 = _int_types()
         ops = _mlir_ops(arith, i32)
         src_ptr, stride = _global_rows(src)
         dst_ptr, dst_stride = _shared_rows(dst)
@@ -381,6 +371,13 @@ def _global_rows(ref):
     if col_stride != 1:
         raise ValueError(f"gathered rows must be contiguous, got column stride {col_stride}")
     return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref)), row_stride
+
+
+def _int_types():
+    """The MLIR integer types the inline code uses: ``(i32, i64, i8)`` (the last for byte addressing)."""
+    from jax._src.lib.mlir import ir
+
+    return tuple(ir.IntegerType.get_signless(bits) for bits in (32, 64, 8))
 
 
 def _mlir_ops(arith, i32):
