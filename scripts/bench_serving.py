@@ -150,7 +150,9 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
         cfg = cfg.replace(engram_vocab_size=args.engram_vocab)
         cfg = cfg.replace(engram_num_embeddings=engram_table_sizes(cfg))
     t0 = time.perf_counter()
-    model = random_model(cfg, dtype="bfloat16", include_mtp=False, weights="native")
+    # stacked: the engine's scan layout from the start; built in checkpoint layout, the layer weights were held
+    # twice (the model here, the engine's stacked copy): V4.1's 4-layer slice ran out of an H100's 78 GiB
+    model = random_model(cfg, dtype="bfloat16", include_mtp=False, weights="native", stacked=True)
     model = dataclasses.replace(model, mhc_impl=args.mhc_impl, linear_impl=args.linear_impl,
                                 attention_impl=args.attention_impl)
     jax.block_until_ready(model.params)

@@ -302,6 +302,44 @@ def test_sharded_native_weights_match_single_device():
     assert np.abs(forward_logits(m, ids) - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
+def test_random_weights_built_stacked_equal_stacking_afterwards(preset):
+    """``random_model(..., stacked=True)`` draws the backbone directly in scan layout: every leaf equals stacking
+    the checkpoint-layout model's layers (``layer_plan.stack_params``) bit for bit, so an engine can be built from
+    it without a second copy of the layer weights; the forward is the same."""
+    from dinfer_jax.models import forward_logits, load_config, random_model
+    from dinfer_jax.models.config import QuantConfig
+    from dinfer_jax.models.layer_plan import StackedLayers, stack_params
+
+    cfg = load_config(preset).replace(quantization=QuantConfig((128, 128), "ue8m0", "fp4"))
+    flat = random_model(cfg, seed=7, include_mtp=False, weights="native")
+    built = random_model(cfg, seed=7, include_mtp=False, weights="native", stacked=True)
+    assert isinstance(built.params["layers"], StackedLayers)
+    want = stack_params(cfg, flat.params)
+    got_leaves, got_tree = jax.tree_util.tree_flatten(built.params)
+    want_leaves, want_tree = jax.tree_util.tree_flatten(want)
+    assert got_tree == want_tree
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+    assert built.param_bytes == flat.param_bytes
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 17))
+    np.testing.assert_array_equal(np.asarray(forward_logits(built, ids)), np.asarray(forward_logits(flat, ids)))
+
+
+def test_llm_keeps_one_copy_of_stacked_weights():
+    """An engine built from a stacked Model uses its arrays as they are (no scan-layout copy): the runner's layer
+    weights are the Model's own buffers."""
+    from dinfer_jax import LLM
+    from dinfer_jax.models import random_model
+
+    m = random_model(_quant_cfg(), seed=1, include_mtp=False, weights="native", stacked=True)
+    llm = LLM(m, max_num_seqs=2, max_model_len=64, warmup=False, progress=False)
+    ours = jax.tree_util.tree_leaves(m.params["layers"])
+    runner = jax.tree_util.tree_leaves(llm.runner.params["layers"])
+    assert len(ours) == len(runner) and all(a is b for a, b in zip(ours, runner, strict=True))
+
+
 def _released_flash_bytes(c) -> int:
     """Closed-form bytes of DeepSeek-V4-Flash as released (docs/spec/model-v4.md §1.1 shapes, §6.1 storage): FP8 = 1
     B per

@@ -189,22 +189,30 @@ def _random_engram(cfg: ModelConfig, seed: int, release_format: bool = False) ->
 
 
 def random_model(config: ModelConfig | str, seed: int = 0, dtype: str = "float32", include_mtp: bool = True,
-                 sharder: Sharder | None = None, std: float = 0.02, weights: str = "dense") -> Model:
+                 sharder: Sharder | None = None, std: float = 0.02, weights: str = "dense",
+                 stacked: bool = False) -> Model:
     """A model with random parameters for experiments and tests.
 
     ``weights="dense"``: :func:`init_params` (host numpy RNG, every weight dense). ``weights="native"``: built on
     the device with ``jax.random`` (:func:`~dinfer_jax.models.random_init.init_params_native`), the weights the
     config's ``quantization_config`` declares FP8/FP4 in those formats, and V4.1 Engram tables in the release's
-    FP8 format.
+    FP8 format. ``stacked``: the backbone layers in scan layout from the start (same values), so that an engine
+    built from this Model while the caller keeps it does not hold the layer weights twice (``LLM`` stacks a
+    checkpoint-layout Model into a copy; for a real-dimension slice that doubles its weight memory).
     """
     cfg = load_config(config) if isinstance(config, (str, Path)) else config
     dtype = _check_dtype(dtype)
     if check_weights_mode(weights) == "native":
         from dinfer_jax.models.random_init import init_params_native
 
-        params = init_params_native(cfg, seed=seed, dtype=dtype, include_mtp=include_mtp, std=std, sharder=sharder)
+        params = init_params_native(cfg, seed=seed, dtype=dtype, include_mtp=include_mtp, std=std, sharder=sharder,
+                                    stacked=stacked)
     else:
         params = init_params(cfg, seed=seed, dtype=dtype, include_mtp=include_mtp, std=std)
+        if stacked:
+            from dinfer_jax.models.layer_plan import stack_params
+
+            params = stack_params(cfg, params)
     if sharder is not None and weights == "dense":
         from dinfer_jax.models.params import map_specs
 

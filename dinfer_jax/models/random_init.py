@@ -93,18 +93,59 @@ def _recipe(spec: ParamSpec, cfg: ModelConfig, dtype: Any, std: float) -> tuple:
 
 
 def init_params_native(c: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, include_mtp: bool = True,
-                       std: float = 0.02, sharder: Sharder | None = None) -> Any:
+                       std: float = 0.02, sharder: Sharder | None = None, stacked: bool = False) -> Any:
     """Random parameter pytree on the device; weights declared quantised (``ParamSpec.quant``) are
-    :class:`QuantizedWeight`, the rest dense in their usual dtypes. Placed by ``sharder``'s rules when given."""
+    :class:`QuantizedWeight`, the rest dense in their usual dtypes. Placed by ``sharder``'s rules when given.
+
+    ``stacked``: the backbone layers directly in scan layout (:class:`~dinfer_jax.models.layer_plan.StackedLayers`,
+    each leaf drawn for all of a group's repeats at once), with the same values as stacking the checkpoint layout
+    afterwards (every parameter's key is the same in both) but without ever holding both: the engine stacks the
+    checkpoint layout into a second copy of every layer weight, which a caller that keeps its Model holds on to."""
+    from dinfer_jax.models.layer_plan import StackedLayers, plan_layers
+    from dinfer_jax.models.params import is_spec
+
     base = jax.random.key(seed)
+    specs = param_specs(c, include_mtp)
     counter = iter(range(1 << 30))
+    keys = map_specs(lambda spec: jax.random.fold_in(base, next(counter)), specs)   # spec order: as before
 
-    def make(spec: ParamSpec) -> Any:
-        key = jax.random.fold_in(base, next(counter))
+    def shardings_of(spec: ParamSpec, recipe: tuple, lead: tuple[int, ...] = ()) -> Any:
+        if sharder is None:
+            return None
+        shape = jax.eval_shape(functools.partial(_value, recipe=recipe), jax.random.key(0))
+        shape = jax.tree.map(lambda x: jax.ShapeDtypeStruct(lead + x.shape, x.dtype), shape)
+        return sharder.named_tree((None,) * len(lead) + tuple(spec.axes), shape)
+
+    def make(spec: ParamSpec, key: jax.Array) -> Any:
         recipe = _recipe(spec, c, dtype, std)
-        shardings = None
-        if sharder is not None:
-            shardings = sharder.named_tree(spec.axes, jax.eval_shape(functools.partial(_value, recipe=recipe), key))
-        return _leaf(key, recipe=recipe, shardings=shardings)
+        return _leaf(key, recipe=recipe, shardings=shardings_of(spec, recipe))
 
-    return map_specs(make, param_specs(c, include_mtp))
+    if not stacked:
+        return jax.tree_util.tree_map(make, specs, keys, is_leaf=is_spec)
+    params = jax.tree_util.tree_map(make, {k: v for k, v in specs.items() if k != "layers"},
+                                    {k: v for k, v in keys.items() if k != "layers"}, is_leaf=is_spec)
+
+    def make_stacked(layer_specs: list[Any], layer_keys: list[Any]) -> Any:
+        def leaf(*pairs: Any) -> Any:
+            spec_list, key_list = pairs[: len(pairs) // 2], pairs[len(pairs) // 2:]
+            recipe = _recipe(spec_list[0], c, dtype, std)
+            if any(_recipe(s, c, dtype, std) != recipe for s in spec_list):
+                raise ValueError(f"layers of one scan group draw {spec_list[0].ckpt} differently")
+            return _stacked_leaf(jnp.stack(key_list), recipe=recipe,
+                                 shardings=shardings_of(spec_list[0], recipe, (len(spec_list),)))
+
+        return jax.tree_util.tree_map(leaf, *layer_specs, *layer_keys, is_leaf=is_spec)
+
+    params["layers"] = StackedLayers(tuple(
+        tuple(make_stacked([specs["layers"][g.layer(r, j)] for r in range(g.repeats)],
+                           [keys["layers"][g.layer(r, j)] for r in range(g.repeats)]) for j in range(g.period))
+        for g in plan_layers(c)))
+    return params
+
+
+@functools.partial(jax.jit, static_argnames=("recipe", "shardings"))
+def _stacked_leaf(keys: jax.Array, *, recipe: tuple, shardings: Any = None) -> Any:
+    """One parameter for every repeat of a scan group: ``_value`` of each key, stacked (``vmap``: each row is the
+    value :func:`_leaf` draws from that key)."""
+    value = jax.vmap(functools.partial(_value, recipe=recipe))(keys)
+    return value if shardings is None else jax.lax.with_sharding_constraint(value, shardings)
