@@ -7,6 +7,7 @@ safetensors JSON headers, and V4-Flash's released size is a closed form over the
 
 from __future__ import annotations
 
+import gc
 import math
 
 import jax
@@ -195,6 +196,49 @@ def test_native_load_keeps_release_bytes_and_matches_dequantized(tiny_release, d
     # Same weights bit for bit (decode is exact): only XLA's fusion of the decode may reorder nothing numeric.
     np.testing.assert_array_equal(forward_logits(native, ids), forward_logits(dense, ids))
     np.testing.assert_array_equal(mtp_logits(native, ids), mtp_logits(dense, ids))
+
+
+@pytest.fixture(scope="module")
+def repeating_release(tmp_path_factory):
+    """A tiny V4 release checkpoint whose last four layers are an HCA/CSA pair repeated twice (a scan group of
+    period 2 × 2 repeats, as V4-Flash's 20 pairs), beside groups of one."""
+    from dinfer_jax.loading.writer import write_release_checkpoint
+    from dinfer_jax.models import load_config, random_model
+
+    cfg = load_config("tiny-v4")
+    cfg = cfg.replace(attn_kinds=cfg.attn_kinds[:5] + ("csa",), compress_ratios=cfg.compress_ratios[:5] + (4,))
+    d = tmp_path_factory.mktemp("tiny_release_repeating")
+    write_release_checkpoint(cfg, random_model(cfg, seed=9).params, d, shard_bytes=300_000)
+    return d
+
+
+@pytest.mark.parametrize("weights", ["native", "dense"])
+def test_stacked_load_equals_stacking_the_loaded_layers(repeating_release, weights):
+    """``load_params(..., stacked=True)`` fills each scan-group leaf layer by layer as it reads them: bit-equal to
+    loading in checkpoint layout and stacking afterwards, and no checkpoint-layout layer left alive on the device
+    (each is freed once written into its row)."""
+    from dinfer_jax.loading import load_params
+    from dinfer_jax.models import load_config
+    from dinfer_jax.models.layer_plan import StackedLayers, plan_layers, stack_params
+
+    cfg = load_config(repeating_release)
+    assert any(g.repeats > 1 for g in plan_layers(cfg))       # the case that stacks
+    want = stack_params(cfg, load_params(repeating_release, cfg, dtype="bfloat16", weights=weights))
+    gc.collect()
+    before = jax.live_arrays()       # strong references: no id of these can be reused below
+    known = {id(a) for a in before}
+    got = load_params(repeating_release, cfg, dtype="bfloat16", weights=weights, stacked=True)
+    gc.collect()
+    # measured before comparing: numpy conversions of float8 arrays below make jax arrays of their own
+    left = sum(a.nbytes for a in jax.live_arrays() if id(a) not in known and not a.is_deleted())
+    assert left == tree_nbytes(got)                           # nothing but the result stayed on the device
+    assert isinstance(got["layers"], StackedLayers)
+    got_leaves, got_tree = jax.tree_util.tree_flatten(got)
+    want_leaves, want_tree = jax.tree_util.tree_flatten(want)
+    assert got_tree == want_tree
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
 
 
 def test_native_load_rejects_mismatched_storage(tiny_release, tmp_path):

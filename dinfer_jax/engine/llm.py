@@ -131,17 +131,19 @@ def _largest_steps(buckets: Buckets) -> list[tuple[int, int, int]]:
             (max(buckets.decode_batch), buckets.decode_len, p)]
 
 
-def _resolve_model(model: str | Path | Model, dtype: str, seed: int,
-                   progress: bool) -> tuple[Model, Path | None]:
+def _resolve_model(model: str | Path | Model, dtype: str, seed: int, progress: bool,
+                   stacked: bool = False) -> tuple[Model, Path | None]:
+    """The engine's Model: as given, loaded from a checkpoint, or random for a preset name; ``stacked``: built in
+    the one-device runner's scan layout (no checkpoint-layout copy beside it at any time)."""
     if isinstance(model, Model):
         return model, None
     from dinfer_jax.checkpoints import resolve_checkpoint
 
     path = resolve_checkpoint(str(model))
     if path is not None:
-        return load_model(path, dtype=dtype, progress=progress), path
+        return load_model(path, dtype=dtype, progress=progress, stacked=stacked), path
     cfg = load_config(model)  # a preset: random weights (benchmarks, smoke tests)
-    return random_model(cfg, seed=seed, dtype=dtype, include_mtp=False), None
+    return random_model(cfg, seed=seed, dtype=dtype, include_mtp=False, stacked=stacked), None
 
 
 def _with_kv_cache_dtype(model: Model, kv_cache_dtype: str) -> Model:
@@ -461,7 +463,7 @@ class LLM:
         self.batch_invariant_tile = _check_batch_invariant(batch_invariant, speculative, one_device)
         self.parallel = parallel_layout(dp_size, cp_size, ep_size)
         self.dp_size = dp_size
-        self.model, self.path = _resolve_model(model, dtype, seed, progress)
+        self.model, self.path = _resolve_model(model, dtype, seed, progress, stacked=one_device)
         self.model = _with_kv_cache_dtype(self.model, kv_cache_dtype)
         cfg = self.model.config
         self.config = cfg

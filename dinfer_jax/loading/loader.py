@@ -12,11 +12,14 @@ computation. ``weights="dense"`` dequantises exactly on the host (fp32, then cas
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -183,12 +186,18 @@ def checkpoint_has_mtp(directory: str | Path) -> bool:
 
 
 def load_params(directory: str | Path, cfg: ModelConfig, dtype: Any = "float32", sharder: Sharder | None = None,
-                include_mtp: bool | None = None, weights: str = "dense", progress: bool = False) -> Any:
+                include_mtp: bool | None = None, weights: str = "dense", progress: bool = False,
+                stacked: bool = False, transform: Callable[[Any, Any], Any] | None = None) -> Any:
     """Parameters of ``cfg`` read from ``directory``; ``include_mtp=None`` loads MTP blocks iff the files have them.
 
     Returns the pytree of ``jax.Array`` (sharded by ``sharder``'s rules when given). ``weights="native"`` keeps
     the weights ``cfg``'s specs declare quantised as :class:`QuantizedWeight` (stored codes and scales, never a
     dense copy); ``"dense"`` dequantises them exactly. ``progress`` draws a bar over parameters and bytes placed.
+    ``stacked``: the backbone layers in scan layout (:class:`~dinfer_jax.models.layer_plan.StackedLayers`), each
+    stacked leaf allocated once on the device and filled layer by layer as they are read (:func:`_stacked_leaf`),
+    so the device holds one copy of the weights plus one layer's leaf, never a checkpoint-layout copy beside the
+    stacked one. ``transform(spec, leaf)``: applied to each placed leaf (before stacking; e.g. the expert
+    kernel's layout), the caller's to free the input leaf if it wants.
     """
     check_weights_mode(weights)
     files = CheckpointFiles(directory)
@@ -208,11 +217,26 @@ def load_params(directory: str | Path, cfg: ModelConfig, dtype: Any = "float32",
             host = _host_value(spec, idx, dtype, block, cfg)
         placed = jax.device_put(host, None if sharder is None else sharder.named_tree(spec.axes, host))
         bar.advance(nbytes=tree_nbytes(placed))
-        return placed
+        return placed if transform is None else transform(spec, placed)
+
+    def load_stacked(layer_specs: list[Any]) -> Any:
+        """One scan-group position: every leaf of its ``repeats`` layers, stacked as read."""
+        def leaf(*leaf_specs: ParamSpec) -> Any:
+            return _stacked_leaf([functools.partial(load_one, s) for s in leaf_specs], leaf_specs[0].axes, sharder)
+
+        return jax.tree_util.tree_map(leaf, *layer_specs, is_leaf=is_spec)
 
     try:
         with bar:
-            params = map_specs(load_one, specs)
+            if stacked:
+                from dinfer_jax.models.layer_plan import StackedLayers, plan_layers
+
+                params = {k: map_specs(load_one, v) for k, v in specs.items() if k != "layers"}
+                params["layers"] = StackedLayers(tuple(
+                    tuple(load_stacked([specs["layers"][g.layer(r, j)] for r in range(g.repeats)])
+                          for j in range(g.period)) for g in plan_layers(cfg)))
+            else:
+                params = map_specs(load_one, specs)
         unexpected = sorted(n for n in set(idx.by_name) - idx.used if not _handled_elsewhere(n, cfg))
         if unexpected:
             more = f" (and {len(unexpected) - 8} more)" if len(unexpected) > 8 else ""
@@ -220,3 +244,38 @@ def load_params(directory: str | Path, cfg: ModelConfig, dtype: Any = "float32",
     finally:
         files.close()
     return params
+
+
+def _stacked_leaf(loaders: list[Callable[[], Any]], axes: tuple, sharder: Sharder | None) -> Any:
+    """``stack([load() for load in loaders])`` without holding the layers and their stack at once: the first layer's
+    leaf fixes the stacked buffer (allocated on the device, sharded with a leading unsharded axis), then each
+    layer is written into its row by a donating update and freed — peak: the stack plus one layer."""
+    first = loaders[0]()
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((len(loaders),) + x.shape, x.dtype), first)
+    out_shardings = None if sharder is None else sharder.named_tree((None, *axes), shapes)
+    stack = _allocate_stack(first, repeats=len(loaders), shardings=out_shardings)
+    _free(first)
+    for r, load in enumerate(loaders[1:], start=1):
+        x = load()
+        stack = _write_row(stack, x, r)
+        _free(x)
+    return stack
+
+
+def _free(tree: Any) -> None:
+    for a in jax.tree_util.tree_leaves(tree):
+        a.delete()
+
+
+@functools.partial(jax.jit, static_argnames=("repeats", "shardings"))
+def _allocate_stack(first: Any, *, repeats: int, shardings: Any = None) -> Any:
+    """A ``[repeats, ...]`` buffer per leaf of ``first``, every row a copy of it until overwritten (a fill value
+    would need one in every dtype; UE8M0 scales have no zero)."""
+    out = jax.tree.map(lambda x: jnp.broadcast_to(x[None], (repeats,) + x.shape), first)
+    return out if shardings is None else jax.lax.with_sharding_constraint(out, shardings)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_row(stack: Any, x: Any, r: int) -> Any:
+    """``stack`` with row ``r`` of every leaf replaced by ``x``'s leaf, in place (the stack is donated)."""
+    return jax.tree.map(lambda s, v: jax.lax.dynamic_update_index_in_dim(s, v, r, 0), stack, x)

@@ -105,7 +105,8 @@ def _check_dtype(dtype: str) -> str:
 
 
 def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None = None,
-               moe_impl: str | None = None, weights: str | None = None, progress: bool = True) -> Model:
+               moe_impl: str | None = None, weights: str | None = None, progress: bool = True,
+               stacked: bool = False) -> Model:
     """Load a Hugging Face checkpoint directory (DeepSeek release or transformers ``save_pretrained`` layout), or a
     registered name such as ``"default"`` (the bundled model, see :mod:`dinfer_jax.checkpoints`).
 
@@ -114,7 +115,9 @@ def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None
     dequantises them exactly at load into ``dtype``. With a ``sharder`` the parameters are placed by its rules
     (experts over ``ep``) and the forward uses expert parallelism (``moe_impl="ep"``, docs/expert_parallel.md).
     ``progress`` draws a bar over the parameters and bytes placed (:mod:`dinfer_jax.progress`; ``False`` or
-    ``DINFER_JAX_PROGRESS=0`` silences it).
+    ``DINFER_JAX_PROGRESS=0`` silences it). ``stacked``: the backbone layers in the engine's scan layout, each
+    stacked weight filled layer by layer as read (device memory: the weights once, plus one layer's weight), where
+    a checkpoint-layout Model handed to an engine is stacked into a second copy (``LLM(path)`` loads this way).
     """
     from dinfer_jax.checkpoints import resolve_checkpoint
     from dinfer_jax.loading import load_params
@@ -125,16 +128,35 @@ def load_model(path: str | Path, dtype: str = "float32", sharder: Sharder | None
     if not Path(path).is_dir():
         raise ConfigError(f"{path} is not a checkpoint directory (a preset has no weights; use random_model)")
     mode = _load_mode(weights, cfg)
-    params = load_params(path, cfg, dtype=dtype, sharder=sharder, weights=mode, progress=progress)
     impl = moe_impl or ("ep" if sharder is not None else "auto")
-    return Model(cfg, _for_expert_kernel(params, dtype, impl), dtype, sharder, impl, _load_engram(cfg, Path(path)))
+    # the expert kernel's layout applied to each routed-expert weight as it is placed (before any stacking)
+    transform = _expert_kernel_leaf if _uses_expert_kernel(dtype, impl) else None
+    params = load_params(path, cfg, dtype=dtype, sharder=sharder, weights=mode, progress=progress, stacked=stacked,
+                         transform=transform)
+    return Model(cfg, params, dtype, sharder, impl, _load_engram(cfg, Path(path)))
+
+
+def _uses_expert_kernel(dtype: str, impl: str) -> bool:
+    """Whether the forward will run routed experts through the Mosaic GPU kernel: on a GPU, bf16, ``moe_impl``
+    "auto" or "pallas" (no expert parallelism). Its MXFP4 weights are then rearranged once into the kernel's
+    register order (``fp4_mma``: same bytes, 2–3× faster to decode; docs/quantized_weights.md)."""
+    return impl in ("auto", "pallas") and dtype == "bfloat16" and jax.default_backend() == "gpu"
+
+
+def _expert_kernel_leaf(spec: Any, leaf: Any) -> Any:
+    """One loaded parameter in the expert kernel's layout when it is a routed-expert MXFP4 weight the kernel takes
+    (the released-layout arrays are freed), else as given."""
+    from dinfer_jax.models.qweights import kernel_layout_fits, to_kernel_layout
+
+    if not (spec.stacked_experts and kernel_layout_fits(leaf)):
+        return leaf
+    return to_kernel_layout({"experts": leaf}, release=True)["experts"]
 
 
 def _for_expert_kernel(params: Any, dtype: str, impl: str) -> Any:
-    """On a GPU where the forward will run routed experts through the Mosaic GPU kernel (bf16, ``moe_impl`` "auto"
-    or "pallas", no expert parallelism), MXFP4 experts are rearranged once into the kernel's register order
-    (``fp4_mma``: same bytes, 2–3× faster to decode; docs/quantized_weights.md). Elsewhere ``params`` as given."""
-    if impl in ("auto", "pallas") and dtype == "bfloat16" and jax.default_backend() == "gpu":
+    """``params`` with its routed-expert MXFP4 weights in the expert kernel's layout where the forward will use the
+    kernel (:func:`_uses_expert_kernel`); elsewhere as given."""
+    if _uses_expert_kernel(dtype, impl):
         from dinfer_jax.models.qweights import to_kernel_layout
 
         return to_kernel_layout(params, release=True)
