@@ -165,3 +165,25 @@ def test_kernel_lowers_for_cuda_with_mma_weights(assignments):
         s((n, d), jnp.bfloat16), s((n, k), jnp.int32), s((n, k), jnp.float32), w(i, d), w(i, d), w(d, i),
         swiglu_limit=10.0, up_config=up, down_config=down)
     assert traced.lower(lowering_platforms=("cuda",)).as_text().count("mosaic_gpu") >= 2
+
+
+def test_loader_puts_experts_in_kernel_layout_as_it_stacks(tmp_path):
+    """``load_model`` on a GPU applies the expert kernel's layout to each routed-expert weight as the loader places
+    it (``_expert_kernel_leaf``), before stacking into scan layout: the result equals loading, stacking and then
+    converting the whole tree (``to_kernel_layout``) bit for bit, with only routed experts in ``fp4_mma``."""
+    from dinfer_jax.loading import load_params
+    from dinfer_jax.loading.writer import write_release_checkpoint
+    from dinfer_jax.models import _expert_kernel_leaf, random_model
+    from dinfer_jax.models.layer_plan import stack_params
+
+    cfg = _kernel_sized_cfg()
+    write_release_checkpoint(cfg, random_model(cfg, seed=3, include_mtp=False).params, tmp_path, shard_bytes=1 << 20)
+    got = load_params(tmp_path, cfg, dtype="bfloat16", weights="native", stacked=True, transform=_expert_kernel_leaf)
+    want = to_kernel_layout(stack_params(cfg, load_params(tmp_path, cfg, dtype="bfloat16", weights="native")))
+    got_q = jax.tree_util.tree_leaves(got, is_leaf=is_quantized)
+    want_q = jax.tree_util.tree_leaves(want, is_leaf=is_quantized)
+    assert [q.fmt for q in got_q if is_quantized(q)] == [q.fmt for q in want_q if is_quantized(q)]
+    assert "fp4_mma" in {q.fmt for q in got_q if is_quantized(q)}
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
