@@ -8,8 +8,11 @@
 #      fp4_prefetch), and at 1 query shared_qk's gathering form (each L-split CTA fetching its rows) against XLA's
 #      gather + shared_qk; if faster and bit-equal, make it the default of
 #      sparse_decode_attention_rows / the model's pooled path;
-#   01. STAGE=gather-serving PRESET=deepseek-v4.1-flash (on an H100: ENGRAM_VOCAB=100000 KV_GIB=4) — the decode step
-#      with the default (the kernel fetching its rows) against "pallas" (XLA's gather + the kernel) after 00;
+#   01. STAGE=gather-serving PRESET=deepseek-v4.1-flash — the decode step with the default (the kernel fetching its
+#      rows) against "pallas" (XLA's gather + the kernel) after 00; on an H100 first with the H200 settings (1M-row
+#      Engram tables, 8 GiB of pages): bench_serving now builds the slice in scan layout (random_model(stacked=True)),
+#      which should remove the second copy of its weights that ran the H100 out of memory (if it still does:
+#      ENGRAM_VOCAB=100000 KV_GIB=4, as measured on 2026-12-06);
 #   0. on an H200: STAGE=h200-attn — issue 9's 60% is an H200 figure (split_cta was 48-55% there): the kernel with
 #      early release (the model's rule above 8 queries; +5% on the H100) against split_cta, its GPU tests, and the
 #      model's attention path at batch 64, 32K context (its "kernel alone" column now uses the model's rule);
