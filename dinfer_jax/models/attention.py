@@ -102,6 +102,12 @@ def mask_visible(scores: jax.Array, pos: jax.Array, ratio: int) -> jax.Array:
     return jnp.where(visible, scores, -jnp.inf)
 
 
+def _not_a_gpu(backend: str | None) -> str | None:
+    """Why a Mosaic GPU kernel cannot run on ``backend`` (default: jax's), or None on a GPU."""
+    backend = backend or jax.default_backend()
+    return None if backend == "gpu" else f"backend is {backend!r}, the kernel needs a GPU"
+
+
 def index_kernel_unsupported(cfg: ModelConfig, num_queries: int, backend: str | None = None) -> str | None:
     """Why the Mosaic GPU indexer kernel (``pallas_kernels.indexer``) cannot score ``num_queries`` query tokens per
     sequence of ``cfg`` over its stored index keys on ``backend`` (default: jax's; None when it can): it needs a
@@ -109,9 +115,8 @@ def index_kernel_unsupported(cfg: ModelConfig, num_queries: int, backend: str | 
     in a multiple of 32 up to 128, and at most 8 query tokens per sequence (decode and verification rows)."""
     from pallas_kernels.indexer.scores_sm90 import DIM, MAX_QUERIES
 
-    backend = backend or jax.default_backend()
-    if backend != "gpu":
-        return f"backend is {backend!r}, the kernel needs a GPU"
+    if (off_gpu := _not_a_gpu(backend)) is not None:
+        return off_gpu
     if not index_operands_fp4(cfg):
         return "index keys are not stored as fp4_index bytes (kv_fake_quant off)"
     if cfg.index_head_dim != DIM:
@@ -285,9 +290,8 @@ def selected_kernel_unsupported(q: jax.Array, backend: str | None = None) -> str
     """Why the Mosaic GPU decode kernel (``pallas_kernels.attention``) cannot run :func:`attend_selected` for
     queries ``q [B,S,H,d]`` on ``backend`` (default: jax's; None when it can): it needs a GPU, bf16, heads in blocks
     of 64 and a width that splits into two halves of at most 256 columns in 64-wide tiles."""
-    backend = backend or jax.default_backend()
-    if backend != "gpu":
-        return f"backend is {backend!r}, the kernel needs a GPU"
+    if (off_gpu := _not_a_gpu(backend)) is not None:
+        return off_gpu
     if q.dtype != jnp.bfloat16:
         return f"queries are {q.dtype}, the kernel computes in bfloat16"
     H, d = q.shape[-2:]
@@ -351,7 +355,7 @@ def _attend_selected_pallas(q: jax.Array, kv: jax.Array, wm: jax.Array, rows: ja
 def pooled_kernel_pays(n_queries: int) -> bool:
     """Whether ``attention_impl="pallas_gather"`` hands a step of ``n_queries`` query rows the gathering kernel: above
     ``tuning.SMALL_N_MAX`` (at 16 and 64 queries it beat XLA's gather + the kernel on an H100; with fewer, the
-    kernel on gathered rows splits each query's rows over many CTAs, which the gathering form does not: 22.9 µs
+    kernel on gathered rows splits each query's rows over many CTAs, which the gathering form does not: 23.7 µs
     against 18.8 µs at one query, docs/perf/attention_h200.md)."""
     from pallas_kernels.attention import tuning
 

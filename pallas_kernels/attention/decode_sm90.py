@@ -272,6 +272,24 @@ def _gathering_prologue(rows_ref, rows_smem, rows_barrier, *, tok, registers: in
     plgpu.barrier_wait(rows_barrier)
 
 
+def _fp4_row_chunks(src_ref, kv_smem, slot, which, *, chunks: int, dh: int) -> list[tuple]:
+    """``(codes, scales, tile)`` of each column chunk ``c`` in ``which`` of ``v41_fp4`` rows ``src_ref [R, D/2 +
+    D/16]`` (a pool in global memory or staged rows in shared memory): chunk ``c``'s codes are bytes ``c·dh/2 …``
+    of a row, its scales bytes ``D/2 + c·dh/16 …``; the tile is stage ``slot``'s chunk ``c``."""
+    half = chunks * dh // 2
+    return [(src_ref.at[:, pl.ds(c * (dh // 2), dh // 2)], src_ref.at[:, pl.ds(half + c * (dh // 16), dh // 16)],
+             kv_smem.at[slot, c]) for c in which]
+
+
+def _copy_mask_row(bias_ref, bias_smem, loaded_barriers, *, tok, step, slot, block_kv: int) -> None:
+    """The gathering producers' TMA copy of KV step ``step``'s mask row into stage ``slot``, counted by the stage's
+    "loaded" barrier."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.copy_gmem_to_smem(bias_ref.at[tok, pl.ds(step * block_kv, block_kv)], bias_smem.at[slot],
+                            loaded_barriers.at[slot])
+
+
 def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_smem, rows_barrier, loaded_barriers,
                       consumed_barriers, *, tok, chunks: int, block_kv: int, stages: int, kv_steps: int,
                       own_chunk=None, others_consumed=None, window_ref=None, window_steps: int = 0, step0=0,
@@ -309,11 +327,8 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
 
     def fetch(src_ref, step, slot, which):
         if src_ref.dtype == jnp.uint8:      # v41_fp4 rows [R, D/2 + D/16]: decoded into the tiles on the way
-            half = chunks * dh // 2
-            parts = [(src_ref.at[:, pl.ds(c * (dh // 2), dh // 2)],
-                      src_ref.at[:, pl.ds(half + c * (dh // 16), dh // 16)], kv_smem.at[slot, c]) for c in which]
-            issue_fp4_row_decode(plgpu, parts, rows_smem.at[step], block_rows=block_kv, cols=dh,
-                                 swizzle=kv_swizzle(block_kv))
+            issue_fp4_row_decode(plgpu, _fp4_row_chunks(src_ref, kv_smem, slot, which, chunks=chunks, dh=dh),
+                                 rows_smem.at[step], block_rows=block_kv, cols=dh, swizzle=kv_swizzle(block_kv))
             return
         for c in which:
             issue_row_copies(plgpu, src_ref.at[:, c], rows_smem.at[step], kv_smem.at[slot, c], block_rows=block_kv,
@@ -329,8 +344,7 @@ def _produce_gathered(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, bias_sme
             pl.when(step < window_steps)(lambda: fetch(window_ref, step, slot, which))
             pl.when(step >= window_steps)(lambda: fetch(pool_ref, step, slot, which))
         if with_bias:
-            plgpu.copy_gmem_to_smem(bias_ref.at[tok, pl.ds(step * block_kv, block_kv)], bias_smem.at[slot],
-                                    loaded_barriers.at[slot])
+            _copy_mask_row(bias_ref, bias_smem, loaded_barriers, tok=tok, step=step, slot=slot, block_kv=block_kv)
 
     for i in range(stages):
         issue(step0 + i, i)
@@ -385,21 +399,18 @@ def _produce_fp4_prefetch(pool_ref, rows_ref, bias_ref, kv_smem, rows_smem, raw_
 
     _gathering_prologue(rows_ref, rows_smem, rows_barrier, tok=tok, registers=GATHER_REGISTERS)
     dh = kv_smem.shape[-1]
-    half = chunks * dh // 2
     swizzle = kv_swizzle(block_kv)
 
     def mask_row(step, slot):
-        plgpu.copy_gmem_to_smem(bias_ref.at[tok, pl.ds(step * block_kv, block_kv)], bias_smem.at[slot],
-                                loaded_barriers.at[slot])
+        _copy_mask_row(bias_ref, bias_smem, loaded_barriers, tok=tok, step=step, slot=slot, block_kv=block_kv)
 
     def stage_rows(step):
         issue_raw_row_copies(plgpu, pool_ref, rows_smem.at[step], raw_smem.at[lax.rem(step, 2)], block_rows=block_kv)
 
     def fill(step, slot, which=None, with_bias=True):
         """Decodes step ``step``'s staged rows (column chunks ``which``, default all) into stage ``slot``."""
-        raw = raw_smem.at[lax.rem(step, 2)]
-        parts = [(raw.at[:, pl.ds(c * (dh // 2), dh // 2)], raw.at[:, pl.ds(half + c * (dh // 16), dh // 16)],
-                  kv_smem.at[slot, c]) for c in (range(chunks) if which is None else which)]
+        parts = _fp4_row_chunks(raw_smem.at[lax.rem(step, 2)], kv_smem, slot,
+                                range(chunks) if which is None else which, chunks=chunks, dh=dh)
         decode_staged_fp4_rows(plgpu, parts, block_rows=block_kv, cols=dh, swizzle=swizzle)
         if with_bias:
             mask_row(step, slot)
