@@ -329,7 +329,7 @@ FP4_DEPTH_VARIANTS = {"v41_fp4: gathered + decoded, 32-row steps × 4": dict(blo
 
 
 def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int = 512, rows: int = 640,
-                   pool_rows: int = 1 << 18, on_row=lambda rows: None) -> list[dict]:
+                   pool_rows: int = 1 << 18, variants=None, on_row=lambda rows: None) -> list[dict]:
     """Rows of :func:`gathered_table`: the decode kernel reading each query's ``rows`` rows from a bf16 pool of
     ``pool_rows`` rows (256K rows of 1 KiB by default, far beyond L2) through random indices — XLA's gather
     ``pool[rows]`` then the kernel (the model's way for bf16 caches), the kernel alone on the gathered rows, and
@@ -337,7 +337,7 @@ def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int
     with early release; then the same rows stored as ``v41_fp4`` bytes (V4.1), gathered and decoded by XLA before
     the kernel or by the kernel itself. GB/s of :func:`traffic`'s bytes with the rows as stored (1 KiB or 288 B a
     row, read once) over the call time against ``copy_bw``; ``equal``: the output is bit-equal to the kernel on
-    the XLA-gathered (and decoded) rows."""
+    the XLA-gathered (and decoded) rows. ``variants``: labels to time (default: all that apply to the batch)."""
     out = []
     scale = d ** -0.5
     early = dict(organisation="split_cta", early_release=True)
@@ -406,6 +406,8 @@ def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int
         # the stored bytes of the rows: 1 KiB (bf16) or 288 B (v41_fp4) a row, + queries, mask, sink, output
         fp4_bytes = t["bytes"] - n * rows * d * 2 + n * rows * fp4.shape[1]
         for label, (f, args) in calls.items():
+            if variants is not None and label not in variants:
+                continue
             row = dict(batch=n, heads=h, d=d, rows=rows, pool_rows=pool_rows, copy_GBps=copy_bw / 1e9, variant=label)
             fp4_row = label in FP4_GATHER_VARIANTS or label in FP4_DEPTH_VARIANTS or label in SMALL_N_VARIANTS[2:]
             nbytes = fp4_bytes if fp4_row else t["bytes"]

@@ -299,6 +299,8 @@ def main() -> None:
     p.add_argument("--ablate", type=int, nargs="*", default=[],
                    help="token counts at which to time the kernel without its scale / decode stages")
     p.add_argument("--out", default=None, help="directory for the table (markdown) and raw rows (JSON)")
+    p.add_argument("--row-variants", nargs="+", default=None,
+                   help="attention-rows: the variants to time, by label (default: every one that applies)")
     p.add_argument("--topk-cases", type=int, nargs="*", default=None,
                    help="topk: indices into bench_topk.CASES (default: all)")
     p.add_argument("--topk-variants", nargs="*", default=None,
@@ -342,6 +344,7 @@ def main() -> None:
         return
     if args.what == "attention-rows":
         rows = bench_attention.bench_gathered(args.batches, device_times, ceil["copy_GBps"] * 1e9,
+                                              variants=args.row_variants,
                                               on_row=saver("bench_attention_rows", bench_attention.gathered_table))
         print(bench_attention.gathered_table(rows))
         return

@@ -232,6 +232,19 @@ case "${STAGE:?set STAGE to rows-depth, rows-first, gather-serving, rows-kernel,
       | head -20
     timeout 240 python3 scripts/bench_kernels.py attention-rows --batches 1 16 64 --out "$OUT/attn_rows" 2>&1 \
       | quiet | grep "^|\|copy\|Error" ;;
+  rows-depth2)
+    # issue 9, after rows-depth ran out of time at one query (2026-12-06, third session): 64 queries with the depth
+    # variants only, then one query with shared_qk's gathering form
+    V64=("XLA pool[rows] + kernel" "gathered in kernel, early release" "gathered in kernel, early, 32-row steps × 3"
+         "gathered in kernel, early, 32-row steps × 4" "v41_fp4: XLA gather + decode + kernel"
+         "v41_fp4: gathered + decoded in kernel" "v41_fp4: gathered + decoded, 32-row steps × 4"
+         "v41_fp4: staged a step ahead, 32-row steps × 4")
+    timeout 250 python3 scripts/bench_kernels.py attention-rows --batches 64 --row-variants "${V64[@]}" \
+      --out "$OUT/attn_rows64" 2>&1 | quiet | grep "^|\|copy\|Error"
+    timeout 150 python3 scripts/bench_kernels.py attention-rows --batches 1 --row-variants \
+      "shared_qk rule: XLA pool[rows] + kernel" "shared_qk rule: gathered in kernel" \
+      "shared_qk rule, v41_fp4: XLA gather + decode + kernel" "shared_qk rule, v41_fp4: gathered + decoded in kernel" \
+      --out "$OUT/attn_rows1" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
   rows-first)
     # one call for a session that may get only one: the gathering kernel's GPU tests, its time against XLA's gather +
     # the kernel, then issue 9's H200 kernel figure (split_cta vs early release vs the model's rule)

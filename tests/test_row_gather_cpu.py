@@ -256,14 +256,17 @@ def test_fp4_prefetch_wrapper_checks():
 def test_shared_qk_gather_wrapper_checks():
     """The gathering form of shared_qk: one stage per CTA (two do not fit beside the row indices at d = 512, which the
     model's rule never asks for: its L split leaves one KV step per CTA), no FP4 staging, and the register split
-    adds up to a thread slot's 512."""
+    fits the pool the CTA is launched with: 384 threads get 168 registers each (65536 / 384 = 170.7, rounded down to
+    a multiple of 8), so the three warpgroups' setmaxnreg counts may sum to at most 3 · 168 = 504 (more, and the
+    consumers' "increase" waits forever: 232 + 232 + 48 hung on an H100)."""
     from pallas_kernels.attention.decode_sm90 import (
         SHARED_QK_COMPUTE_REGISTERS,
         SHARED_QK_CONSUMERS,
         SHARED_QK_GATHER_REGISTERS,
     )
 
-    assert SHARED_QK_CONSUMERS * SHARED_QK_COMPUTE_REGISTERS + SHARED_QK_GATHER_REGISTERS == 512
+    assert SHARED_QK_CONSUMERS == 2
+    assert SHARED_QK_CONSUMERS * SHARED_QK_COMPUTE_REGISTERS + SHARED_QK_GATHER_REGISTERS <= 3 * 168
     assert SHARED_QK_GATHER_REGISTERS % 8 == 0 and SHARED_QK_GATHER_REGISTERS >= 24    # setmaxnreg's rule
     with pytest.raises(ValueError, match="shared memory"):
         _trace(n=2, organisation="shared_qk", l_split=2, num_stages=2)
@@ -308,11 +311,13 @@ def test_model_gather_options_are_valid_kernel_configs(n):
     query count, with early release (which needs v_split ≥ 2 and split_cta) only above ``SMALL_N_MAX``."""
     from pallas_kernels.attention.tuning import SMALL_N_MAX, gather_options
 
-    options = gather_options(n)
-    assert options.get("early_release", False) == (n > SMALL_N_MAX)
-    for pool_dtype in (jnp.bfloat16, jnp.uint8):
+    for stored, pool_dtype in (("bf16", jnp.bfloat16), ("v41_fp4", jnp.uint8)):
+        options = gather_options(n, stored)
+        assert options.get("early_release", False) == (n > SMALL_N_MAX)
         text = _trace(n, 64, 512, 640, window=128, pool_dtype=pool_dtype, **options).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
     with pytest.raises(ValueError, match="n_queries > 0"):
         gather_options(0)
+    with pytest.raises(ValueError, match="stored must be"):
+        gather_options(4, "fp8")

@@ -392,7 +392,7 @@ def attend_selected_pooled(q: jax.Array, kv: jax.Array, wm: jax.Array, pool: jax
     n, L = B * S, Sw + wpad + K + kpad
     o = kernel_call(_rows_kernel, q.reshape(n, H, d), pool, rows.reshape(n, K + kpad), valid.reshape(n, L),
                     sink.astype(F32), window.reshape(n, Sw + wpad, d), scale=d ** -0.5,
-                    **tuning.gather_options(n))
+                    **tuning.gather_options(n, "v41_fp4" if pool.dtype == jnp.uint8 else "bf16"))
     return o.reshape(B, S, H, d)
 
 

@@ -199,8 +199,13 @@ GATHER_REGISTERS = 96
 # 2 · 128 · 232 + 128 · 40 = 64512 ≤ 65536 registers per SM.
 SHARED_QK_COMPUTE_REGISTERS = 232
 SHARED_QK_CONSUMERS = 2       # compute warpgroups; consumer c owns output columns [c·d/2, (c+1)·d/2)
-# shared_qk's gathering warpgroup: what the two 232-register consumers leave of a thread slot's 512 (64K per SM)
-SHARED_QK_GATHER_REGISTERS = 512 - SHARED_QK_CONSUMERS * SHARED_QK_COMPUTE_REGISTERS
+# shared_qk's gathering warpgroup: what the two 232-register consumers leave of the CTA's pool. setmaxnreg moves
+# registers within the pool the CTA was launched with — 384 threads × 168 (65536 / 384 rounded down to setmaxnreg's
+# multiple of 8) = 64512 — so the three counts must sum to 3 · 168 = 504, not 512: with 48 here the consumers'
+# "increase" waited forever (a hang measured on an H100, 2026-12-06).
+SHARED_QK_THREAD_REGISTERS = 65536 // (128 * (SHARED_QK_CONSUMERS + 1)) // 8 * 8
+SHARED_QK_GATHER_REGISTERS = ((SHARED_QK_CONSUMERS + 1) * SHARED_QK_THREAD_REGISTERS
+                              - SHARED_QK_CONSUMERS * SHARED_QK_COMPUTE_REGISTERS)
 SMEM_ALIGNMENT = 1024         # Pallas rounds every shared-memory scratch buffer up to 1 KiB
 ORGANISATIONS = ("split_cta", "split_cluster", "shared_qk", "pingpong")   # pingpong: decode_pingpong_sm90.py
 MAX_CLUSTER = 8                # the portable cluster size limit of Hopper

@@ -34,15 +34,29 @@ def decode_options(n_queries: int, rows: int, block_kv: int = 64) -> dict:
     return dict(organisation="shared_qk", l_split=l_split)
 
 
-def gather_options(n_queries: int) -> dict:
+def gather_options(n_queries: int, stored: str = "bf16") -> dict:
     """Keyword arguments of ``sparse_decode_attention_rows`` (the kernel fetching its rows from the cache) for a call
-    of ``n_queries`` query rows: 64-row steps in two stages, early release above :data:`SMALL_N_MAX` queries — what
-    was measured correct and faster than XLA's gather + the kernel on an H100 (docs/perf/attention_h200.md, second
-    session of 2026-12-06). The deeper 32-row forms (``block_kv=32``, 3-4 stages; ``fp4_prefetch`` for ``v41_fp4``
-    rows) stay out of this rule until a GPU has measured them."""
+    of ``n_queries`` query rows from a pool of ``stored`` rows (``"bf16"`` or ``"v41_fp4"``). Measured on an H100 at
+    64 heads × 512, 640 rows a query (docs/perf/attention_h200.md, 2026-12-06):
+
+    * above :data:`SMALL_N_MAX` queries, early release; bf16 rows in 32-row steps and three stages (two steps of
+      copies in flight instead of one: 31.0 against 32.8 µs at 64 queries, 55% against 53% of copy; four stages
+      gain nothing more); ``v41_fp4`` rows keep 64-row steps in two stages (37.8 µs; 32-row steps 52.4, staged
+      one step ahead 49.3 — the decode, not the copies, bounds those);
+    * up to :data:`SMALL_N_MAX` queries, 64-row steps in two stages (at one query every 32-row form was slower:
+      26.0 against 23.7 µs).
+
+    ``shared_qk``'s gathering form (``organisation="shared_qk"``) measured the same as XLA's gather + that kernel at
+    one query (12.6 against 12.3 µs), so the model keeps the latter for few queries (``pooled_kernel_pays``)."""
     if n_queries <= 0:
         raise ValueError(f"need n_queries > 0, got {n_queries}")
-    return dict(early_release=n_queries > SMALL_N_MAX)
+    if stored not in ("bf16", "v41_fp4"):
+        raise ValueError(f"stored must be 'bf16' or 'v41_fp4', got {stored!r}")
+    if n_queries <= SMALL_N_MAX:
+        return dict(early_release=False)
+    if stored == "bf16":
+        return dict(early_release=True, block_kv=32, num_stages=3)
+    return dict(early_release=True)
 
 
 __all__ = ["NUM_SMS", "SMALL_N_MAX", "decode_options", "gather_options"]
