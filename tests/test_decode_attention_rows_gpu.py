@@ -119,9 +119,9 @@ def test_model_pooled_path_equals_kernel_on_gathered_rows(b, s):
     """The model's use of the gathering kernel (``attention.attend_selected_pooled``: each query's own 128 window
     rows + its 512 selected rows read from a pool by index, −1-free indices with a mask of unselected entries)
     against the kernel on the rows laid out as ``attend_selected(impl="pallas")`` lays them out (window, then
-    ``pool[rows]``), in the organisation the pooled path uses (``split_cta``; early release and 32-row steps above 8 queries) — the
-    same computation on the same rows, so bit-equal (masked rows contribute exact zeros whatever their values) — at
-    V4-Flash's width (64 heads × 512); query (0, 0) sees nothing (exact zeros)."""
+    ``pool[rows]``), in the organisation the pooled path uses (``split_cta``; early release and 32-row steps above
+    8 queries) — the same computation on the same rows, so bit-equal (masked rows contribute exact zeros whatever
+    their values) — at V4-Flash's width (64 heads × 512); query (0, 0) sees nothing (exact zeros)."""
     from dinfer_jax.models.attention import attend_selected_pooled
 
     gpu_device()

@@ -355,8 +355,9 @@ def _attend_selected_pallas(q: jax.Array, kv: jax.Array, wm: jax.Array, rows: ja
 def pooled_kernel_pays(n_queries: int) -> bool:
     """Whether ``attention_impl="pallas_gather"`` hands a step of ``n_queries`` query rows the gathering kernel: above
     ``tuning.SMALL_N_MAX`` (at 16 and 64 queries it beat XLA's gather + the kernel on an H100; with fewer, the
-    kernel on gathered rows splits each query's rows over many CTAs, which the gathering form does not: 23.7 µs
-    against 18.8 µs at one query, docs/perf/attention_h200.md)."""
+    kernel on gathered rows splits each query's rows over many CTAs, which ``split_cta``'s gathering form does not:
+    23.7 µs against 18.8 µs at one query; ``shared_qk``'s gathering form, which does, measured the same as XLA's
+    gather + ``shared_qk``, 12.6 against 12.3 µs: docs/perf/attention_h200.md)."""
     from pallas_kernels.attention import tuning
 
     return n_queries > tuning.SMALL_N_MAX
