@@ -1,18 +1,13 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
-# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after the second of
-# 2026-12-06, whose H100 runs passed the gathering kernel's GPU tests and measured it in the serving step):
-#   00. STAGE=rows-depth (any card) — the gathering kernel in 32-row steps (64-byte swizzled tiles, 3-4 stages: 2-3
-#      steps of copies in flight instead of 1): its GPU cases, then bench_kernels.py attention-rows at 64 and 16
-#      queries with the depth variants (bf16 and v41_fp4, and v41_fp4 rows staged one step ahead in shared memory,
-#      fp4_prefetch), and at 1 query shared_qk's gathering form (each L-split CTA fetching its rows) against XLA's
-#      gather + shared_qk; if faster and bit-equal, make it the default of
-#      sparse_decode_attention_rows / the model's pooled path;
-#   01. STAGE=gather-serving PRESET=deepseek-v4.1-flash — the decode step with the default (the kernel fetching its
-#      rows) against "pallas" (XLA's gather + the kernel) after 00; on an H100 first with the H200 settings (1M-row
-#      Engram tables, 8 GiB of pages): bench_serving now builds the slice in scan layout (random_model(stacked=True)),
-#      which should remove the second copy of its weights that ran the H100 out of memory (if it still does:
-#      ENGRAM_VOCAB=100000 KV_GIB=4, as measured on 2026-12-06);
+# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after the third of
+# 2026-12-06, whose H100 runs measured the gathering kernel's deeper forms — bf16 32-row steps adopted, FP4 kept at
+# 64-row steps — fixed a register-pool hang in shared_qk's gathering form, and ran the V4.1 slice with the H200
+# settings on an H100):
+#   00. STAGE=h200-sampler (any card) — the sampled batch-64 decode step of a real slice with and without top-k
+#      (issue 8's sampler follow-up, owed since 2026-12-05);
+#   01. on an H200: STAGE=rows-depth2 then STAGE=h200-attn — issue 9's >= 60% of copy is an H200 figure (the H100:
+#      kernel alone 65%, the gathered bf16 path 55%);
 #   0. on an H200: STAGE=h200-attn — issue 9's 60% is an H200 figure (split_cta was 48-55% there): the kernel with
 #      early release (the model's rule above 8 queries; +5% on the H100) against split_cta, its GPU tests, and the
 #      model's attention path at batch 64, 32K context (its "kernel alone" column now uses the model's rule);
