@@ -47,6 +47,9 @@ def main() -> None:
     ap.add_argument("--layout", type=int, nargs=3, default=[2, 1, 8], metavar=("DP", "CP", "EP"))
     ap.add_argument("--redundant-experts", type=int, default=None, help="EPLB: num_redundant_experts")
     ap.add_argument("--eplb-interval", type=int, default=None)
+    ap.add_argument("--checkpoint", default=None,
+                    help="serve this checkpoint directory (read straight onto the global mesh) instead of the "
+                         "random model")
     ap.add_argument("--out", required=True)
     ap.add_argument("--hang-seconds", type=float, default=540,
                     help="print every thread's Python stack and exit after this long (a collective that never meets)")
@@ -66,7 +69,7 @@ def main() -> None:
 
     model, prompts = model_and_prompts()
     dp, cp, ep = args.layout
-    llm = LLM(model, dp_size=dp, cp_size=cp, ep_size=ep, buckets=buckets(),
+    llm = LLM(args.checkpoint or model, dp_size=dp, cp_size=cp, ep_size=ep, buckets=buckets(),
               num_redundant_experts=args.redundant_experts, eplb_interval=args.eplb_interval, **LLM_KW)
     compiled = llm.metrics()["compilations"]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),

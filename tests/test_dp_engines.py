@@ -266,3 +266,46 @@ def test_cp_engine_v41_equals_single_device():
     got = [o.token_ids for o in LLM(model, dp_size=1, cp_size=2, ep_size=2, **KW).generate(prompts, GREEDY,
                                                                                             use_tqdm=False)]
     assert got == ref
+
+
+def test_checkpoint_loads_onto_the_mesh_in_scan_layout(tmp_path):
+    """``LLM(path, dp_size=…, ep_size=…)`` reads the checkpoint straight onto the engines' mesh in scan layout: the
+    loaded routed experts are split over the EP axes as read (each device holds ``E / ep`` experts of every stacked
+    leaf; nothing else is split) with the values of a one-device load, and the engines — EPLB's start-up placement
+    done on the stacked weights — give the one-device engine's greedy tokens; the engine keeps one copy of the
+    weights (its Model's are the runner's)."""
+    from dinfer_jax.engine.dp_runner import engine_sharder
+    from dinfer_jax.loading.writer import write_release_checkpoint
+    from dinfer_jax.models import load_model
+    from dinfer_jax.models.layer_plan import StackedLayers
+    from sharding.mesh import GROUP_AXES
+
+    cfg = load_config("tiny-v4")
+    write_release_checkpoint(cfg, random_model(cfg, seed=5, std=0.1, include_mtp=False).params, tmp_path)
+    lay = parallel_layout(2, 1, 4)
+    sharder = engine_sharder(lay)
+    ep_axes = {a for a in GROUP_AXES["ep"] if sharder.mesh.shape[a] > 1}
+    one = load_model(tmp_path, stacked=True, progress=False)
+    meshed = load_model(tmp_path, stacked=True, sharder=sharder, progress=False)
+    assert isinstance(meshed.params["layers"], StackedLayers)
+    paths = jax.tree_util.tree_leaves_with_path(meshed.params)
+    n_expert_leaves = 0
+    for (path, got), want in zip(paths, jax.tree_util.tree_leaves(one.params), strict=True):
+        split = {a for entry in got.sharding.spec if entry is not None
+                 for a in (entry if isinstance(entry, tuple) else (entry,))}
+        if "['experts']" in jax.tree_util.keystr(path):        # routed experts [repeats, E, ...]
+            n_expert_leaves += 1
+            assert split == ep_axes, jax.tree_util.keystr(path)
+            assert {s.data.shape[1] for s in got.addressable_shards} == {cfg.n_routed_experts // 4}
+        else:
+            assert not split, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
+    assert n_expert_leaves > 0
+    del one, meshed
+
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(4, cfg.vocab_size, size=n)] for n in LENGTHS[:3]]
+    ref = [o.token_ids for o in LLM(str(tmp_path), **KW).generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(str(tmp_path), dp_size=2, ep_size=4, num_redundant_experts=4, **KW)
+    assert llm.model.params is llm.runner.params
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref

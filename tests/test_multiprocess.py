@@ -28,12 +28,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_give_the_single_device_tokens(tmp_path):
+def _run_workers(tmp_path: Path, *extra: str) -> list[dict]:
+    """Both processes of the job (8 redundant expert slots, a rebalance every 3 mesh steps); their JSON results."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     procs = [subprocess.Popen([sys.executable, str(WORKER), "--process-id", str(i), "--num-processes", "2",
                                "--port", str(port), "--redundant-experts", "8", "--eplb-interval", "3",
-                               "--out", str(tmp_path / f"out{i}.json")],
+                               "--out", str(tmp_path / f"out{i}.json"), *extra],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     logs = []
@@ -45,17 +46,41 @@ def test_two_processes_give_the_single_device_tokens(tmp_path):
             p.kill()
     for i, p in enumerate(procs):
         assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:]}"
+    return [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
 
-    model, prompts = worker.model_and_prompts()
-    single = LLM(model, buckets=worker.buckets(), **worker.LLM_KW)
-    ref = [o.token_ids for o in single.generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=worker.MAX_TOKENS, ignore_eos=True), use_tqdm=False)]
-    for i in range(2):
-        got = json.loads((tmp_path / f"out{i}.json").read_text())
+
+def _check(results: list[dict], ref: list[list[int]], n_prompts: int) -> None:
+    for i, got in enumerate(results):
         assert (got["process_id"], got["process_count"]) == (i, 2)
         assert (got["global_devices"], got["local_devices"]) == (8, 4)
         assert got["mesh_processes"] == [0, 1]          # the mesh really spans both processes
-        assert got["finish"] == ["length"] * len(prompts)
+        assert got["finish"] == ["length"] * n_prompts
         assert got["tokens"] == ref, f"process {i}"
         assert got["compiled_after_warmup"] == 0
         assert got["eplb_rebalances"] >= 4
+
+
+def _reference(model) -> tuple[list[list[int]], int]:
+    _, prompts = worker.model_and_prompts()
+    single = LLM(model, buckets=worker.buckets(), **worker.LLM_KW)
+    return [o.token_ids for o in single.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=worker.MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False)], len(prompts)
+
+
+def test_two_processes_give_the_single_device_tokens(tmp_path):
+    results = _run_workers(tmp_path)
+    _check(results, *_reference(worker.model_and_prompts()[0]))
+
+
+def test_two_processes_load_a_checkpoint_onto_the_global_mesh(tmp_path):
+    """The same job serving a checkpoint directory: each process reads it straight onto the global mesh in scan
+    layout (its own devices' shards of the routed experts; LLM's engine_sharder), and both give the one-device
+    engine's tokens on that checkpoint."""
+    from dinfer_jax.loading.writer import write_release_checkpoint
+
+    model = worker.model_and_prompts()[0]
+    ckpt = tmp_path / "ckpt"
+    write_release_checkpoint(model.config, model.params, ckpt)
+    results = _run_workers(tmp_path, "--checkpoint", str(ckpt))
+    _check(results, *_reference(str(ckpt)))

@@ -54,19 +54,20 @@ from dinfer_jax.engine.compile_pool import (
 from dinfer_jax.engine.kv_cache import CacheConfig
 from dinfer_jax.engine.runner import InFlight, _device_step, _program_name, empty_inputs, fill_step_inputs
 from dinfer_jax.engine.scheduler import ScheduledStep
+from dinfer_jax.loading import place_host_value
 from dinfer_jax.models import Model
 from dinfer_jax.models.engram_lookup import EngramLookup
-from dinfer_jax.models.ep_model import logical_experts
-from dinfer_jax.models.eplb import ExpertMap, Placement, initial_placement, physical_experts, rebalance_layers
-from dinfer_jax.models.layer_plan import StackedLayers, plan_layers, stack_params, unstack_layers
+from dinfer_jax.models.eplb import ExpertMap, Placement, initial_placement, rebalance_layers
+from dinfer_jax.models.layer_plan import StackedLayers, plan_layers, stack_params
 from dinfer_jax.models.moe import EP_IMPLS
 from dinfer_jax.models.step_state import StepInput, cache_shapes
 from dinfer_jax.progress import PhaseProgress
 from dinfer_jax.sampling import SamplingTensors
 from sharding.layout import layout
 from sharding.mesh import GROUP_AXES, make_mesh, mesh_shape
+from sharding.rules import Sharder
 
-__all__ = ["DPModelRunner", "DPStepOutput", "ParallelLayout", "parallel_layout"]
+__all__ = ["DPModelRunner", "DPStepOutput", "ParallelLayout", "engine_mesh", "engine_sharder", "parallel_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,34 +141,51 @@ class DPStepOutput:
         return e * self.replicas
 
 
+def engine_mesh(lay: ParallelLayout, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh the engines of ``lay`` run on: ``make_mesh(dp·replicas, cp, ep)`` over the first of ``devices``
+    (default ``jax.devices()``); mesh DP rank ``m`` holds engine ``m // replicas``."""
+    return make_mesh(lay.dp * lay.replicas, lay.cp, lay.ep, devices)
+
+
+def engine_sharder(lay: ParallelLayout, devices: Sequence[jax.Device] | None = None) -> Sharder:
+    """A :class:`~sharding.rules.Sharder` over :func:`engine_mesh` with the default rules, which place parameters
+    as :class:`DPModelRunner` keeps them (routed experts split over the EP axes, the rest replicated): a
+    checkpoint loaded with it (``load_model(..., sharder=, stacked=True)``) goes from the host straight to its
+    shards, and the runner's placement of it moves nothing."""
+    return Sharder(engine_mesh(lay, devices))
+
+
 def _is_expert_leaf(path: tuple[Any, ...]) -> bool:
     return any(isinstance(k, jax.tree_util.DictKey) and k.key == "experts" for k in path)
 
 
-def _placed_layers(cfg: Any, layers: Any, placements: Sequence[Placement]) -> list[Any]:
-    """Checkpoint-layout layers (a list, or :class:`StackedLayers`) with layer ``l``'s routed experts gathered into
-    ``placements[l]``'s physical slots and its ``ffn["expert_map"]`` set (from the logical experts: replica 0 of
-    each expert when the layer is already placed)."""
-    if isinstance(layers, StackedLayers):
-        layers = unstack_layers(cfg, layers)
-    out = []
-    for layer, placement in zip(layers, placements, strict=True):
-        ffn = layer["ffn"]
-        experts = physical_experts(logical_experts(ffn), placement)
-        out.append({**layer, "ffn": {**ffn, "experts": experts, "expert_map": placement.expert_map()}})
+def _first_slots(cfg: Any, layers: StackedLayers) -> list[np.ndarray]:
+    """Per backbone layer, the slot holding replica 0 of each logical expert ``[E]``: from the layer's
+    ``ffn["expert_map"]`` when it is placed already, else ``arange(E)`` (experts in logical order)."""
+    E = cfg.n_routed_experts
+    out: list[np.ndarray] = [np.arange(E)] * cfg.num_layers
+    for g, group in zip(plan_layers(cfg), layers.groups, strict=True):
+        for j, tree in enumerate(group):
+            emap = tree["ffn"].get("expert_map")
+            if emap is None:
+                continue
+            first = np.asarray(emap.logical_to_physical)[..., 0]        # [repeats, E]
+            for r in range(g.repeats):
+                out[g.layer(r, j)] = first[r]
     return out
 
 
-def _replacement_tables(cfg: Any, old: Sequence[Placement], new: Sequence[Placement]) -> StackedLayers:
+def _replacement_tables(cfg: Any, first_slots: Sequence[np.ndarray], new: Sequence[Placement]) -> StackedLayers:
     """Per stacked layer (scan layout, as ``params["layers"]``): ``(src [repeats, P], logical_to_physical
-    [repeats, E, R+1], logical_count [repeats, E])`` int32, where ``src[r, p]`` is the slot of the current
-    placement that holds the expert the new placement puts in slot ``p`` (the current replica 0 of that expert)."""
+    [repeats, E, R+1], logical_count [repeats, E])`` int32, where ``src[r, p]`` is the slot that now holds the
+    expert the new placement puts in slot ``p``: ``first_slots[l] [E]``, layer ``l``'s slot of each logical
+    expert (the current placement's replica 0; ``arange(E)`` for layers in logical order, not yet placed)."""
     groups = []
     for g in plan_layers(cfg):
         per_pos = []
         for j in range(g.period):
             layers = [g.layer(r, j) for r in range(g.repeats)]
-            src = np.stack([old[i].logical_to_physical[new[i].physical_to_logical, 0] for i in layers])
+            src = np.stack([np.asarray(first_slots[i])[new[i].physical_to_logical] for i in layers])
             l2p = np.stack([new[i].logical_to_physical for i in layers])
             cnt = np.stack([new[i].logical_count for i in layers])
             per_pos.append(tuple(a.astype(np.int32) for a in (src, l2p, cnt)))
@@ -175,19 +193,32 @@ def _replacement_tables(cfg: Any, old: Sequence[Placement], new: Sequence[Placem
     return StackedLayers(tuple(groups))
 
 
+def _moved_experts(experts: tuple, tables: StackedLayers) -> tuple:
+    """Per stacked layer of :func:`_routed_experts`' tuple: ``(experts, ExpertMap)`` with the experts gathered into
+    their new slots (:func:`_replacement_tables`) and the new expert map."""
+    take = jax.vmap(lambda a, idx: jnp.take(a, idx, axis=0))  # over the stacked repeats
+    return tuple(tuple((jax.tree.map(lambda a, src=src: take(a, src), e), ExpertMap(l2p, cnt))
+                       for e, (src, l2p, cnt) in zip(group, group_tables, strict=True))
+                 for group, group_tables in zip(experts, tables.groups, strict=True))
+
+
+def _routed_experts(layers: StackedLayers) -> tuple:
+    """The routed-expert weights of every stacked layer, ``groups[g][j] = ffn["experts"]``."""
+    return tuple(tuple(tree["ffn"]["experts"] for tree in group) for group in layers.groups)
+
+
+def _with_experts(layers: StackedLayers, moved: tuple) -> StackedLayers:
+    """``layers`` with each stacked layer's experts and expert map from :func:`_moved_experts`."""
+    return StackedLayers(tuple(
+        tuple({**tree, "ffn": {**tree["ffn"], "experts": e, "expert_map": emap}}
+              for tree, (e, emap) in zip(group, moved_group, strict=True))
+        for group, moved_group in zip(layers.groups, moved, strict=True)))
+
+
 def _move_experts(layers: StackedLayers, tables: StackedLayers) -> StackedLayers:
     """Stacked layers with every layer's experts gathered into its new slots and its expert map replaced
     (:func:`_replacement_tables`); jitted by :class:`DPModelRunner` with the parameters' shardings."""
-    take = jax.vmap(lambda a, idx: jnp.take(a, idx, axis=0))  # over the stacked repeats
-    groups = []
-    for group, group_tables in zip(layers.groups, tables.groups, strict=True):
-        trees = []
-        for tree, (src, l2p, cnt) in zip(group, group_tables, strict=True):
-            ffn = tree["ffn"]
-            experts = jax.tree.map(lambda a, src=src: take(a, src), ffn["experts"])
-            trees.append({**tree, "ffn": {**ffn, "experts": experts, "expert_map": ExpertMap(l2p, cnt)}})
-        groups.append(tuple(trees))
-    return StackedLayers(tuple(groups))
+    return _with_experts(layers, _moved_experts(_routed_experts(layers), tables))
 
 
 class DPModelRunner:
@@ -195,7 +226,10 @@ class DPModelRunner:
 
     def __init__(self, model: Model, cache_config: CacheConfig, max_model_len: int, buckets: Buckets,
                  lay: ParallelLayout, max_logprobs: int = 0, devices: Sequence[jax.Device] | None = None,
-                 num_redundant_experts: int | None = None, compiler_options: CompilerOptions = ()):
+                 num_redundant_experts: int | None = None, compiler_options: CompilerOptions = (),
+                 donate_params: bool = False):
+        """``donate_params``: the runner may free ``model``'s weights once it has its own placement of them (the
+        engine built the Model itself; ``self.model`` then holds the runner's weights)."""
         self.model = model
         self.cfg = model.config
         self.layout = lay
@@ -204,7 +238,7 @@ class DPModelRunner:
         self.buckets = buckets.resolve(self.max_pages, cache_config.block_size)
         self.max_rows = max(max(buckets.decode_batch), max(buckets.prefill_batch))
         self.max_logprobs = max_logprobs
-        self.mesh: Mesh = make_mesh(lay.dp * lay.replicas, lay.cp, lay.ep, devices)
+        self.mesh: Mesh = engine_mesh(lay, devices)
         self._copies_spec = _axes_spec(self.mesh, "dp")
         self._copies = NamedSharding(self.mesh, self._copies_spec)
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -215,14 +249,19 @@ class DPModelRunner:
         # EPLB (ep > 1 and num_redundant_experts given): every layer's experts in the physical slots of its
         # placement, DeepInfer's start-up layout first; rebalance() moves them (same shapes: nothing recompiles).
         self.placements: list[Placement] | None = None
+        if num_redundant_experts is not None and lay.ep < 2:
+            raise ValueError("num_redundant_experts (EPLB) needs expert parallelism: ep_size > 1")
+        # The weights go to the mesh without passing through one device: host values are stacked on the host and
+        # placed shard by shard; a Model loaded onto this mesh in scan layout (LLM does, engine_sharder) is already
+        # where it belongs, and device_put leaves it there.
         params = model.params
+        host = all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(params))
+        self._set_params(stack_params(self.cfg, params, on_host=host))
         if num_redundant_experts is not None:
-            if lay.ep < 2:
-                raise ValueError("num_redundant_experts (EPLB) needs expert parallelism: ep_size > 1")
             E = self.cfg.n_routed_experts
-            self.placements = [initial_placement(E, num_redundant_experts, lay.ep)] * self.cfg.num_layers
-            params = {**params, "layers": _placed_layers(self.cfg, params["layers"], self.placements)}
-        self._set_params(stack_params(self.cfg, params))
+            placements = [initial_placement(E, num_redundant_experts, lay.ep)] * self.cfg.num_layers
+            self._place_experts(placements, donate=donate_params or host)   # host values: the copies are ours
+        self.model = dataclasses.replace(model, params=self.params)
         if lay.ep > 1:
             moe_impl, ep_manual = model.moe_impl if model.moe_impl in EP_IMPLS else "ep", lay.ep
         else:
@@ -257,18 +296,50 @@ class DPModelRunner:
         self.num_compilations = 0
         self.warmup_timings: tuple[CompileTiming, ...] = ()  # per program of the last threaded warm-up
 
-    def _set_params(self, stacked: Any) -> None:
-        """Place stacked parameters on the mesh: routed experts (physical slots when placed) split over the EP
-        axes (stacked layout ``[repeats, P, ...]``), everything else (expert maps included) replicated."""
+    def _specs(self, stacked: Any) -> Any:
+        """PartitionSpecs of stacked parameters on the mesh: routed experts (physical slots when placed) split over
+        the EP axes (stacked layout ``[repeats, P, ...]``), everything else (expert maps included) replicated."""
         ep_spec = PartitionSpec(None, *_axes_spec(self.mesh, "ep"))
-        self._param_specs = jax.tree_util.tree_map_with_path(
+        return jax.tree_util.tree_map_with_path(
             lambda path, _: ep_spec if _is_expert_leaf(path) else PartitionSpec(), stacked)
+
+    def _set_params(self, stacked: Any) -> None:
+        """Place stacked parameters on the mesh by :meth:`_specs` (arrays already placed so stay as they are)."""
+        self._param_specs = self._specs(stacked)
         if self.multi_process:  # host values, or arrays local to this process, become identical host copies
             stacked = jax.tree.map(lambda x: x if isinstance(x, jax.Array) and not x.is_fully_addressable
                                    else np.asarray(x), stacked)
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._param_specs)
-        self.params = jax.device_put(stacked, shardings)
+        if self.multi_process:   # each process fills its own devices' shards (no cross-process equality check)
+            self.params = jax.tree.map(
+                lambda x, s: jax.device_put(x, s) if isinstance(x, jax.Array) else place_host_value(x, s),
+                stacked, shardings)
+        else:
+            self.params = jax.device_put(stacked, shardings)
         self._replace_experts = jax.jit(_move_experts, out_shardings=shardings["layers"], donate_argnums=0)
+
+    def _place_experts(self, placements: list[Placement], donate: bool) -> None:
+        """EPLB's start: every layer's routed experts gathered into ``placements``' physical slots on the mesh, in
+        scan layout (one compiled program, as :meth:`rebalance`; the layers are never unstacked), the expert maps
+        set. ``donate``: the unplaced experts are freed as they are consumed (else the caller's Model keeps them)."""
+        layers = self.params["layers"]
+        tables = jax.device_put(_replacement_tables(self.cfg, _first_slots(self.cfg, layers), placements),
+                                self._replicated)
+        experts = _routed_experts(layers)
+        # only the experts go through the program (the other weights are not copied); the physical slots outnumber
+        # the logical experts, so no input buffer could be reused: they are freed afterwards instead of donated
+        placed = jax.eval_shape(_move_experts, layers, tables)
+        specs = _routed_experts(self._specs(placed))
+        emap = NamedSharding(self.mesh, PartitionSpec())
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+        out_shardings = jax.tree.map(lambda s: (s, ExpertMap(emap, emap)), shardings,
+                                     is_leaf=lambda x: isinstance(x, dict))
+        moved = jax.jit(_moved_experts, out_shardings=out_shardings)(experts, tables)
+        if donate:
+            for a in jax.tree_util.tree_leaves(experts):
+                a.delete()
+        self._set_params({**self.params, "layers": _with_experts(layers, moved)})
+        self.placements = placements
 
     def expert_loads(self) -> np.ndarray:
         """Tokens routed to each (layer, logical expert) ``[L, E]`` int64 since the engine started or last
@@ -303,7 +374,8 @@ class DPModelRunner:
         # One compiled program moves every layer's experts (same shapes each time: compiled once). Dispatching the
         # move as many small eager ops on mesh-wide arrays deadlocked two processes (XLA CPU: a device's share of
         # one op waited for an in-flight slot that later ops held, while the other devices sat in its all-reduce).
-        tables = jax.device_put(_replacement_tables(self.cfg, self.placements, placements), self._replicated)
+        first = [p.logical_to_physical[:, 0] for p in self.placements]
+        tables = jax.device_put(_replacement_tables(self.cfg, first, placements), self._replicated)
         self.params = {**self.params, "layers": self._replace_experts(self.params["layers"], tables)}
         self.placements = placements
         return placements

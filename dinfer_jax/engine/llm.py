@@ -22,7 +22,7 @@ import numpy as np
 
 from dinfer_jax.engine.block_manager import BlockManager, StateSlots
 from dinfer_jax.engine.compile_pool import compiler_options_key
-from dinfer_jax.engine.dp_runner import DPModelRunner, DPStepOutput, parallel_layout
+from dinfer_jax.engine.dp_runner import DPModelRunner, DPStepOutput, engine_sharder, parallel_layout
 from dinfer_jax.engine.kv_cache import CacheConfig, size_pools
 from dinfer_jax.engine.launcher import Launched, StepLauncher, step_launcher
 from dinfer_jax.engine.memory_plan import MemoryPlan, plan_memory
@@ -44,6 +44,7 @@ from dinfer_jax.models.engram_lookup import ENGRAM_PLACEMENTS
 from dinfer_jax.models.invariant import CPU_INVARIANT_OPTIONS, DEFAULT_TILE
 from dinfer_jax.models.linear_impl import resolve_linear_impl
 from dinfer_jax.sampling import SamplingParams
+from sharding.rules import Sharder
 
 DEFAULT_KV_BYTES = 256 * 1024 * 1024
 
@@ -132,14 +133,20 @@ def _largest_steps(buckets: Buckets) -> list[tuple[int, int, int]]:
 
 
 def _resolve_model(model: str | Path | Model, dtype: str, seed: int, progress: bool,
-                   stacked: bool = False) -> tuple[Model, Path | None]:
+                   stacked: bool = False, sharder: Sharder | None = None) -> tuple[Model, Path | None]:
     """The engine's Model: as given, loaded from a checkpoint, or random for a preset name; ``stacked``: built in
-    the one-device runner's scan layout (no checkpoint-layout copy beside it at any time)."""
+    the one-device runner's scan layout (no checkpoint-layout copy beside it at any time). ``sharder`` (the mesh
+    engines', :func:`~dinfer_jax.engine.dp_runner.engine_sharder`): a checkpoint is loaded in scan layout straight
+    onto that mesh, each weight placed shard by shard as it is read (the Model keeps no sharder: the engines run
+    their own per-device step; its MoE switch stays what a plain load gives)."""
     if isinstance(model, Model):
         return model, None
     from dinfer_jax.checkpoints import resolve_checkpoint
 
     path = resolve_checkpoint(str(model))
+    if path is not None and sharder is not None:
+        loaded = load_model(path, dtype=dtype, progress=progress, stacked=True, sharder=sharder, moe_impl="auto")
+        return dataclasses.replace(loaded, sharder=None), path
     if path is not None:
         return load_model(path, dtype=dtype, progress=progress, stacked=stacked), path
     cfg = load_config(model)  # a preset: random weights (benchmarks, smoke tests)
@@ -463,7 +470,9 @@ class LLM:
         self.batch_invariant_tile = _check_batch_invariant(batch_invariant, speculative, one_device)
         self.parallel = parallel_layout(dp_size, cp_size, ep_size)
         self.dp_size = dp_size
-        self.model, self.path = _resolve_model(model, dtype, seed, progress, stacked=one_device)
+        self.model, self.path = _resolve_model(model, dtype, seed, progress, stacked=one_device,
+                                               sharder=None if one_device else engine_sharder(self.parallel))
+        built_here = not isinstance(model, Model)
         self.model = _with_kv_cache_dtype(self.model, kv_cache_dtype)
         cfg = self.model.config
         self.config = cfg
@@ -552,7 +561,9 @@ class LLM:
         else:
             self.runner = DPModelRunner(self.model, cache_cfg, self.max_model_len, self.buckets, self.parallel,
                                         max_logprobs=max_logprobs, num_redundant_experts=num_redundant_experts,
-                                        compiler_options=options)
+                                        compiler_options=options, donate_params=built_here)
+            if built_here:
+                self.model = self.runner.model   # the mesh's weights (experts placed): no second copy held
         self.max_logprobs = max_logprobs
         self.tokenizer = self._load_tokenizer(tokenizer)
         eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, (list, tuple)) else [cfg.eos_token_id]

@@ -215,7 +215,7 @@ def load_params(directory: str | Path, cfg: ModelConfig, dtype: Any = "float32",
             host: Any = QuantizedWeight(data, scale, spec.quant, spec.block)
         else:
             host = _host_value(spec, idx, dtype, block, cfg)
-        placed = jax.device_put(host, None if sharder is None else sharder.named_tree(spec.axes, host))
+        placed = place_host_value(host, None if sharder is None else sharder.named_tree(spec.axes, host))
         bar.advance(nbytes=tree_nbytes(placed))
         return placed if transform is None else transform(spec, placed)
 
@@ -244,6 +244,21 @@ def load_params(directory: str | Path, cfg: ModelConfig, dtype: Any = "float32",
     finally:
         files.close()
     return params
+
+
+def place_host_value(host: Any, shardings: Any) -> Any:
+    """``host`` (numpy leaves) on the device, or placed by ``shardings`` (a tree of them in ``host``'s structure).
+    A sharding that spans other processes' devices (``jax.distributed``) is filled from each process's own copy of
+    the value, its addressable shards only: no cross-process transfer or equality check of the whole weight."""
+    if shardings is None:
+        return jax.device_put(host)
+
+    def put(x: np.ndarray, sharding: Any) -> jax.Array:
+        if sharding.is_fully_addressable:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: np.asarray(x[index]))
+
+    return jax.tree.map(put, host, shardings)
 
 
 def _stacked_leaf(loaders: list[Callable[[], Any]], axes: tuple, sharder: Sharder | None) -> Any:

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dinfer_jax.models.config import ATTN_SLIDING, ModelConfig
 
@@ -135,25 +136,29 @@ class StackedLayers:
     groups: tuple[tuple[Any, ...], ...]
 
 
-def stack_tree(trees: Sequence[Any]) -> Any:
-    """Stack equally structured pytrees along a new leading axis (works for any registered leaf type)."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+def stack_tree(trees: Sequence[Any], on_host: bool = False) -> Any:
+    """Stack equally structured pytrees along a new leading axis (works for any registered leaf type); ``on_host``:
+    with ``np.stack`` (host arrays stay on the host) instead of ``jnp.stack`` (the default device)."""
+    stack = np.stack if on_host else jnp.stack
+    return jax.tree.map(lambda *xs: stack(xs), *trees)
 
 
-def stack_layers(cfg: ModelConfig, layers: Sequence[Any]) -> StackedLayers:
-    """``layers`` (checkpoint layout, one pytree per layer) → :class:`StackedLayers` by :func:`plan_layers`."""
+def stack_layers(cfg: ModelConfig, layers: Sequence[Any], on_host: bool = False) -> StackedLayers:
+    """``layers`` (checkpoint layout, one pytree per layer) → :class:`StackedLayers` by :func:`plan_layers`
+    (``on_host``: see :func:`stack_tree`)."""
     if len(layers) != cfg.num_layers:
         raise ValueError(f"got {len(layers)} layer parameter trees for num_layers={cfg.num_layers}")
     return StackedLayers(tuple(
-        tuple(stack_tree([layers[g.layer(r, j)] for r in range(g.repeats)]) for j in range(g.period))
+        tuple(stack_tree([layers[g.layer(r, j)] for r in range(g.repeats)], on_host) for j in range(g.period))
         for g in plan_layers(cfg)))
 
 
-def stack_params(cfg: ModelConfig, params: Any) -> Any:
-    """``params`` with ``"layers"`` in scan layout (returned unchanged when it already is)."""
+def stack_params(cfg: ModelConfig, params: Any, on_host: bool = False) -> Any:
+    """``params`` with ``"layers"`` in scan layout (returned unchanged when it already is); ``on_host``: stacked with
+    numpy (for host values about to be placed on a mesh, which a ``jnp.stack`` would first gather on one device)."""
     if isinstance(params["layers"], StackedLayers):
         return params
-    return {**params, "layers": stack_layers(cfg, params["layers"])}
+    return {**params, "layers": stack_layers(cfg, params["layers"], on_host)}
 
 
 def unstack_layers(cfg: ModelConfig, stacked: StackedLayers) -> list[Any]:
