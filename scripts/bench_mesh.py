@@ -148,7 +148,7 @@ def main() -> None:
     elif cfg.engram_layer_ids:
         cfg = cfg.replace(engram_layer_ids=(), engram_num_embeddings=())
     t0 = time.perf_counter()
-    model = random_model(cfg, dtype="bfloat16", include_mtp=False, weights="native")
+    model = random_model(cfg, dtype="bfloat16", include_mtp=False, weights="native", stacked=True)   # held once
     model = dataclasses.replace(model, linear_impl=args.linear_impl)
     jax.block_until_ready(model.params)
     print(f"model: {model.param_bytes / 1e9:.1f} GB built in {time.perf_counter() - t0:.1f} s", flush=True)
