@@ -198,7 +198,7 @@ case "${STAGE:?set STAGE to rows-depth, rows-first, gather-serving, rows-kernel,
   sampler)
     timeout 170 python3 scripts/bench_kernels.py sampler --out "$OUT/sampler_kernel" 2>&1 | quiet | grep "^|\|copy\|Error"
     cd scripts && for f in "--top-k 50" ""; do timeout 165 python3 bench_serving.py --preset \
-      deepseek-v4-flash --layers 4 --batch 64 $C --temperature 1.0 $f --out "$OUT/sampler" 2>&1 | quiet \
+      deepseek-v4-flash --layers 4 --batch 64 $C --temperature 1.0 $f --out "$OUT/sampler${f// /_}" 2>&1 | quiet \
       | grep "^| 4 \|Error" | sed "s/^/[$f] /"; done ;;
   early)
     # the split_cta kernel with more KV bytes in flight (32-row tiles x 4 stages; the other CTAs' column chunks
@@ -288,7 +288,7 @@ case "${STAGE:?set STAGE to rows-depth, rows-first, gather-serving, rows-kernel,
     timeout 150 python3 scripts/bench_kernels.py sampler --sampler-batches 1 64 256 --out "$OUT/sampler_kernel" 2>&1 \
       | quiet | grep "^|\|copy\|Error"
     cd scripts && for f in "--top-k 50" ""; do timeout 190 python3 bench_serving.py --preset \
-      deepseek-v4-flash --layers 4 --batch 64 $C --temperature 1.0 $f --out "$OUT/sampler" 2>&1 | quiet \
+      deepseek-v4-flash --layers 4 --batch 64 $C --temperature 1.0 $f --out "$OUT/sampler${f// /_}" 2>&1 | quiet \
       | grep "^| 4 \|Error" | sed "s/^/[$f] /"; done ;;
   topk-model)
     timeout 200 python3 scripts/bench_kernels.py topk --topk-variants "group 4" "group 8" --out "$OUT/topk" 2>&1 \
