@@ -309,3 +309,30 @@ def test_checkpoint_loads_onto_the_mesh_in_scan_layout(tmp_path):
     llm = LLM(str(tmp_path), dp_size=2, ep_size=4, num_redundant_experts=4, **KW)
     assert llm.model.params is llm.runner.params
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
+
+
+def test_expert_moves_hold_one_layer_at_a_time():
+    """EPLB's expert moves (the start-up placement and every rebalance, ``dp_runner._moved_experts``) gather along
+    the EP-split expert axis, which XLA does by all-gathering the operand on every device. The repeats of a stacked
+    leaf are gathered one after another, so the compiled program's temporary memory is about one layer's experts,
+    not the whole stack's: 8 stacked layers of 64 experts × 4096 fp32 over 8 EP devices (batched over the repeats,
+    the temporary was the whole 8.4 MB stack on every device; XLA's memory analysis of the CPU program)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dinfer_jax.engine.dp_runner import _axes_spec, _moved_experts, engine_mesh
+    from dinfer_jax.models.eplb import ExpertMap
+    from dinfer_jax.models.layer_plan import StackedLayers
+
+    mesh = engine_mesh(parallel_layout(1, 1, 8))
+    R, E, P, D = 8, 64, 72, 4096
+    split = NamedSharding(mesh, PartitionSpec(None, *_axes_spec(mesh, "ep")))
+    whole = NamedSharding(mesh, PartitionSpec())
+    experts = (({"w1": jax.ShapeDtypeStruct((R, E, D), np.float32, sharding=split)},),)
+    tables = StackedLayers((((jax.ShapeDtypeStruct((R, P), np.int32, sharding=whole),    # one group, one position
+                              jax.ShapeDtypeStruct((R, E, 2), np.int32, sharding=whole),
+                              jax.ShapeDtypeStruct((R, E), np.int32, sharding=whole)),),))
+    out = ((({"w1": split}, ExpertMap(whole, whole)),),)
+    compiled = jax.jit(_moved_experts, out_shardings=out).lower(experts, tables).compile()
+    one_layer = E * D * 4
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < 2 * one_layer, f"temporary {temp / 1e6:.2f} MB, one layer's experts {one_layer / 1e6:.2f} MB"

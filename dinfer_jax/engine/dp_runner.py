@@ -195,8 +195,15 @@ def _replacement_tables(cfg: Any, first_slots: Sequence[np.ndarray], new: Sequen
 
 def _moved_experts(experts: tuple, tables: StackedLayers) -> tuple:
     """Per stacked layer of :func:`_routed_experts`' tuple: ``(experts, ExpertMap)`` with the experts gathered into
-    their new slots (:func:`_replacement_tables`) and the new expert map."""
-    take = jax.vmap(lambda a, idx: jnp.take(a, idx, axis=0))  # over the stacked repeats
+    their new slots (:func:`_replacement_tables`) and the new expert map.
+
+    The repeats are gathered one after another (``lax.map``), not batched: a gather along the EP-split expert axis
+    all-gathers its operand on every device, and batched over the repeats that operand is the whole stacked leaf
+    (every layer's experts of the group on each device at once; one layer's at a time here — compiled temporary
+    memory checked in tests/test_dp_engines.py)."""
+    def take(a: jax.Array, idx: jax.Array) -> jax.Array:
+        return jax.lax.map(lambda pair: jnp.take(pair[0], pair[1], axis=0), (a, idx))
+
     return tuple(tuple((jax.tree.map(lambda a, src=src: take(a, src), e), ExpertMap(l2p, cnt))
                        for e, (src, l2p, cnt) in zip(group, group_tables, strict=True))
                  for group, group_tables in zip(experts, tables.groups, strict=True))
