@@ -336,3 +336,35 @@ def test_expert_moves_hold_one_layer_at_a_time():
     one_layer = E * D * 4
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < 2 * one_layer, f"temporary {temp / 1e6:.2f} MB, one layer's experts {one_layer / 1e6:.2f} MB"
+
+
+def test_mesh_engines_plan_their_pools_per_device(setup):
+    """With ``device_memory_bytes`` (XLA:CPU reports no memory of its own) the mesh engines plan each engine's pool
+    per device: utilisation × the memory offered, less the fullest device's weights — here computed independently
+    from the model: every non-expert weight whole on each device plus 1/ep of the routed experts — less the mesh
+    step's temporaries (XLA's memory analysis, > 0); the pools get that budget, and the tokens do not change.
+    Without a memory figure the engines keep the fixed 256 MiB budget."""
+    from dinfer_jax.engine.kv_cache import size_pools
+    from dinfer_jax.engine.llm import DEFAULT_KV_BYTES
+
+    model, prompts, ref, _ = setup
+    ep = 4
+    leaves = jax.tree_util.tree_leaves_with_path(model.params)
+    experts = sum(x.nbytes for p, x in leaves if "['experts']" in jax.tree_util.keystr(p))
+    others = sum(x.nbytes for p, x in leaves if "['experts']" not in jax.tree_util.keystr(p))
+    offered = 1 << 31
+    llm = LLM(model, dp_size=2, ep_size=ep, device_memory_bytes=offered, memory_utilization=0.5, **KW)
+    plan = llm.memory_plan
+    assert plan is not None and plan.device_bytes == offered
+    assert plan.in_use_bytes == others + experts // ep
+    assert plan.activation_bytes > 0
+    assert plan.kv_bytes == offered // 2 - plan.in_use_bytes - plan.activation_bytes
+    want = size_pools(model.config, memory_bytes=plan.kv_bytes, block_size=llm.block_size, max_num_seqs=4,
+                      max_model_len=96, dtype=model.dtype)
+    assert llm.cache_config == want
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
+
+    plain = LLM(model, dp_size=2, ep_size=ep, warmup=False, **KW)
+    assert plain.memory_plan is None
+    assert plain.cache_config == size_pools(model.config, memory_bytes=DEFAULT_KV_BYTES, block_size=plain.block_size,
+                                            max_num_seqs=4, max_model_len=96, dtype=model.dtype)

@@ -52,6 +52,7 @@ from dinfer_jax.engine.compile_pool import (
     default_compile_threads,
 )
 from dinfer_jax.engine.kv_cache import CacheConfig
+from dinfer_jax.engine.memory_plan import MemoryPlan, device_memory, temp_bytes
 from dinfer_jax.engine.runner import InFlight, _device_step, _program_name, empty_inputs, fill_step_inputs
 from dinfer_jax.engine.scheduler import ScheduledStep
 from dinfer_jax.loading import place_host_value
@@ -275,10 +276,7 @@ class DPModelRunner:
             moe_impl, ep_manual = ("ragged" if model.moe_impl in EP_IMPLS else model.moe_impl), 0
         self.moe_impl = moe_impl
         # Caches: every leaf gets a leading engine-copy dimension split over the DP mesh axes.
-        copies = lay.engine_copies
-        shapes = cache_shapes(self.cfg, cache_config, model.dtype)
-        self.cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros((copies, *s.shape), s.dtype), shapes),
-                             out_shardings=self._copies)()
+        self.cache = self._empty_cache(cache_config)
         engram = lookup = None
         if self.cfg.engram_layer_ids:  # tables replicated in every device's memory (the lookup runs per device)
             engram = model.engram.state("device", self._replicated)
@@ -297,11 +295,54 @@ class DPModelRunner:
         # EPLB: tokens per (layer, logical expert) since the engine started or last rebalanced, summed on the device
         self._loads = (jax.device_put(np.zeros((self.cfg.num_layers, self.cfg.n_routed_experts), np.int32),
                                       self._replicated) if count else None)
-        self._prev_tokens = jax.device_put(np.zeros((copies, self.max_rows), np.int32), self._copies)
+        self._prev_tokens = jax.device_put(np.zeros((lay.engine_copies, self.max_rows), np.int32), self._copies)
         self._prev_step_id: list[int | None] = [None] * lay.dp
         self.compiled_shapes: set[tuple[int, int, int]] = set()
         self.num_compilations = 0
         self.warmup_timings: tuple[CompileTiming, ...] = ()  # per program of the last threaded warm-up
+
+    def _empty_cache(self, cache_config: CacheConfig) -> Any:
+        """Every engine's empty pool and state slots of ``cache_config``: each cache leaf with a leading
+        engine-copy dimension split over the DP mesh axes."""
+        copies = self.layout.engine_copies
+        shapes = cache_shapes(self.cfg, cache_config, self.model.dtype)
+        return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros((copies, *s.shape), s.dtype), shapes),
+                       out_shardings=self._copies)()
+
+    def resize_cache(self, cache_config: CacheConfig) -> None:
+        """Replace the engines' (empty) caches by ones of ``cache_config`` — after :meth:`plan_memory`, before
+        warm-up and serving (each compiled step is for one pool size)."""
+        for leaf in jax.tree_util.tree_leaves(self.cache):
+            leaf.delete()
+        self.cache_config = cache_config
+        self.cache = self._empty_cache(cache_config)
+
+    def plan_memory(self, shapes: Sequence[tuple[int, int, int]], utilization: float,
+                    device_memory_bytes: int | None = None) -> MemoryPlan | None:
+        """The KV budget of each engine, per device (an engine's pool is whole on each of its devices): what a
+        device offers (its ``bytes_limit``, the smallest over this process's mesh devices, or
+        ``device_memory_bytes``) times ``utilization``, less what the fullest device holds (its ``bytes_in_use``;
+        where the backend reports none, the largest per-device bytes of the placed weights and Engram tables),
+        less the mesh step's temporary bytes per device for each of ``shapes`` (compiled against the current,
+        minimal caches: XLA's memory analysis of the SPMD program). None when the devices report no memory and
+        ``device_memory_bytes`` is not given. With several processes every process must plan alike, so the
+        weights' bytes are computed from their shardings there (the same in every process), not read."""
+        local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        stats = [device_memory(d) for d in local]
+        limits = [lim for lim, _ in stats if lim is not None]
+        limit = device_memory_bytes or (min(limits) if limits else None)
+        if limit is None:
+            return None
+        used = [u for _, u in stats if u is not None]
+        if used and not self.multi_process:
+            in_use = max(used)
+        else:
+            in_use = _bytes_per_device((self.params, self._engram))
+        idle = ([None] * self.layout.dp, [[]] * self.layout.dp, [[]] * self.layout.dp)
+        by_shape = {tuple(s): temp_bytes(self._step.lower(*self._step_args(*idle, tuple(s))).compile())
+                    for s in shapes}
+        return MemoryPlan(device_bytes=int(limit), in_use_bytes=int(in_use), activation_bytes=max(by_shape.values()),
+                          activation_by_shape=by_shape, utilization=float(utilization)).check()
 
     def _specs(self, stacked: Any) -> Any:
         """PartitionSpecs of stacked parameters on the mesh: routed experts (physical slots when placed) split over
@@ -484,6 +525,17 @@ class DPModelRunner:
                 jax.tree.map(stack, *samps), stack(*active))
         inp, feed, samp, act = jax.device_put(host, self._copies)
         return self.params, self.cache, inp, feed, self._prev_tokens, samp, act, self._engram, self._loads
+
+
+def _bytes_per_device(tree: Any) -> int:
+    """The most bytes any one of this process's devices holds of the arrays in ``tree`` (their shards on it;
+    evenly split or replicated arrays put the same on every device of the mesh, so other processes' are alike)."""
+    per_device: dict[Any, int] = {}
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array):
+            for shard in leaf.addressable_shards:
+                per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values(), default=0)
 
 
 def _axes_spec(mesh: Mesh, kind: str) -> PartitionSpec:

@@ -356,7 +356,8 @@ class LLM:
             of the memory the device offers (or of ``device_memory_bytes``), less the weights and the measured
             activation peak of the largest prefill and decode steps; on a backend that reports no memory (XLA:CPU)
             and without ``device_memory_bytes``, 256 MiB. ``memory_plan`` and ``kv_capacity_tokens`` say what was
-            chosen.
+            chosen. Mesh engines (``dp_size`` / ``cp_size`` / ``ep_size``) plan per device, each engine's pool
+            whole on each of its devices (:meth:`~dinfer_jax.engine.dp_runner.DPModelRunner.plan_memory`).
         memory_utilization: fraction of the device's memory the engine may use in all (vLLM's
             ``gpu_memory_utilization``); device_memory_bytes: the memory to plan against instead of the device's
             own figure (e.g. to share an accelerator).
@@ -517,8 +518,14 @@ class LLM:
             raise ValueError(f"buckets {self.buckets} must cover max_num_seqs={max_num_seqs} decode rows and "
                              f"max_num_batched_tokens={max_num_batched_tokens} prefill tokens")
         self.memory_plan: MemoryPlan | None = None
+        # the mesh engines plan their pools once their weights are on the mesh: they start with a minimal pool,
+        # measure the mesh step against it, then get the planned one (DPModelRunner.plan_memory)
+        plan_on_mesh = not one_device and num_kv_blocks is None and kv_cache_memory_bytes is None
         if num_kv_blocks is not None:
             cache_cfg = CacheConfig(num_slots=max_num_seqs + 1, num_blocks=num_kv_blocks + 1,
+                                    block_size=self.block_size)
+        elif plan_on_mesh:
+            cache_cfg = CacheConfig(num_slots=max_num_seqs + 1, num_blocks=max(self.buckets.pages) + 1,
                                     block_size=self.block_size)
         else:
             if kv_cache_memory_bytes is None and (dp_size, cp_size, ep_size) == (1, 1, 1):
@@ -564,6 +571,15 @@ class LLM:
                                         compiler_options=options, donate_params=built_here)
             if built_here:
                 self.model = self.runner.model   # the mesh's weights (experts placed): no second copy held
+            if plan_on_mesh:
+                self.memory_plan = self.runner.plan_memory(_largest_steps(self.buckets), memory_utilization,
+                                                           device_memory_bytes)
+                budget = self.memory_plan.kv_bytes if self.memory_plan is not None else DEFAULT_KV_BYTES
+                self.cache_config = size_pools(cfg, memory_bytes=budget, block_size=self.block_size,
+                                               max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                                               dtype=self.model.dtype)
+                self.cache_config.validate(cfg)
+                self.runner.resize_cache(self.cache_config)
         self.max_logprobs = max_logprobs
         self.tokenizer = self._load_tokenizer(tokenizer)
         eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, (list, tuple)) else [cfg.eos_token_id]
