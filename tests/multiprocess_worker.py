@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=None,
                     help="serve this checkpoint directory (read straight onto the global mesh) instead of the "
                          "random model")
+    ap.add_argument("--device-memory-bytes", type=int, default=None,
+                    help="plan the engines' KV pools against this much memory per device (LLM(device_memory_bytes=))")
     ap.add_argument("--out", required=True)
     ap.add_argument("--hang-seconds", type=float, default=540,
                     help="print every thread's Python stack and exit after this long (a collective that never meets)")
@@ -70,11 +72,14 @@ def main() -> None:
     model, prompts = model_and_prompts()
     dp, cp, ep = args.layout
     llm = LLM(args.checkpoint or model, dp_size=dp, cp_size=cp, ep_size=ep, buckets=buckets(),
-              num_redundant_experts=args.redundant_experts, eplb_interval=args.eplb_interval, **LLM_KW)
+              num_redundant_experts=args.redundant_experts, eplb_interval=args.eplb_interval,
+              device_memory_bytes=args.device_memory_bytes, **LLM_KW)
     compiled = llm.metrics()["compilations"]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
+    plan = llm.memory_plan
     result = dict(process_id=jax.process_index(), process_count=jax.process_count(),
+                  kv_bytes=None if plan is None else plan.kv_bytes, num_blocks=llm.cache_config.num_blocks,
                   global_devices=len(jax.devices()), local_devices=len(jax.local_devices()),
                   mesh_processes=sorted({d.process_index for d in llm.runner.mesh.devices.flat}),
                   tokens=[o.token_ids for o in outs], finish=[o.finish_reason for o in outs],
