@@ -53,8 +53,9 @@ def main() -> None:
     ap.add_argument("--device-memory-bytes", type=int, default=None,
                     help="plan the engines' KV pools against this much memory per device (LLM(device_memory_bytes=))")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--hang-seconds", type=float, default=540,
-                    help="print every thread's Python stack and exit after this long (a collective that never meets)")
+    ap.add_argument("--hang-seconds", type=float, default=float(os.environ.get("HANG_S", 540)),
+                    help="print every thread's Python stack and exit after this long (a collective that never meets; "
+                         "default: $HANG_S or 540)")
     args = ap.parse_args()
     faulthandler.dump_traceback_later(args.hang_seconds, exit=True)
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"

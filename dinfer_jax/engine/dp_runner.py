@@ -265,6 +265,10 @@ class DPModelRunner:
         params = model.params
         host = all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(params))
         self._set_params(stack_params(self.cfg, params, on_host=host))
+        # every placement and load copy done before the first program with collectives (the expert move, then the
+        # steps): with several processes on XLA:CPU, collectives dispatched behind many in-flight copies have
+        # deadlocked before (the rebalance note in docs/dp_engines.md)
+        jax.block_until_ready(self.params)
         if num_redundant_experts is not None:
             E = self.cfg.n_routed_experts
             placements = [initial_placement(E, num_redundant_experts, lay.ep)] * self.cfg.num_layers
