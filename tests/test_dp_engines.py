@@ -352,7 +352,7 @@ def test_mesh_engines_plan_their_pools_per_device(setup):
     leaves = jax.tree_util.tree_leaves_with_path(model.params)
     experts = sum(x.nbytes for p, x in leaves if "['experts']" in jax.tree_util.keystr(p))
     others = sum(x.nbytes for p, x in leaves if "['experts']" not in jax.tree_util.keystr(p))
-    offered = 1 << 31
+    offered = 1 << 26   # 64 MiB a device: the pools are host memory on CPU devices (8 of them here)
     llm = LLM(model, dp_size=2, ep_size=ep, device_memory_bytes=offered, memory_utilization=0.5, **KW)
     plan = llm.memory_plan
     assert plan is not None and plan.device_bytes == offered
