@@ -358,14 +358,13 @@ class DPModelRunner:
     def _set_params(self, stacked: Any) -> None:
         """Place stacked parameters on the mesh by :meth:`_specs` (arrays already placed so stay as they are)."""
         self._param_specs = self._specs(stacked)
-        if self.multi_process:  # host values, or arrays local to this process, become identical host copies
-            stacked = jax.tree.map(lambda x: x if isinstance(x, jax.Array) and not x.is_fully_addressable
-                                   else np.asarray(x), stacked)
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._param_specs)
-        if self.multi_process:   # each process fills its own devices' shards (no cross-process equality check)
+        if self.multi_process:
+            # host values, or arrays local to this process, are identical host copies in every process: each
+            # process fills its own devices' shards from its copy (no cross-process transfer or equality check)
             self.params = jax.tree.map(
-                lambda x, s: jax.device_put(x, s) if isinstance(x, jax.Array) else place_host_value(x, s),
-                stacked, shardings)
+                lambda x, s: jax.device_put(x, s) if isinstance(x, jax.Array) and not x.is_fully_addressable
+                else place_host_value(np.asarray(x), s), stacked, shardings)
         else:
             self.params = jax.device_put(stacked, shardings)
         self._replace_experts = jax.jit(_move_experts, out_shardings=shardings["layers"], donate_argnums=0)
@@ -379,12 +378,11 @@ class DPModelRunner:
                                 self._replicated)
         experts = _routed_experts(layers)
         # only the experts go through the program (the other weights are not copied); the physical slots outnumber
-        # the logical experts, so no input buffer could be reused: they are freed afterwards instead of donated
-        placed = jax.eval_shape(_move_experts, layers, tables)
-        specs = _routed_experts(self._specs(placed))
-        emap = NamedSharding(self.mesh, PartitionSpec())
-        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
-        out_shardings = jax.tree.map(lambda s: (s, ExpertMap(emap, emap)), shardings,
+        # the logical experts, so no input buffer could be reused: they are freed afterwards instead of donated.
+        # Out: every expert leaf split over the EP axes as before (its slot count changes, not its spec), maps
+        # replicated.
+        emap = ExpertMap(self._replicated, self._replicated)
+        out_shardings = jax.tree.map(lambda e: (jax.tree.map(lambda a: a.sharding, e), emap), experts,
                                      is_leaf=lambda x: isinstance(x, dict))
         moved = jax.jit(_moved_experts, out_shardings=out_shardings)(experts, tables)
         if donate:
