@@ -1,13 +1,13 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
-# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after the third of
-# 2026-12-06, whose H100 runs measured the gathering kernel's deeper forms — bf16 32-row steps adopted, FP4 kept at
-# 64-row steps — fixed a register-pool hang in shared_qk's gathering form, and ran the V4.1 slice with the H200
-# settings on an H100):
-#   00. STAGE=h200-sampler (any card) — the sampled batch-64 decode step of a real slice with and without top-k
-#      (issue 8's sampler follow-up, owed since 2026-12-05);
-#   01. on an H200: STAGE=rows-depth2 then STAGE=h200-attn — issue 9's >= 60% of copy is an H200 figure (the H100:
-#      kernel alone 65%, the gathered bf16 path 55%);
+# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after the fourth of
+# 2026-12-06, which ran the owed sampler slice on an H100, moved the sampler program's conditionals into command
+# buffers — sampled decode on the H200 10.45 -> 8.65 ms, greedy 6.09 — and measured the attention kernel on an
+# H200: 57% of copy alone, the gathered bf16 path 43% with 64-row steps, which now are the H200's rule):
+#   00. STAGE=sampler-async with --breakdown added by hand (any card): where the sampled step's remaining 2.6 ms
+#      above greedy goes (no-filter draw; top-k 50 is 1.0 ms above greedy);
+#   01. on an H200: tests/test_decode_attention_rows_gpu.py -k model_pooled with the H200 rule (64-row bf16 steps),
+#      then the ways left to reach issue 9's 60% (the kernel alone is at 57%);
 #   0. on an H200: STAGE=h200-attn — issue 9's 60% is an H200 figure (split_cta was 48-55% there): the kernel with
 #      early release (the model's rule above 8 queries; +5% on the H100) against split_cta, its GPU tests, and the
 #      model's attention path at batch 64, 32K context (its "kernel alone" column now uses the model's rule);
@@ -92,7 +92,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -282,6 +282,13 @@ case "${STAGE:?set STAGE to rows-depth, rows-first, gather-serving, rows-kernel,
       --weights native --batch 64 --q 1 --engine-defaults --step-only 2>&1 | quiet | grep "^|\|ratio\|preset\|Error"
     timeout 240 python3 scripts/bench_compile.py --preset deepseek-v4-flash --layers 2 8 --dtype bfloat16 \
       --weights native --batch 4 --q 64 --engine-defaults --step-only 2>&1 | quiet | grep "^|\|ratio\|preset\|Error" ;;
+  sampler-async)
+    # issue 8: the sampler program compiled with runner.GPU_SAMPLER_OPTIONS (conditionals in command buffers, XLA's
+    # sorts): its GPU tests, then the batch-64 V4-Flash 4-layer slice greedy, sampled, sampled with top-k 50
+    timeout 200 python3 -m pytest -m gpu -q -x tests/test_sampling_gpu.py 2>&1 | quiet | tail -3
+    cd scripts && for f in "--temperature 0" "--temperature 1.0" "--temperature 1.0 --top-k 50"; do timeout 150 \
+      python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C $f --out "$OUT/s${f// /_}" 2>&1 \
+      | quiet | grep "^| 4 \|Error" | sed "s/^/[$f] /"; done ;;
   h200-sampler)
     # issue 8 on an H200 in one call: the sampler's filters alone (full sorts against 1,024 candidates), then the
     # batch-64 V4-Flash 4-layer slice sampling at temperature 1 with top-k 50 and without filters

@@ -5,10 +5,12 @@ XLA's GPU runtime runs a conditional whose branches it cannot record into a comm
 to the host and waiting for it; the dispatching thread then blocks until the device reaches the conditional, which
 turns asynchronous dispatch into synchronous execution. This probe times the dispatch (the call's return) against
 completion for: ~7 ms of matmuls alone, followed by a cond with cheap branches, and by a cond with a sort in a
-branch; then the engine's sampler (``dinfer_jax.sampling.sample``, 64 x 129,280 logits) in its three host-decided
-variants, whose random draw keeps one data-dependent ``lax.cond`` (exact scan for uncertified rows).
+branch; by a cond whose taken branch holds a 1,000-step loop; then the engine's sampler (``dinfer_jax.sampling.sample``,
+64 x 129,280 logits) in its host-decided variants, whose random draw keeps one data-dependent ``lax.cond``
+(exact scan for uncertified rows).
 
-    python scripts/probe_cond_sync.py        # on the GPU; XLA_FLAGS to try command-buffer settings
+    python scripts/probe_cond_sync.py                 # on the GPU; XLA_FLAGS to try command-buffer settings
+    python scripts/probe_cond_sync.py --option-sets   # the sampler with per-program compile options
 """
 
 from __future__ import annotations
@@ -48,6 +50,16 @@ def sort_cond(x: jax.Array, flag: jax.Array):
     return y, jnp.where(keep, y, 0).sum()
 
 
+def scan_cond(x: jax.Array, flag: jax.Array):
+    y = _work(x)
+
+    def scan_branch(v):
+        return lax.fori_loop(0, 1000, lambda i, a: a * 0.999 + v[i % 64], v[0])
+
+    row = lax.cond(jnp.all(flag > 5), lambda v: v[0], scan_branch, y)
+    return y, row.sum()
+
+
 def time_dispatch(fn, *args) -> tuple[float, float]:
     """(ms until the call returned, ms until its result was ready) after two warm calls."""
     jax.block_until_ready(fn(*args))
@@ -63,28 +75,71 @@ def main() -> None:
     flags = os.environ.get("XLA_FLAGS", "(default flags)")
     x = jnp.ones((4096, 4096), jnp.bfloat16) * 0.01
     flag = jnp.ones((4,), jnp.int32)
-    for name, f in (("plain", plain), ("cheap cond", cheap_cond), ("sort in cond", sort_cond)):
+    for name, f in (("plain", plain), ("cheap cond", cheap_cond), ("sort in cond", sort_cond),
+                    ("loop in cond (taken)", scan_cond)):
         d, t = time_dispatch(jax.jit(f), x, flag)
         print(f"{flags[:50]:50s} {name:28s} dispatch {d:7.2f} ms  done {t:7.2f} ms", flush=True)
 
+    sampler_cases(x, {})
+
+
+# XLA's default command-buffer kinds with conditionals and loops added (per-program options take enum names, not
+# the flag's "+KIND" form)
+_COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+SAMPLER_OPTION_SETS = {
+    "defaults": {},
+    "XLA sort (no cub)": {"xla_gpu_enable_cub_radix_sort": False},
+    "command buffers + CONDITIONAL, WHILE": {"xla_gpu_enable_command_buffer": _COMMAND_BUFFERS},
+    "same + XLA sort (no cub)": {"xla_gpu_enable_command_buffer": _COMMAND_BUFFERS,
+                                 "xla_gpu_enable_cub_radix_sort": False},
+}
+
+
+def sampler_cases(x: jax.Array, options: dict, label: str = "", reference: dict | None = None) -> dict:
+    """The engine's sampler after ~7 ms of device work, each host-decided variant compiled with XLA ``options``
+    (per program, as the engine passes them); tokens compared with ``reference``'s (same inputs). Returns the
+    tokens per case."""
     from dinfer_jax.sampling import SamplingParams, SamplingTensors, sample
 
     rng = np.random.default_rng(0)
-    logits = jnp.asarray(rng.standard_normal((64, 129280)), jnp.float32)
-    heavy = jax.jit(lambda z: _work(z)[:64, :1].astype(jnp.float32) * 0 + logits)  # ~7 ms of device work first
-    cases = {"all greedy": SamplingParams(temperature=0.0),
-             "draw, no filters": SamplingParams(temperature=1.0),
-             "draw, top-p 0.9": SamplingParams(temperature=1.0, top_p=0.9)}
-    for name, sp in cases.items():
+    flat = jnp.asarray(rng.standard_normal((64, 129280)), jnp.float32)
+    # Zipf-like rows (p ~ rank^-1.5, ranks shuffled per row): top-p 0.9 is decided by the 1,024 candidates
+    ranks = np.argsort(rng.random((64, 129280)), axis=1) + 1
+    zipf = jnp.asarray(-1.5 * np.log(ranks), jnp.float32)
+    flags = label or os.environ.get("XLA_FLAGS", "(default flags)")
+    cases = {"all greedy": (SamplingParams(temperature=0.0), flat),
+             "draw, no filters": (SamplingParams(temperature=1.0), flat),
+             "draw, top-k 50": (SamplingParams(temperature=1.0, top_k=50), flat),
+             "draw, top-p 0.9 (zipf)": (SamplingParams(temperature=1.0, top_p=0.9), zipf),
+             "draw, top-p 0.9 (flat: full sorts)": (SamplingParams(temperature=1.0, top_p=0.9), flat)}
+    out = {}
+    for name, (sp, logits) in cases.items():
         st = SamplingTensors.from_params([sp] * 64, list(range(64)), [100] * 64)
+        heavy = jax.jit(lambda z, lg=logits: _work(z)[:64, :1].astype(jnp.float32) * 0 + lg)
 
-        def step(z, st=st):
+        def step(z, st=st, heavy=heavy):
             return sample(heavy(z), st)[0]
 
-        d, t = time_dispatch(step, x)
-        print(f"{flags[:50]:50s} sampler: {name:19s} dispatch {d:7.2f} ms  done {t:7.2f} ms "
-              f"(use_filters={st.use_filters}, all_greedy={st.all_greedy})", flush=True)
+        d, t = time_dispatch(jax.jit(step, compiler_options=options or None), x)
+        out[name] = np.asarray(jax.jit(step, compiler_options=options or None)(x))
+        equal = reference is not None and np.array_equal(out[name], reference[name])
+        same = "" if reference is None else f" tokens {'equal' if equal else 'DIFFER'}"
+        print(f"{flags[:50]:50s} sampler: {name:34s} dispatch {d:7.2f} ms  done {t:7.2f} ms{same}", flush=True)
+    return out
+
+
+def option_sets() -> None:
+    """The sampler under each of :data:`SAMPLER_OPTION_SETS`, passed as per-program compile options."""
+    x = jnp.ones((4096, 4096), jnp.bfloat16) * 0.01
+    reference = None
+    for label, options in SAMPLER_OPTION_SETS.items():
+        try:
+            toks = sampler_cases(x, options, label, reference)
+        except Exception as e:  # an option XLA does not accept per program: report it and go on
+            print(f"{label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        reference = reference or toks
 
 
 if __name__ == "__main__":
-    main()
+    option_sets() if "--option-sets" in sys.argv else main()

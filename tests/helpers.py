@@ -6,6 +6,7 @@ import json
 import math
 import re
 import struct
+from fractions import Fraction
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -152,3 +153,64 @@ def gpu_device() -> Any:
     if not devs:
         pytest.skip("no GPU backend")
     return devs[0]
+
+
+_M64 = (1 << 64) - 1
+
+
+def u53_host(seed: int, pos: int, case: int = 0) -> int:
+    """Pure-Python SplitMix64 counter hash of DeepInfer's sampler (independent of the code under test): the
+    53-bit integer ``k`` with ``u = k / 2**53``."""
+    g = 0x9E3779B97F4A7C15
+    seq = ((pos * 3 + case) * g) & _M64
+    z = (seed + (seq ^ ((seq << 13) & _M64))) & _M64
+    z = (z + g) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return (z ^ (z >> 31)) >> 11
+
+
+def uncertifiable_rows(rng: np.random.Generator, count: int, n_tiny: int = 4096,
+                       width: int = 4100) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """``count`` probability rows ``[count, width]`` f32 built around each row's own uniform so that its target
+    falls between torch's rounded fp64 prefix sum and the exact real one (``n_tiny`` absorbed 2**-57 addends after
+    three leading entries, then 1.0): the exact-real-sum answer is wrong there, so a vocabulary-parallel search
+    cannot certify the row. Returns ``(probs, seeds [count] uint64, positions [count] int32, n_tiny)``; the
+    reference token of every row is ``3 + n_tiny`` (checked by the callers against DeepInfer's reference)."""
+    tiny = 2.0**-57
+    rows, seeds, poss = [], [], []
+    while len(rows) < count:
+        seed, pos = int(rng.integers(0, 2**64, dtype=np.uint64)), int(rng.integers(0, 2**31))
+        u = Fraction(u53_host(seed, pos), 2**53)
+        if not Fraction(1, 5) < u < Fraction(7, 10):
+            continue
+        w = n_tiny * Fraction(tiny)
+        s_a = (u - w / 2) / (1 - u)
+        parts, rest = [], s_a
+        for _ in range(3):  # s_a ~ a1 + a2 + a3, each fp32 rounded down so the row stays non-negative
+            a = np.float32(float(rest))
+            if Fraction(float(a)) > rest:
+                a = np.nextafter(a, np.float32(0))
+            parts.append(a)
+            rest -= Fraction(float(a))
+        row = np.zeros(width, np.float32)
+        row[:3] = parts
+        row[3:3 + n_tiny] = tiny
+        row[3 + n_tiny] = 1.0
+        cdf = np.cumsum(row.astype(np.float64))  # torch's sequential fp64 cumsum
+        torch_idx = int(np.argmax(cdf > float(u) * cdf[-1]))
+        # first index whose exact real prefix sum exceeds u * (exact total), in closed form for this layout
+        exact = [Fraction(float(a)) for a in parts]
+        a_sum = sum(exact)
+        target = u * (a_sum + w + 1)
+        if target < a_sum:
+            naive_idx = next(j for j in range(3) if sum(exact[: j + 1]) > target)
+        elif target < a_sum + w:
+            naive_idx = 3 + math.floor((target - a_sum) / Fraction(tiny))
+        else:
+            naive_idx = 3 + n_tiny
+        if torch_idx != naive_idx:
+            rows.append(row)
+            seeds.append(seed)
+            poss.append(pos)
+    return np.stack(rows), np.array(seeds, np.uint64), np.array(poss, np.int32), n_tiny

@@ -140,10 +140,11 @@ def test_model_pooled_path_equals_kernel_on_gathered_rows(b, s):
     n = b * s
     keys = jnp.concatenate([kv, pool[rows]], axis=2).reshape(n, sw + k, d)
     valid = jnp.concatenate([win, sel], axis=2).reshape(n, sw + k)
-    # the model's rule for bf16 pools (tuning.gather_options): early release and 32-row steps above 8 queries; the
-    # kernel on gathered rows sums the softmax in the same 32- or 64-row blocks
+    # the model's rule for bf16 pools (tuning.gather_options): early release above 8 queries, 32-row steps on an H100;
+    # the kernel on gathered rows sums the softmax in the same 32- or 64-row blocks
+    from pallas_kernels.attention.tuning import gather_options
     want = sparse_decode_attention(q.reshape(n, h, d), keys, valid, sink, scale=d ** -0.5, organisation="split_cta",
-                                   early_release=n > 8, block_kv=32 if n > 8 else 64)
+                                   early_release=n > 8, block_kv=gather_options(n, "bf16").get("block_kv", 64))
     want = np.asarray(want.astype(jnp.float32)).reshape(b, s, h, d)
     assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max():.3g}"
     assert np.all(got[0, 0] == 0)

@@ -312,11 +312,15 @@ def test_model_gather_options_are_valid_kernel_configs(n):
     from pallas_kernels.attention.tuning import SMALL_N_MAX, gather_options
 
     for stored, pool_dtype in (("bf16", jnp.bfloat16), ("v41_fp4", jnp.uint8)):
-        options = gather_options(n, stored)
-        assert options.get("early_release", False) == (n > SMALL_N_MAX)
-        text = _trace(n, 64, 512, 640, window=128, pool_dtype=pool_dtype, **options).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text
+        for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+            options = gather_options(n, stored, kind)
+            assert options.get("early_release", False) == (n > SMALL_N_MAX)
+            # 32-row steps only where measured faster: bf16 pools above SMALL_N_MAX queries on an H100
+            assert options.get("block_kv", 64) == (32 if stored == "bf16" and n > SMALL_N_MAX and "H100" in kind
+                                                   else 64)
+            text = _trace(n, 64, 512, 640, window=128, pool_dtype=pool_dtype, **options).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu" in text
     with pytest.raises(ValueError, match="n_queries > 0"):
         gather_options(0)
     with pytest.raises(ValueError, match="stored must be"):

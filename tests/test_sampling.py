@@ -14,7 +14,6 @@ tail tokens whose fp32 exclusive cumsum rounds above 1.0 (checked to be negligib
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 from types import SimpleNamespace
 
 import jax
@@ -47,6 +46,7 @@ from dinfer_jax.sampling import (
 from dinfer_jax.sampling._fastcdf import certified_search
 from dinfer_jax.sampling._u64 import U64
 from dinfer_jax.sampling.random import _sequential_cdf
+from helpers import uncertifiable_rows
 from provision import require_module
 
 torch = require_module("torch")
@@ -258,60 +258,13 @@ def test_emulated_fp64_cumsum_and_product_are_bit_exact() -> None:
     np.testing.assert_array_equal(got, a + b)
 
 
-def _u53_host(seed: int, pos: int, case: int = 0) -> int:
-    """Pure-Python SplitMix64 counter hash (independent of both implementations)."""
-    g = 0x9E3779B97F4A7C15
-    seq = ((pos * 3 + case) * g) & M64
-    z = (seed + (seq ^ ((seq << 13) & M64))) & M64
-    z = (z + g) & M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-    return (z ^ (z >> 31)) >> 11
-
-
 def test_certificate_declines_rows_where_exact_real_sums_mislead(refs) -> None:
     """Rows built around each row's own uniform so that t falls between torch's rounded prefix sum and the exact
     real one (4096 absorbed 2**-57 addends): the naive exact-sum answer is wrong there, the vocabulary-parallel
     search must not certify it, and both methods still return the reference's token."""
     rng = np.random.default_rng(9)
-    n_tiny, tiny, v = 4096, 2.0**-57, 4100
-    rows, seeds, poss = [], [], []
-    while len(rows) < 12:
-        seed, pos = int(rng.integers(0, 2**64, dtype=np.uint64)), int(rng.integers(0, 2**31))
-        u = Fraction(_u53_host(seed, pos), 2**53)
-        if not Fraction(1, 5) < u < Fraction(7, 10):
-            continue
-        w = n_tiny * Fraction(tiny)
-        s_a = (u - w / 2) / (1 - u)
-        parts, rest = [], s_a
-        for _ in range(3):  # s_a ~ a1 + a2 + a3, each fp32 rounded down so the row stays non-negative
-            a = np.float32(float(rest))
-            if Fraction(float(a)) > rest:
-                a = np.nextafter(a, np.float32(0))
-            parts.append(a)
-            rest -= Fraction(float(a))
-        a1, a2, a3 = parts
-        row = np.zeros(v, np.float32)
-        row[:3] = a1, a2, a3
-        row[3:3 + n_tiny] = tiny
-        row[3 + n_tiny] = 1.0
-        cdf = np.cumsum(row.astype(np.float64))  # torch's sequential fp64 cumsum
-        torch_idx = int(np.argmax(cdf > float(u) * cdf[-1]))
-        # first index whose exact real prefix sum exceeds u * (exact total), in closed form for this layout
-        parts = [Fraction(float(a)) for a in (a1, a2, a3)]
-        a_sum = sum(parts)
-        target = u * (a_sum + w + 1)
-        if target < a_sum:
-            naive_idx = next(j for j in range(3) if sum(parts[: j + 1]) > target)
-        elif target < a_sum + w:
-            naive_idx = 3 + math.floor((target - a_sum) / Fraction(tiny))
-        else:
-            naive_idx = 3 + n_tiny
-        if torch_idx != naive_idx:
-            rows.append(row)
-            seeds.append(seed)
-            poss.append(pos)
-    probs, seeds, poss = np.stack(rows), np.array(seeds, np.uint64), np.array(poss, np.int32)
+    probs, seeds, poss, n_tiny = uncertifiable_rows(rng, 12)
+    v = probs.shape[1]
     ref = _ref_tokens(refs, probs, seeds, poss)
     assert (ref == 3 + n_tiny).all()
     # mixed with ordinary rows, the certified ones keep their fast answer and the rest take the exact path
@@ -737,3 +690,16 @@ def test_sampling_params_defaults_and_greedy() -> None:
     hash(q)
     with pytest.raises(ValueError, match="seq_seed"):
         SamplingTensors.from_params([SamplingParams()], None, [0])
+
+
+def test_sampler_program_options_apply_on_gpus_only() -> None:
+    """The engine's sampler program adds the command-buffer / sort options on a GPU only, under the caller's."""
+    from dinfer_jax.engine.runner import GPU_SAMPLER_OPTIONS, sampler_program_options
+
+    given = (("xla_gpu_enable_cub_radix_sort", True), ("xla_gpu_autotune_level", 0))
+    assert sampler_program_options(given, "cpu") == given
+    opts = dict(sampler_program_options(given, "gpu"))
+    assert opts["xla_gpu_enable_cub_radix_sort"] is True and opts["xla_gpu_autotune_level"] == 0
+    kinds = opts["xla_gpu_enable_command_buffer"].split(",")
+    assert {"CONDITIONAL", "WHILE", "FUSION"} <= set(kinds)
+    assert dict(sampler_program_options((), "gpu")) == dict(GPU_SAMPLER_OPTIONS)

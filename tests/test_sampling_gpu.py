@@ -100,3 +100,50 @@ def test_sample_gpu_matches_cpu() -> None:
         st_nf = SamplingTensors.from_params([SamplingParams(temperature=0.8)] * n, seeds, pos)
         t = _time(lambda q: sample(q, st_nf), xg)
         print(f"sample (no filters) [{n}x{v}]: {t * 1e3:.2f} ms")
+
+
+def test_engine_sampler_program_takes_its_fallbacks_in_command_buffers() -> None:
+    """The engine's sampler program compiles with ``GPU_SAMPLER_OPTIONS`` (its conditionals recorded into command
+    buffers, XLA's sorts instead of cub's) so that it does not block the host. Both of its data-dependent branches
+    must still give the same results: (1) the exact draw for rows the fast search cannot certify (crafted rows whose
+    reference token is known in closed form, mixed with ordinary rows; expected tokens from the CPU's exact
+    emulation, which test_sampling.py checks against DeepInfer's reference); (2) the full vocabulary sorts when
+    top-p cannot be cut within the candidates (flat logits, top-p 0.9), the candidates' path (top-k 50) and no
+    filters: tokens and log-probs bit-equal to the same program compiled with XLA's defaults on the same GPU."""
+    from dinfer_jax.engine.runner import GPU_SAMPLER_OPTIONS, _device_sample, step_programs
+    from dinfer_jax.sampling._fastcdf import certified_search
+    from dinfer_jax.sampling.random import seeds_to_u64, uniform_u53
+    from helpers import uncertifiable_rows
+
+    gpu, cpu = _accelerator(), jax.devices("cpu")[0]
+    rng = np.random.default_rng(5)
+    crafted, c_seeds, c_pos, n_tiny = uncertifiable_rows(rng, 6)
+    ordinary = _probs(rng, 26, crafted.shape[1])
+    probs = np.concatenate([crafted, ordinary])
+    seeds = np.concatenate([c_seeds, rng.integers(0, 2**64, size=26, dtype=np.uint64)])
+    pos = np.concatenate([c_pos, rng.integers(0, 2**31, size=26).astype(np.int32)])
+    with jax.default_device(cpu):
+        expect = np.asarray(random_sampling(probs, seeds, pos, method="exact"))
+    assert (expect[:6] == 3 + n_tiny).all()
+    options = dict(GPU_SAMPLER_OPTIONS)
+    with jax.default_device(gpu):
+        k = uniform_u53(seeds_to_u64(seeds), jnp.asarray(pos), 0)
+        _, cert = jax.jit(certified_search)(jax.lax.bitcast_convert_type(jnp.asarray(probs), jnp.uint32), k)
+        assert not np.asarray(cert)[:6].any()  # the exact branch is taken
+        draw = jax.jit(lambda p: random_sampling(p, seeds, pos), compiler_options=options)
+        np.testing.assert_array_equal(np.asarray(draw(jax.device_put(probs, gpu))), expect)
+
+        n, v = 64, 129280
+        logits = jax.device_put((rng.standard_normal((n, v)) * 0.5).astype(np.float32), gpu)
+        engine = step_programs((), "gpu").sample
+        plain = jax.jit(_device_sample, static_argnames=("max_rows", "batch_invariant"))
+        mask = jnp.full((n, (v + 31) // 32), -1, jnp.int32)
+        cases = {"top-p 0.9 (full sorts)": SamplingParams(temperature=1.0, top_p=0.9, logprobs=3),
+                 "top-k 50": SamplingParams(temperature=0.7, top_k=50, logprobs=3),
+                 "no filters": SamplingParams(temperature=1.0, logprobs=3)}
+        for name, sp in cases.items():
+            st = SamplingTensors.from_params([sp] * n, list(range(n)), [7] * n, num_top_logprobs=3)
+            got = engine(logits, st, mask, max_rows=n, batch_invariant=0)
+            ref = plain(logits, st, mask, max_rows=n, batch_invariant=0)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)

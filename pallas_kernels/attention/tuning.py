@@ -16,6 +16,8 @@ session of 2026-12-05). :data:`SMALL_N_MAX` is the boundary; the sizes between 1
 
 from __future__ import annotations
 
+import jax
+
 NUM_SMS = 132          # H200
 SMALL_N_MAX = 8        # up to this many query rows a call: shared_qk with an L split (module docstring)
 
@@ -34,27 +36,33 @@ def decode_options(n_queries: int, rows: int, block_kv: int = 64) -> dict:
     return dict(organisation="shared_qk", l_split=l_split)
 
 
-def gather_options(n_queries: int, stored: str = "bf16") -> dict:
+def gather_options(n_queries: int, stored: str = "bf16", device_kind: str | None = None) -> dict:
     """Keyword arguments of ``sparse_decode_attention_rows`` (the kernel fetching its rows from the cache) for a call
-    of ``n_queries`` query rows from a pool of ``stored`` rows (``"bf16"`` or ``"v41_fp4"``). Measured on an H100 at
-    64 heads × 512, 640 rows a query (docs/perf/attention_h200.md, 2026-12-06):
+    of ``n_queries`` query rows from a pool of ``stored`` rows (``"bf16"`` or ``"v41_fp4"``) on a GPU of
+    ``device_kind`` (``jax.Device.device_kind``; None: the first device's). Measured at 64 heads × 512, 640 rows a
+    query (docs/perf/attention_h200.md, 2026-12-06):
 
-    * above :data:`SMALL_N_MAX` queries, early release; bf16 rows in 32-row steps and three stages (two steps of
-      copies in flight instead of one: 31.0 against 32.8 µs at 64 queries, 55% against 53% of copy; four stages
-      gain nothing more); ``v41_fp4`` rows keep 64-row steps in two stages (37.8 µs; 32-row steps 52.4, staged
-      one step ahead 49.3 — the decode, not the copies, bounds those);
+    * above :data:`SMALL_N_MAX` queries, early release. bf16 rows: on an **H100** 32-row steps in three stages (two
+      steps of copies in flight instead of one: 31.0 against 32.8 µs at 64 queries, 55% against 53% of copy; four
+      stages gain nothing more); on an **H200** (and any other card) 64-row steps in two stages, which the H200
+      runs faster (27.5 against 30.0 µs, 43% against 40% of its 4.26 TB/s). ``v41_fp4`` rows keep 64-row steps in
+      two stages on both (H100 37.8 µs, H200 36.6; 32-row steps 52.4 / 51.1, staged one step ahead 49.3 / 48.3 —
+      the decode, not the copies, bounds those);
     * up to :data:`SMALL_N_MAX` queries, 64-row steps in two stages (at one query every 32-row form was slower:
       26.0 against 23.7 µs).
 
     ``shared_qk``'s gathering form (``organisation="shared_qk"``) measured the same as XLA's gather + that kernel at
-    one query (12.6 against 12.3 µs), so the model keeps the latter for few queries (``pooled_kernel_pays``)."""
+    one query (H100 12.6 against 12.3 µs, H200 12.4 against 11.9), so the model keeps the latter for few queries
+    (``pooled_kernel_pays``)."""
     if n_queries <= 0:
         raise ValueError(f"need n_queries > 0, got {n_queries}")
     if stored not in ("bf16", "v41_fp4"):
         raise ValueError(f"stored must be 'bf16' or 'v41_fp4', got {stored!r}")
     if n_queries <= SMALL_N_MAX:
         return dict(early_release=False)
-    if stored == "bf16":
+    if device_kind is None:
+        device_kind = jax.devices()[0].device_kind
+    if stored == "bf16" and "H100" in device_kind:
         return dict(early_release=True, block_kv=32, num_stages=3)
     return dict(early_release=True)
 
