@@ -34,13 +34,21 @@ def setup():
     single = LLM(model, **KW)
     ref = [o.token_ids for o in single.generate(prompts, GREEDY, use_tqdm=False)]
     ref_lp = [o.logprobs for o in single.generate(prompts[:2], GREEDY_LP, use_tqdm=False)]
-    return model, prompts, ref, ref_lp
+    ref_sampled = [o.token_ids for o in single.generate(prompts, _sampled(), use_tqdm=False)]
+    return model, prompts, ref, ref_lp, ref_sampled
+
+
+def _sampled() -> list[SamplingParams]:
+    """Seeded sampled requests with filters, and one greedy row among them (every sampler branch of a step)."""
+    kinds = [dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=20), dict(temperature=0.0),
+             dict(temperature=0.7, min_p=0.05), dict(temperature=1.2)]
+    return [SamplingParams(max_tokens=12, ignore_eos=True, seq_seed=1000 + i, **kw) for i, kw in enumerate(kinds)]
 
 
 @pytest.mark.parametrize("dp,cp,ep", [(1, 1, 8), (2, 1, 4), (2, 2, 2), (4, 2, 8), (1, 2, 2)])
 def test_dp_engines_equal_single_device(setup, dp, cp, ep):
     assert len(jax.devices()) >= 8
-    model, prompts, ref, ref_lp = setup
+    model, prompts, ref, ref_lp, ref_sampled = setup
     llm = LLM(model, dp_size=dp, cp_size=cp, ep_size=ep, **KW)
     compiled = llm.metrics()["compilations"]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -58,6 +66,10 @@ def test_dp_engines_equal_single_device(setup, dp, cp, ep):
             np.testing.assert_allclose([e["logprob"] for e in got.logprobs], [e["logprob"] for e in want],
                                        rtol=1e-5, atol=1e-6)
             assert [[t for t, _ in e["top"]] for e in got.logprobs] == [[t for t, _ in e["top"]] for e in want]
+    if (dp, cp, ep) in ((2, 1, 4), (2, 2, 2)):
+        # seeded sampling with filters (the sampler's draw variant; a greedy row among the sampled): the one-device
+        # engine's tokens, whichever engine a request lands on
+        assert [o.token_ids for o in llm.generate(prompts, _sampled(), use_tqdm=False)] == ref_sampled
     assert llm.metrics()["compilations"] == compiled, "compiled outside warm-up"
 
 
@@ -167,7 +179,7 @@ def test_eplb_engine_rebalances_keep_tokens_and_loads_are_counted(setup):
       tokens;
     * the loads the engine measures equal an independent count from the full forward's router indices over every
       token the engine fed (prompt, then each generated token but the last)."""
-    model, prompts, ref, _ = setup
+    model, prompts, ref, *_ = setup
     llm = LLM(model, dp_size=2, ep_size=4, num_redundant_experts=4, eplb_interval=3, **KW)
     compiled = llm.metrics()["compilations"]
     first = [p.physical_to_logical.tolist() for p in llm.runner.placements]
@@ -347,7 +359,7 @@ def test_mesh_engines_plan_their_pools_per_device(setup):
     from dinfer_jax.engine.kv_cache import size_pools
     from dinfer_jax.engine.llm import DEFAULT_KV_BYTES
 
-    model, prompts, ref, _ = setup
+    model, prompts, ref, *_ = setup
     ep = 4
     leaves = jax.tree_util.tree_leaves_with_path(model.params)
     experts = sum(x.nbytes for p, x in leaves if "['experts']" in jax.tree_util.keystr(p))

@@ -1,5 +1,5 @@
-"""Device side of attention-DP engines: one jitted step over the whole mesh, each engine's rows and KV pool on its
-own devices, the routed experts over the EP group (``docs/dp_engines.md``).
+"""Device side of attention-DP engines: one jitted model step over the whole mesh (then the sampler), each engine's
+rows and KV pool on its own devices, the routed experts over the EP group (``docs/dp_engines.md``).
 DeepInfer's mechanism: ``docs/spec/engine.md`` §2, §3, §10.
 
 **Layout.** ``dp`` engines of ``cp`` CP ranks make ``dp·cp`` workers (:func:`sharding.layout`). When
@@ -53,7 +53,17 @@ from dinfer_jax.engine.compile_pool import (
 )
 from dinfer_jax.engine.kv_cache import CacheConfig
 from dinfer_jax.engine.memory_plan import MemoryPlan, device_memory, temp_bytes
-from dinfer_jax.engine.runner import InFlight, _device_step, _program_name, empty_inputs, fill_step_inputs
+from dinfer_jax.engine.runner import (
+    SAMPLER_VARIANTS,
+    InFlight,
+    _device_forward,
+    _device_sample,
+    _program_name,
+    _sampler_name,
+    empty_inputs,
+    fill_step_inputs,
+    sampler_program_options,
+)
 from dinfer_jax.engine.scheduler import ScheduledStep
 from dinfer_jax.loading import place_host_value
 from dinfer_jax.models import Model
@@ -287,21 +297,28 @@ class DPModelRunner:
             lookup = EngramLookup(self.cfg)
         self._engram = engram
         count = self.placements is not None
-        step_fn = functools.partial(_device_step, cfg=self.cfg, dtype=model.dtype, moe_impl=moe_impl,
-                                    engram_fn=lookup, max_rows=self.max_rows, ep_manual=ep_manual,
-                                    cp_manual=lay.cp if lay.cp > 1 else 0, copies_manual=lay.replicas,
-                                    count_experts=count, mhc_impl=model.mhc_impl, linear_impl=model.linear_impl,
-                                    attention_impl=model.attention_impl)
-        self._step = jax.jit(functools.partial(_mesh_step, step_fn=step_fn, mesh=self.mesh,
-                                               param_specs=self._param_specs, copies=self._copies_spec,
-                                               replicas=lay.replicas, host_replicated=self.multi_process),
-                             donate_argnums=(1, 8), compiler_options=dict(compiler_options) or None)
+        forward_fn = functools.partial(_device_forward, cfg=self.cfg, dtype=model.dtype, moe_impl=moe_impl,
+                                       engram_fn=lookup, ep_manual=ep_manual, cp_manual=lay.cp if lay.cp > 1 else 0,
+                                       copies_manual=lay.replicas, count_experts=count, mhc_impl=model.mhc_impl,
+                                       linear_impl=model.linear_impl, attention_impl=model.attention_impl)
+        # A step is two programs, as in the one-device engine: the model over the mesh, then the sampler (its
+        # variant decided on the host from every engine's rows, runner.SAMPLER_VARIANTS), whose data-dependent
+        # conditionals would otherwise block the host on a GPU (runner.GPU_SAMPLER_OPTIONS).
+        self._forward = jax.jit(functools.partial(_mesh_forward, forward_fn=forward_fn, mesh=self.mesh,
+                                                  param_specs=self._param_specs, copies=self._copies_spec,
+                                                  replicas=lay.replicas),
+                                donate_argnums=(1, 6), compiler_options=dict(compiler_options) or None)
+        sampler_options = sampler_program_options(compiler_options, jax.default_backend())
+        self._sample = jax.jit(functools.partial(_mesh_sample, mesh=self.mesh, copies=self._copies_spec,
+                                                 max_rows=self.max_rows, host_replicated=self.multi_process),
+                               compiler_options=dict(sampler_options) or None)
         # EPLB: tokens per (layer, logical expert) since the engine started or last rebalanced, summed on the device
         self._loads = (jax.device_put(np.zeros((self.cfg.num_layers, self.cfg.n_routed_experts), np.int32),
                                       self._replicated) if count else None)
         self._prev_tokens = jax.device_put(np.zeros((lay.engine_copies, self.max_rows), np.int32), self._copies)
         self._prev_step_id: list[int | None] = [None] * lay.dp
         self.compiled_shapes: set[tuple[int, int, int]] = set()
+        self.compiled_samplers: set[tuple[int, bool, bool]] = set()  # (batch, use_filters, all_greedy)
         self.num_compilations = 0
         self.warmup_timings: tuple[CompileTiming, ...] = ()  # per program of the last threaded warm-up
 
@@ -343,8 +360,12 @@ class DPModelRunner:
         else:
             in_use = _bytes_per_device((self.params, self._engram))
         idle = ([None] * self.layout.dp, [[]] * self.layout.dp, [[]] * self.layout.dp)
-        by_shape = {tuple(s): temp_bytes(self._step.lower(*self._step_args(*idle, tuple(s))).compile())
-                    for s in shapes}
+        # the sampler runs after the model (its own program): a step's peak is the larger of the two; the variant
+        # that filters and draws is the larger sampler
+        samplers = {b: temp_bytes(self._sample.lower(*self._sampler_args(b, True, False)).compile())
+                    for b in {s[0] for s in shapes}}
+        by_shape = {tuple(s): max(temp_bytes(self._forward.lower(*self._forward_args(
+            *self._step_args(*idle, tuple(s))[0][:2])).compile()), samplers[s[0]]) for s in shapes}
         return MemoryPlan(device_bytes=int(limit), in_use_bytes=int(in_use), activation_bytes=max(by_shape.values()),
                           activation_by_shape=by_shape, utilization=float(utilization)).check()
 
@@ -442,20 +463,28 @@ class DPModelRunner:
         t0 = time.perf_counter()
         shapes = list(self.buckets.shapes())
         n_decode = len(self.buckets.decode_shapes())  # shapes() lists decode first
+        samplers = [(b, *variant) for b in sorted({b for b, _, _ in shapes}) for variant in SAMPLER_VARIANTS]
         idle = ([None] * self.layout.dp, [[]] * self.layout.dp, [[]] * self.layout.dp)
         threads = default_compile_threads() if compile_threads is None else compile_threads
         if self.multi_process:
             # the processes must build their programs in one order: out-of-order compiles paired mismatched
             # collectives across processes (gloo on CPU: "Received data size doesn't match expected size")
             threads = 1
-        with PhaseProgress("compile buckets", len(shapes), enabled=progress) as bar:
+        with PhaseProgress("compile buckets", len(shapes) + len(samplers), enabled=progress) as bar:
             if threads > 1:
                 jobs = [LoweringJob(_program_name(s, i < n_decode, False),
-                                    functools.partial(lambda s: self._step.lower(*self._step_args(*idle, s)), s),
+                                    functools.partial(lambda s: self._forward.lower(*self._forward_args(
+                                        *self._step_args(*idle, s)[0][:2])), s),
                                     s[:2]) for i, s in enumerate(shapes)]
-                self.warmup_timings = tuple(compile_programs(jobs, threads, staged, on_done=bar.advance))
+                tail = [LoweringJob(_sampler_name(*smp), functools.partial(
+                    lambda smp: self._sample.lower(*self._sampler_args(*smp)), smp), smp) for smp in samplers]
+                self.warmup_timings = tuple(compile_programs(jobs, threads, staged, tail=tail, on_done=bar.advance))
             for shape in shapes:
                 self._run(*idle, shape).tokens.block_until_ready()
+                if threads <= 1:
+                    bar.advance()
+            for smp in samplers:
+                self._sample_step(*self._sampler_args(*smp))[0].block_until_ready()
                 if threads <= 1:
                     bar.advance()
         return time.perf_counter() - t0
@@ -488,9 +517,9 @@ class DPModelRunner:
     def _run(self, steps: list[ScheduledStep | None], params: Sequence[list[Any]], seeds: Sequence[list[int]],
              shape: tuple[int, int, int]) -> DPStepOutput:
         self.compiled_shapes.add(shape)
-        toks, logprobs, self.cache, host_view, self._loads = self._step(*self._step_args(steps, params, seeds, shape))
-        cache_size = getattr(self._step, "_cache_size", None)
-        self.num_compilations = cache_size() if callable(cache_size) else len(self.compiled_shapes)
+        (inp, feed, active), samp = self._step_args(steps, params, seeds, shape)
+        logits, self.cache, self._loads = self._forward(*self._forward_args(inp, feed))
+        toks, logprobs, host_view = self._sample_step(logits, samp, active, self._prev_tokens)
         self._prev_tokens = toks
         for e, step in enumerate(steps):
             if step is not None:
@@ -499,11 +528,25 @@ class DPModelRunner:
             toks, logprobs = host_view
         return DPStepOutput(steps, toks, logprobs, self.layout.replicas, time.perf_counter(), shape)
 
+    def _sample_step(self, logits: jax.Array, samp: Any, active: jax.Array, prev: jax.Array) -> tuple[Any, ...]:
+        self.compiled_samplers.add((logits.shape[1], samp.use_filters, samp.all_greedy))
+        out = self._sample(logits, samp, active, prev)
+        sizes = [getattr(f, "_cache_size", None) for f in (self._forward, self._sample)]
+        self.num_compilations = (sum(f() for f in sizes) if all(callable(f) for f in sizes)
+                                 else len(self.compiled_shapes) + len(self.compiled_samplers))
+        return out
+
+    def _forward_args(self, inp: StepInput, feed: InFlight) -> tuple[Any, ...]:
+        return self.params, self.cache, inp, feed, self._prev_tokens, self._engram, self._loads
+
     def _step_args(self, steps: list[ScheduledStep | None], params: Sequence[list[Any]],
-                   seeds: Sequence[list[int]], shape: tuple[int, int, int]) -> tuple[Any, ...]:
-        """The mesh step's arguments for every engine's step (None: padding) in bucket ``shape``."""
+                   seeds: Sequence[list[int]], shape: tuple[int, int, int]) -> tuple[tuple[Any, ...], Any]:
+        """Every engine's step (None: padding) in bucket ``shape`` on the mesh: ``((inputs, in-flight feed,
+        active engines), sampling tensors)``. The sampler variant (``use_filters`` / ``all_greedy``) is one for all
+        engines, decided from every engine's rows."""
         b, q, p = shape
         bs = self.cache_config.block_size
+        greedy = all(sp.greedy for rows in params for sp in rows)
         inps, feeds, samps, active = [], [], [], []
         for e, step in enumerate(steps):
             if step is None:
@@ -513,20 +556,29 @@ class DPModelRunner:
                 inp, feed = fill_step_inputs(step, b, q, p, bs, self._prev_step_id[e])
                 rows = step.rows
             samps.append(SamplingTensors.from_params(params[e], seeds[e], [r.end_pos for r in rows], pad_to=b,
-                                                     num_top_logprobs=self.max_logprobs, use_filters=True,
-                                                     all_greedy=False))
+                                                     num_top_logprobs=self.max_logprobs, use_filters=not greedy,
+                                                     all_greedy=greedy))
             inps.append(inp)
             feeds.append(feed)
             active.append(step is not None)
+        host = (StepInput(**jax.tree.map(self._stack, *inps)), InFlight(**jax.tree.map(self._stack, *feeds)),
+                self._stack(*active))
+        return jax.device_put(host, self._copies), jax.device_put(jax.tree.map(self._stack, *samps), self._copies)
+
+    def _stack(self, *xs: Any) -> np.ndarray:
+        """Per-engine host values → the engine-copy dimension: engine ``e`` at rows ``e·r … e·r + r − 1``."""
         r = self.layout.replicas
+        return np.stack([np.asarray(x) for x in xs for _ in range(r)])
 
-        def stack(*xs: Any) -> np.ndarray:
-            return np.stack([np.asarray(x) for x in xs for _ in range(r)])  # engine e at rows e·r … e·r + r − 1
-
-        host = (StepInput(**jax.tree.map(stack, *inps)), InFlight(**jax.tree.map(stack, *feeds)),
-                jax.tree.map(stack, *samps), stack(*active))
-        inp, feed, samp, act = jax.device_put(host, self._copies)
-        return self.params, self.cache, inp, feed, self._prev_tokens, samp, act, self._engram, self._loads
+    def _sampler_args(self, b: int, use_filters: bool, all_greedy: bool) -> tuple[Any, ...]:
+        """Arguments of the sampler program for batch ``b`` and one variant, every engine idle (warm-up)."""
+        copies = self.layout.engine_copies
+        logits = jax.device_put(np.zeros((copies, b, self.cfg.vocab_size), np.float32), self._copies)
+        samp = SamplingTensors.from_params([], [], [], pad_to=b, num_top_logprobs=self.max_logprobs,
+                                           use_filters=use_filters, all_greedy=all_greedy)
+        samp = jax.device_put(jax.tree.map(lambda x: self._stack(*[x] * self.layout.dp), samp), self._copies)
+        active = jax.device_put(np.zeros((copies,), bool), self._copies)
+        return logits, samp, active, self._prev_tokens
 
 
 def _bytes_per_device(tree: Any) -> int:
@@ -549,31 +601,51 @@ def _axes_spec(mesh: Mesh, kind: str) -> PartitionSpec:
     return PartitionSpec(axes[0] if len(axes) == 1 else axes)
 
 
-def _mesh_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
-               active: jax.Array, engram: Any, loads: jax.Array | None, *, step_fn: Any, mesh: Mesh, param_specs: Any,
-               copies: PartitionSpec, replicas: int, host_replicated: bool = False):
-    """All engines' step: ``step_fn`` (:func:`~dinfer_jax.engine.runner._device_step`) per device under
+def _mesh_forward(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, engram: Any,
+                  loads: jax.Array | None, *, forward_fn: Any, mesh: Mesh, param_specs: Any, copies: PartitionSpec,
+                  replicas: int):
+    """All engines' model step: ``forward_fn`` (:func:`~dinfer_jax.engine.runner._device_forward`) per device under
     ``shard_map``; every argument but ``params`` / ``engram`` / ``loads`` has the leading engine-copy dimension.
-    Returns ``(tokens, logprobs, cache, host_view, loads)``: ``host_view`` is ``(tokens, logprobs)`` replicated
-    on every device when ``host_replicated`` (several processes: each must read every engine's tokens), else
-    None; ``loads`` (EPLB engines, else None) is the ``[L, E]`` accumulator plus this step's tokens per expert
-    over all engines."""
+    Returns ``(logits [copies, B, V] f32, cache, loads)``: ``loads`` (EPLB engines, else None) is the ``[L, E]``
+    accumulator plus this step's tokens per expert over all engines."""
+    count = loads is not None
 
-    def body(params, cache, inp, feed, prev, samp, active, engram):
+    def body(params, cache, inp, feed, prev, engram):
         local = functools.partial(jax.tree.map, lambda x: x[0])
-        cache, inp, feed, prev, samp, active = local((cache, inp, feed, prev, samp, active))
-        toks, logprobs, cache, step_loads = step_fn(params, cache, inp, feed, prev, samp, engram)
-        toks = jnp.where(active, toks, prev)  # an idle engine keeps its last real step's tokens
-        return jax.tree.map(lambda x: x[None], (toks, logprobs, cache, step_loads))
+        cache, inp, feed, prev = local((cache, inp, feed, prev))
+        out = forward_fn(params, cache, inp, feed, prev, engram)
+        logits, cache = out[:2]
+        step_loads = out[2] if count else jnp.zeros((), jnp.int32)
+        return jax.tree.map(lambda x: x[None], (logits, cache, step_loads))
 
     # check_vma=False: the CP ranks (and replicas) of an engine compute the same values; the outputs take one copy.
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, copies, copies, copies, copies, copies, copies,
-                                                  PartitionSpec()),
-                       out_specs=(copies, copies, copies, copies), check_vma=False)
-    toks, logprobs, cache, step_loads = fn(params, cache, inp, feed, prev_tokens, samp, active, engram)
-    if loads is not None:  # one row per engine copy: count each engine once (copy 0 of its `replicas`)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, copies, copies, copies, copies, PartitionSpec()),
+                       out_specs=(copies, copies, copies), check_vma=False)
+    logits, cache, step_loads = fn(params, cache, inp, feed, prev_tokens, engram)
+    if count:  # one row per engine copy: count each engine once (copy 0 of its `replicas`)
         loads = loads + step_loads[::replicas].sum(axis=0)
+    return logits, cache, loads
+
+
+def _mesh_sample(logits: jax.Array, samp: Any, active: jax.Array, prev_tokens: jax.Array, *, mesh: Mesh,
+                 copies: PartitionSpec, max_rows: int, host_replicated: bool = False):
+    """All engines' sampler (:func:`~dinfer_jax.engine.runner._device_sample`) per device under ``shard_map``, on
+    ``logits [copies, B, V]``. Returns ``(tokens [copies, max_rows], logprobs, host_view)``: an idle engine keeps
+    its previous tokens (``prev_tokens``), so its next step can still read in-flight inputs from its last real
+    step; ``host_view`` is ``(tokens, logprobs)`` replicated on every device when ``host_replicated`` (several
+    processes: each must read every engine's tokens), else None."""
+
+    def body(logits, samp, active, prev):
+        local = functools.partial(jax.tree.map, lambda x: x[0])
+        logits, samp, active, prev = local((logits, samp, active, prev))
+        toks, logprobs = _device_sample(logits, samp, max_rows=max_rows)
+        toks = jnp.where(active, toks, prev)
+        return jax.tree.map(lambda x: x[None], (toks, logprobs))
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(copies, copies, copies, copies), out_specs=(copies, copies),
+                       check_vma=False)
+    toks, logprobs = fn(logits, samp, active, prev_tokens)
     host_view = None
     if host_replicated:
         host_view = jax.lax.with_sharding_constraint((toks, logprobs), NamedSharding(mesh, PartitionSpec()))
-    return toks, logprobs, cache, host_view, loads
+    return toks, logprobs, host_view

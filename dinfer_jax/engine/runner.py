@@ -534,22 +534,6 @@ def _device_sample(logits: jax.Array, samp: SamplingTensors, token_mask: jax.Arr
     return pad_rows(toks, max_rows), logprobs
 
 
-def _device_step(params: Any, cache: Any, inp: StepInput, feed: InFlight, prev_tokens: jax.Array, samp: Any,
-                 engram: Any, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, max_rows: int,
-                 ep_manual: int = 0, cp_manual: int = 0, copies_manual: int = 0, attention: str = "auto",
-                 count_experts: bool = False, mhc_impl: str = "auto", linear_impl: str = "xla",
-                 attention_impl: str = "auto"):
-    """Forward and sampling traced as one program (the DP engines' per-device step). Returns ``(tokens
-    [max_rows], logprobs, cache, expert loads [L, E] int32 or None)`` (loads with ``count_experts``)."""
-    out = _device_forward(params, cache, inp, feed, prev_tokens, engram, cfg=cfg, dtype=dtype, moe_impl=moe_impl,
-                          engram_fn=engram_fn, ep_manual=ep_manual, cp_manual=cp_manual,
-                          copies_manual=copies_manual, attention=attention, count_experts=count_experts,
-                          mhc_impl=mhc_impl, linear_impl=linear_impl, attention_impl=attention_impl)
-    logits, cache = out[:2]
-    toks, logprobs = _device_sample(logits, samp, max_rows=max_rows)
-    return toks, logprobs, cache, out[2] if count_experts else None
-
-
 def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: InFlight,
                       prev_tokens: jax.Array, samp: Any, engram: Any, ndraft: jax.Array, next_tok: jax.Array,
                       sample_mask: jax.Array, token_masks: jax.Array, prev_nacc: jax.Array, chain_row: jax.Array,
