@@ -79,10 +79,11 @@ def kernel_times(fn) -> dict[str, float] | None:
     return out
 
 
-def decode_breakdown(llm, prompts, steps: int) -> tuple[list[tuple[str, float]], float]:
+def decode_breakdown(llm, prompts, steps: int, **sampling: float) -> tuple[list[tuple[str, float]], float]:
     """Per-kernel device ms of one decode step and the wall ms of one decode step in the same CUPTI window: kernel
     times and wall time of ``generate`` with ``1 + steps`` tokens minus those with 1 token (the prefills and first
-    token), divided by ``steps``. Kernels sorted, largest first; ``([], nan)`` where CUPTI is unavailable.
+    token), divided by ``steps``, with the run's ``sampling`` parameters (``temperature``, ``top_p``, ``top_k``;
+    default greedy). Kernels sorted, largest first; ``([], nan)`` where CUPTI is unavailable.
 
     Their ratio is the device's busy share of a decode step as the device saw it — a stall *inside* a step (a host
     computation the program waits for) shows here, where the engine's own idle estimate, taken between steps,
@@ -90,7 +91,8 @@ def decode_breakdown(llm, prompts, steps: int) -> tuple[list[tuple[str, float]],
     from dinfer_jax.sampling.params import SamplingParams as SP
 
     def gen(n):
-        return lambda: llm.generate(prompts, SP(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return lambda: llm.generate(prompts, SP(**{"temperature": 0.0, **sampling}, max_tokens=n, ignore_eos=True),
+                                    use_tqdm=False)
 
     (short, short_s), (full, full_s) = timed(kernel_times, gen(1)), timed(kernel_times, gen(1 + steps))
     if short is None or full is None:
@@ -238,7 +240,8 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
                                        - m0["decode_steps"] - m0["prefill_steps"], 1)
                                  for k in ("schedule", "dispatch", "launch", "process", "waited_for_device")})
     if args.breakdown:
-        parts, window_step_ms = decode_breakdown(llm, prompts, args.max_tokens)
+        parts, window_step_ms = decode_breakdown(llm, prompts, args.max_tokens, temperature=args.temperature,
+                                                 top_p=args.top_p, top_k=args.top_k)
         row["decode_kernels_ms"] = parts
         total = sum(v for _, v in parts)
         row.update(kernel_ms_per_step=total, window_step_ms=window_step_ms,

@@ -4,8 +4,8 @@
 # 2026-12-06, which ran the owed sampler slice on an H100, moved the sampler program's conditionals into command
 # buffers — sampled decode on the H200 10.45 -> 8.65 ms, greedy 6.09 — and measured the attention kernel on an
 # H200: 57% of copy alone, the gathered bf16 path 43% with 64-row steps, which now are the H200's rule):
-#   00. STAGE=sampler-async with --breakdown added by hand (any card): where the sampled step's remaining 2.6 ms
-#      above greedy goes (no-filter draw; top-k 50 is 1.0 ms above greedy);
+#   00. STAGE=sampler-async BREAKDOWN=1 SKIP_TESTS=1 (any card): where the sampled step's
+#      remaining 2.6 ms above greedy goes (the breakdown now samples as the run does; top-k 50 is 1.0 ms above);
 #   01. on an H200: tests/test_decode_attention_rows_gpu.py -k model_pooled with the H200 rule (64-row bf16 steps),
 #      then the ways left to reach issue 9's 60% (the kernel alone is at 57%);
 #   0. on an H200: STAGE=h200-attn — issue 9's 60% is an H200 figure (split_cta was 48-55% there): the kernel with
@@ -285,9 +285,11 @@ case "${STAGE:?set STAGE to sampler-async, rows-depth, rows-first, gather-servin
   sampler-async)
     # issue 8: the sampler program compiled with runner.GPU_SAMPLER_OPTIONS (conditionals in command buffers, XLA's
     # sorts): its GPU tests, then the batch-64 V4-Flash 4-layer slice greedy, sampled, sampled with top-k 50
-    timeout 200 python3 -m pytest -m gpu -q -x tests/test_sampling_gpu.py 2>&1 | quiet | tail -3
+    [ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest -m gpu -q -x tests/test_sampling_gpu.py 2>&1 | quiet \
+      | tail -3
     cd scripts && for f in "--temperature 0" "--temperature 1.0" "--temperature 1.0 --top-k 50"; do timeout 150 \
-      python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C $f --out "$OUT/s${f// /_}" 2>&1 \
+      python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C $f ${BREAKDOWN:+--breakdown} \
+      --out "$OUT/s${f// /_}" 2>&1 \
       | quiet | grep "^| 4 \|Error" | sed "s/^/[$f] /"; done ;;
   h200-sampler)
     # issue 8 on an H200 in one call: the sampler's filters alone (full sorts against 1,024 candidates), then the
