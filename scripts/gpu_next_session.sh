@@ -8,6 +8,9 @@
 #      remaining 2.6 ms above greedy goes (the breakdown now samples as the run does; top-k 50 is 1.0 ms above);
 #   01. on an H200: tests/test_decode_attention_rows_gpu.py -k model_pooled with the H200 rule (64-row bf16 steps),
 #      then the ways left to reach issue 9's 60% (the kernel alone is at 57%);
+#   02. STAGE=cmdbuf (any card): every program with conditionals and loops in command buffers (the layer scans as
+#      CUDA-graph while nodes) against the defaults, greedy decode of the V4-Flash slice (48% of its roofline) — if it
+#      helps, the model programs and the speculative step (whose sampling conditionals still block the host) take it;
 #   0. on an H200: STAGE=h200-attn — issue 9's 60% is an H200 figure (split_cta was 48-55% there): the kernel with
 #      early release (the model's rule above 8 queries; +5% on the H100) against split_cta, its GPU tests, and the
 #      model's attention path at batch 64, 32K context (its "kernel alone" column now uses the model's rule);
@@ -92,7 +95,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to cmdbuf, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -282,6 +285,13 @@ case "${STAGE:?set STAGE to sampler-async, rows-depth, rows-first, gather-servin
       --weights native --batch 64 --q 1 --engine-defaults --step-only 2>&1 | quiet | grep "^|\|ratio\|preset\|Error"
     timeout 240 python3 scripts/bench_compile.py --preset deepseek-v4-flash --layers 2 8 --dtype bfloat16 \
       --weights native --batch 4 --q 64 --engine-defaults --step-only 2>&1 | quiet | grep "^|\|ratio\|preset\|Error" ;;
+  cmdbuf)
+    # issue 9 / 8: every program with conditionals and loops recorded into command buffers (the layer scans become
+    # CUDA-graph while nodes), against the defaults: the V4-Flash 4-layer slice's greedy batch-64 decode (48% of its
+    # roofline on the H200), one run each in one call
+    cd scripts && for F in "" "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"; do XLA_FLAGS="$F" timeout 170 \
+      python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C --out "$OUT/cmdbuf${F:+_on}" 2>&1 \
+      | quiet | grep "^| 4 \|Error" | sed "s/^/[${F:-defaults}] /"; done ;;
   sampler-async)
     # issue 8: the sampler program compiled with runner.GPU_SAMPLER_OPTIONS (conditionals in command buffers, XLA's
     # sorts): its GPU tests, then the batch-64 V4-Flash 4-layer slice greedy, sampled, sampled with top-k 50
