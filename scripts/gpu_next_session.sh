@@ -4,7 +4,7 @@
 # 2026-12-06, which ran the owed sampler slice on an H100, moved the sampler program's conditionals into command
 # buffers — sampled decode on the H200 10.45 -> 8.65 ms, greedy 6.09 — and measured the attention kernel on an
 # H200: 57% of copy alone, the gathered bf16 path 43% with 64-row steps, which now are the H200's rule):
-#   00. STAGE=sampler-async BREAKDOWN=1 SKIP_TESTS=1 (any card): where the sampled step's
+#   00. STAGE=sampler-probe, then STAGE=sampler-async BREAKDOWN=1 SKIP_TESTS=1 (any card): where the sampled step's
 #      remaining 2.6 ms above greedy goes (the breakdown now samples as the run does; top-k 50 is 1.0 ms above);
 #   01. on an H200: tests/test_decode_attention_rows_gpu.py -k model_pooled with the H200 rule (64-row bf16 steps),
 #      then the ways left to reach issue 9's 60% (the kernel alone is at 57%);
@@ -95,7 +95,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to cmdbuf, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to cmdbuf, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -292,6 +292,11 @@ case "${STAGE:?set STAGE to cmdbuf, sampler-async, rows-depth, rows-first, gathe
     cd scripts && for F in "" "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"; do XLA_FLAGS="$F" timeout 170 \
       python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C --out "$OUT/cmdbuf${F:+_on}" 2>&1 \
       | quiet | grep "^| 4 \|Error" | sed "s/^/[${F:-defaults}] /"; done ;;
+  sampler-probe)
+    # issue 8: the sampler's variants after ~8 ms of device work, dispatch vs done, under XLA's defaults and the
+    # engine's GPU_SAMPLER_OPTIONS, including the engine's draw variant on rows without filters (use_filters=True:
+    # the sorts skipped under a conditional) — is that conditional what costs the no-filter sampled step 2.6 ms?
+    timeout 300 python3 scripts/probe_cond_sync.py --option-sets 2>&1 | quiet | tail -30 ;;
   sampler-async)
     # issue 8: the sampler program compiled with runner.GPU_SAMPLER_OPTIONS (conditionals in command buffers, XLA's
     # sorts): its GPU tests, then the batch-64 V4-Flash 4-layer slice greedy, sampled, sampled with top-k 50

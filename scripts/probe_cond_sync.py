@@ -112,9 +112,13 @@ def sampler_cases(x: jax.Array, options: dict, label: str = "", reference: dict 
              "draw, top-k 50": (SamplingParams(temperature=1.0, top_k=50), flat),
              "draw, top-p 0.9 (zipf)": (SamplingParams(temperature=1.0, top_p=0.9), zipf),
              "draw, top-p 0.9 (flat: full sorts)": (SamplingParams(temperature=1.0, top_p=0.9), flat)}
+    # the engine's draw variant has use_filters=True whenever some row samples (runner.SAMPLER_VARIANTS): rows
+    # without filters then skip the sorts under a conditional on the device
+    cases["draw, no filters, engine's variant (use_filters=True)"] = (SamplingParams(temperature=1.0), flat)
     out = {}
     for name, (sp, logits) in cases.items():
-        st = SamplingTensors.from_params([sp] * 64, list(range(64)), [100] * 64)
+        st = SamplingTensors.from_params([sp] * 64, list(range(64)), [100] * 64,
+                                         use_filters=True if "engine's variant" in name else None)
         heavy = jax.jit(lambda z, lg=logits: _work(z)[:64, :1].astype(jnp.float32) * 0 + lg)
 
         def step(z, st=st, heavy=heavy):
@@ -124,7 +128,7 @@ def sampler_cases(x: jax.Array, options: dict, label: str = "", reference: dict 
         out[name] = np.asarray(jax.jit(step, compiler_options=options or None)(x))
         equal = reference is not None and np.array_equal(out[name], reference[name])
         same = "" if reference is None else f" tokens {'equal' if equal else 'DIFFER'}"
-        print(f"{flags[:50]:50s} sampler: {name:34s} dispatch {d:7.2f} ms  done {t:7.2f} ms{same}", flush=True)
+        print(f"{flags[:50]:50s} sampler: {name:52s} dispatch {d:7.2f} ms  done {t:7.2f} ms{same}", flush=True)
     return out
 
 
