@@ -19,14 +19,14 @@ all-padding batch (it writes nowhere), so the EP collectives line up (DeepInfer'
 on ranks without work). An idle engine keeps its previous sampled tokens on the device, so its next step can still
 read in-flight input tokens from its own last real step.
 
-**CP.** The ``cp`` ranks of an engine hold the same rows. The per-token projections and the cache writes run
-replicated over CP, so every CP rank has the complete compressed KV and index keys; in prefill steps the attention
-core (the indexer's scores and top-k, each query's window and compressed rows) and the MoE sublayer run on each
-rank's mirrored share of every row (:func:`sharding.cp_split`'s rule, :mod:`dinfer_jax.models.cp_rows`) and are
-all-gathered over CP. Splitting the whole layer with the projected KV all-gathered, as DeepInfer does, is not
-done. Where an engine has copies (``ep > dp·cp``), and for decode rows under CP, the MoE
-tokens are split contiguously over the engine's devices instead (``cp_rows.group_tokenwise``), so no token's
-experts run twice in an engine.
+**CP.** The ``cp`` ranks of an engine hold the same rows. The per-token projections before attention and the
+cache writes run replicated over CP, so every CP rank has the complete compressed KV and index keys; in prefill
+steps the attention core (the indexer's scores and top-k, each query's window and compressed rows) with the output
+projection, and the MoE sublayer, run on each rank's mirrored share of every row (:func:`sharding.cp_split`'s
+rule, :mod:`dinfer_jax.models.cp_rows`) and are all-gathered over CP. Splitting the whole layer with the
+projected KV all-gathered, as DeepInfer does, is not done. Where an engine has copies (``ep > dp·cp``), and for
+decode rows under CP, the MoE tokens are split contiguously over the engine's devices instead
+(``cp_rows.group_tokenwise``), so no token's experts run twice in an engine.
 """
 
 from __future__ import annotations

@@ -258,10 +258,17 @@ def _split_over_cp(q: jax.Array, opts: LayerOptions) -> bool:
 
 
 def _on_queries(fn: Callable[..., Any], q: jax.Array, extras: tuple[Any, ...], inp: StepInput,
-                opts: LayerOptions) -> Any:
+                opts: LayerOptions, project: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> Any:
     """``fn(q, *extras)`` for a function of each query row separately (``[B,Q,...]`` in and out): on this CP
-    rank's mirrored rows, all-gathered, when the step is split over CP (:func:`_split_over_cp`), else directly."""
+    rank's mirrored rows, all-gathered, when the step is split over CP (:func:`_split_over_cp`), else directly.
+    ``project(y, pos)`` (``pos = extras[0]``, the rows' positions), when given, is applied on the rank's rows before
+    the all-gather, and only when the step is split (the caller projects otherwise)."""
     if _split_over_cp(q, opts):
+        if project is not None:
+            def projected(q: jax.Array, pos: jax.Array, *rest: Any) -> jax.Array:
+                return project(fn(q, pos, *rest), pos)
+
+            return cp_tokenwise(projected, q, extras, inp.n, opts.cp_manual)
         return cp_tokenwise(fn, q, extras, inp.n, opts.cp_manual)
     return fn(q, *extras)
 
@@ -277,15 +284,16 @@ def kernel_reads(codec: RowCodec, stored: jax.Array, q: jax.Array) -> bool:
 
 def _attend_rows(q: jax.Array, keys: jax.Array, wmask: jax.Array, rows_of: Callable[[jax.Array], jax.Array],
                  idx: jax.Array, sink: jax.Array, ctx: StepContext, cfg: ModelConfig,
-                 opts: LayerOptions, pool_rows_of: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None
-                 ) -> jax.Array:
+                 opts: LayerOptions, pool_rows_of: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None,
+                 project: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
     """Attention over the window and each query's selected compressed rows ``rows_of(idx)`` (``idx [B,Q,k]``, −1:
     none; the gather and decode of the rows happen here, so a CP rank gathers only its queries' rows),
     batch-invariantly when tracing so. The decode kernel reads each query's own window (``W`` rows instead of the
     ring's ``R`` plus the step's). With CP on a prefill step each rank attends its mirrored query rows and the
     outputs are all-gathered (:func:`~dinfer_jax.models.cp_rows.cp_tokenwise`). ``pool_rows_of(idx)``: where the
     rows are stored as the kernel reads them, ``(pool [R,d], indices [B,Q,k])`` for ``attention_impl="pallas_gather"``
-    (the kernel fetches them from the pool; :func:`~dinfer_jax.models.attention.attend_selected_pooled`)."""
+    (the kernel fetches them from the pool; :func:`~dinfer_jax.models.attention.attend_selected_pooled`).
+    ``project``: :func:`_on_queries`'s (the output projection on each CP rank's rows)."""
     if active_tile():
         return attend_invariant(q, keys, wmask, ctx.inp.start, ctx.pos, cfg.sliding_window, sink, rows=rows_of(idx),
                                 row_mask=idx >= 0)
@@ -301,13 +309,14 @@ def _attend_rows(q: jax.Array, keys: jax.Array, wmask: jax.Array, rows_of: Calla
             return attend_selected_pooled(q, wkeys, wm, pool, rows, idx >= 0, sink)
         return attend_selected(q, wkeys, wm, rows_of(idx), idx >= 0, sink, impl="pallas" if kernel else impl)
 
-    return _on_queries(core, q, (ctx.pos, wmask, idx), ctx.inp, opts)
+    return _on_queries(core, q, (ctx.pos, wmask, idx), ctx.inp, opts, project)
 
 
 def _attend_all(q: jax.Array, keys: jax.Array, wmask: jax.Array, ckv: jax.Array | None, cmask: jax.Array | None,
-                sink: jax.Array, ctx: StepContext, cfg: ModelConfig, opts: LayerOptions) -> jax.Array:
+                sink: jax.Array, ctx: StepContext, cfg: ModelConfig, opts: LayerOptions,
+                project: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
     """Attention over the window and all compressed rows under ``cmask`` (batch-invariantly when tracing so; with CP
-    on a prefill step over each rank's mirrored query rows, as :func:`_attend_rows`)."""
+    on a prefill step over each rank's mirrored query rows, as :func:`_attend_rows`, ``project`` included)."""
     if active_tile():
         return attend_invariant(q, keys, wmask, ctx.inp.start, ctx.pos, cfg.sliding_window, sink, ckv=ckv,
                                 cmask=cmask)
@@ -317,7 +326,7 @@ def _attend_all(q: jax.Array, keys: jax.Array, wmask: jax.Array, ckv: jax.Array 
         wkeys, wm = _query_windows(keys, wmask, ctx.inp.start, pos, chunk, cfg, per_query=False)
         return attend(q, wkeys, wm, ckv, cmask, sink)
 
-    return _on_queries(core, q, (ctx.pos, wmask, cmask), ctx.inp, opts)
+    return _on_queries(core, q, (ctx.pos, wmask, cmask), ctx.inp, opts, project)
 
 
 def _compress_into_cache(params: Any, h: jax.Array, kv_ring: jax.Array, gate_ring: jax.Array,
@@ -350,12 +359,14 @@ def _queries(p: Any, h: jax.Array, pos: jax.Array, inv_freq: Any, *, cfg: ModelC
 
 
 def attention_v4(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, ctx: StepContext, *,
-                 cfg: ModelConfig, info: LayerInfo,
-                 opts: LayerOptions) -> tuple[jax.Array, LayerCache, dict[str, jax.Array]]:
+                 cfg: ModelConfig, info: LayerInfo, opts: LayerOptions,
+                 project: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+                 ) -> tuple[jax.Array, LayerCache, dict[str, jax.Array]]:
     """V4 attention sublayer (sliding / CSA / HCA) over the step's per-token values ``t`` (:func:`_queries`; V4
     layers also put ``kv_stored``, the window rows as the ring stores them, there). Returns ``(o [B,Q,H,d] before
     the output projection, updated layer cache, aux)``; aux (``collect``) holds ``indexer_topk [B,Q,k]`` and
-    ``indexer_scores [B,Q,T]`` on CSA.
+    ``indexer_scores [B,Q,T]`` on CSA. On a step split over CP (:func:`_split_over_cp`) with ``project`` given,
+    ``o`` is ``project(o, pos)`` instead (``[B,Q,D]``: each rank projects its own rows before the all-gather).
 
     With ``cfg.kv_fake_quant`` (``LLM(kv_cache_dtype="fp8")``, DeepSeek's reference numerics) the window and
     compressed KV rows are FlashMLA ``model1`` values (FP8 non-RoPE dims, bf16 RoPE dims) and the CSA index keys
@@ -412,14 +423,15 @@ def attention_v4(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, 
                 return pool_rows(upd["ckv"], k, pages, idx)
 
             o = _attend_rows(q, keys, wmask, rows_of, top_idx, p["attn_sink"], ctx, cfg, opts,
-                             pool_rows_of=pool_rows_of if kernel_reads(codecs.ckv, upd["ckv"], q) else None)
+                             pool_rows_of=pool_rows_of if kernel_reads(codecs.ckv, upd["ckv"], q) else None,
+                             project=project)
             return o, dataclasses.replace(lc, **upd), aux
         ckv = codecs.ckv.unpack(pages_read(upd["ckv"], k, pages))
         cmask = jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]  # [B,Q,T]
         cmask = cmask & _real_queries(inp, pos.shape[1])[..., None]
         if overlap:
             cmask = cmask & selected
-    o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg, opts)
+    o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg, opts, project)
     return o, dataclasses.replace(lc, **upd), aux
 
 
@@ -447,14 +459,15 @@ def _write_source_rows(p: Any, h: jax.Array, lc: LayerCache, k: jax.Array, inp: 
 
 
 def attention_v41(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, carry: Carry, ctx: StepContext, *,
-                  cfg: ModelConfig, info: LayerInfo,
-                  opts: LayerOptions) -> tuple[jax.Array, LayerCache, Carry, dict[str, jax.Array]]:
+                  cfg: ModelConfig, info: LayerInfo, opts: LayerOptions,
+                  project: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+                  ) -> tuple[jax.Array, LayerCache, Carry, dict[str, jax.Array]]:
     """V4.1 attention sublayer. A KV source compresses and pages its rows and publishes them (``carry["kv"]`` as
     stored, ``carry["ik"]`` decoded); every compressed layer attends to the latest source's rows selected by the
     latest index source's top-k (``carry["selected"]`` mask, ``carry["selected_idx"]`` indices): all rows masked,
     or only the selected rows gathered and decoded (``LayerOptions.attention``). ``t``: the step's per-token values
     (:func:`_queries`, plus ``kv_stored``: the window rows as the ring stores them). Returns ``(o [B,Q,H,d]
-    before the output projection, layer cache, carry, aux)``."""
+    before the output projection, layer cache, carry, aux)``; ``project`` as in :func:`attention_v4`."""
     inp, pos = ctx.inp, ctx.pos
     inv = ctx.ropes[info.ratio > 0][0]
     h, q = t["h"], t["q"]
@@ -518,13 +531,19 @@ def attention_v41(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array,
                 return stored_rows(stored, idx)
 
             o = _attend_rows(q, keys, wmask, rows_of, carry["selected_idx"], p["attn_sink"], ctx, cfg, opts,
-                             pool_rows_of=pool_rows_of if kernel_reads(codecs.ckv, stored, q) else None)
+                             pool_rows_of=pool_rows_of if kernel_reads(codecs.ckv, stored, q) else None,
+                             project=project)
             return o, dataclasses.replace(lc, **upd), carry, aux
         ckv = codecs.ckv.unpack(stored)
         cmask = (jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]) & carry["selected"]
         cmask = cmask & _real_queries(inp, pos.shape[1])[..., None]
-    o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg, opts)
+    o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg, opts, project)
     return o, dataclasses.replace(lc, **upd), carry, aux
+
+
+def _attention_output(p: Any, o: jax.Array, pos: jax.Array, *, cfg: ModelConfig, inv_freq: Any) -> jax.Array:
+    """The attention sublayer's output projection of ``o [B,Q,H,d]`` at positions ``pos [B,Q]`` → ``[B,Q,D]``."""
+    return output_projection(p, o, cfg=cfg, rope=RopeTable(*rope_cos_sin(pos, inv_freq)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -556,11 +575,13 @@ def layer_v4(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arra
         return {**t, "post": post, "comb": comb}
 
     t = rowwise(attention_inputs, carry["streams"], ctx.pos)
-    o, lc, aux = attention_v4(p["attn"], t, lc, k, ctx, cfg=cfg, info=info, opts=opts)
+    project = functools.partial(_attention_output, p["attn"], cfg=cfg, inv_freq=inv)
+    o, lc, aux = attention_v4(p["attn"], t, lc, k, ctx, cfg=cfg, info=info, opts=opts, project=project)
+    projected = _split_over_cp(t["q"], opts)   # o is then the projected [B,Q,D] (attention_v4)
 
     def rest(streams: jax.Array, o: jax.Array, post: jax.Array, comb: jax.Array, pos: jax.Array,
              tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        a = output_projection(p["attn"], o, cfg=cfg, rope=RopeTable(*rope_cos_sin(pos, inv)))
+        a = o if projected else project(o, pos)
         streams = hc_post(streams, a, post, comb)
         streams = constrain(opts.sharder, streams, ("act_batch", "act_seq", None, None))
         u, post, comb = hc_pre(streams, p["hc_ffn"], **hc_kw)
@@ -672,11 +693,14 @@ def layer_v41(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arr
     t = rowwise(functools.partial(_v41_attention_inputs, p, cfg=cfg, info=info, inv_freq=inv, queries=True,
                                   mhc_impl=opts.mhc_impl),
                 carry["streams"], carry["premix"], ctx.pos, _engram_rows(ctx, layer, info), inp.image_mask)
-    o, lc, carry, aux = attention_v41(p["attn"], t, lc, k, carry, ctx, cfg=cfg, info=info, opts=opts)
+    project = functools.partial(_attention_output, p["attn"], cfg=cfg, inv_freq=inv)
+    o, lc, carry, aux = attention_v41(p["attn"], t, lc, k, carry, ctx, cfg=cfg, info=info, opts=opts,
+                                      project=project)
+    projected = _split_over_cp(t["q"], opts)   # o is then the projected [B,Q,D] (attention_v41)
 
     def rest(streams: jax.Array, o: jax.Array, pre_a: jax.Array, post_a: jax.Array, comb_a: jax.Array,
              pos: jax.Array, image_mask: jax.Array | None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-        a = output_projection(p["attn"], o, cfg=cfg, rope=RopeTable(*rope_cos_sin(pos, inv)))
+        a = o if projected else project(o, pos)
         streams = hc_post(streams, a, post_a, comb_a)
         pre_f, post_f, comb_f = hc_mixes(streams, p["hc_ffn"], **hc_kw)
         x = rms_norm(hc_collapse(streams, pre_a), p["ffn_norm"], cfg.norm_eps)
