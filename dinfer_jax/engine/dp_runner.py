@@ -359,13 +359,11 @@ class DPModelRunner:
             in_use = max(used)
         else:
             in_use = _bytes_per_device((self.params, self._engram))
-        idle = ([None] * self.layout.dp, [[]] * self.layout.dp, [[]] * self.layout.dp)
         # the sampler runs after the model (its own program): a step's peak is the larger of the two; the variant
         # that filters and draws is the larger sampler
-        samplers = {b: temp_bytes(self._sample.lower(*self._sampler_args(b, True, False)).compile())
-                    for b in {s[0] for s in shapes}}
-        by_shape = {tuple(s): max(temp_bytes(self._forward.lower(*self._forward_args(
-            *self._step_args(*idle, tuple(s))[0][:2])).compile()), samplers[s[0]]) for s in shapes}
+        samplers = {b: temp_bytes(self._lower_sampler(b, True, False).compile()) for b in {s[0] for s in shapes}}
+        by_shape = {tuple(s): max(temp_bytes(self._lower_forward(tuple(s)).compile()), samplers[s[0]])
+                    for s in shapes}
         return MemoryPlan(device_bytes=int(limit), in_use_bytes=int(in_use), activation_bytes=max(by_shape.values()),
                           activation_by_shape=by_shape, utilization=float(utilization)).check()
 
@@ -464,7 +462,6 @@ class DPModelRunner:
         shapes = list(self.buckets.shapes())
         n_decode = len(self.buckets.decode_shapes())  # shapes() lists decode first
         samplers = [(b, *variant) for b in sorted({b for b, _, _ in shapes}) for variant in SAMPLER_VARIANTS]
-        idle = ([None] * self.layout.dp, [[]] * self.layout.dp, [[]] * self.layout.dp)
         threads = default_compile_threads() if compile_threads is None else compile_threads
         if self.multi_process:
             # the processes must build their programs in one order: out-of-order compiles paired mismatched
@@ -472,15 +469,13 @@ class DPModelRunner:
             threads = 1
         with PhaseProgress("compile buckets", len(shapes) + len(samplers), enabled=progress) as bar:
             if threads > 1:
-                jobs = [LoweringJob(_program_name(s, i < n_decode, False),
-                                    functools.partial(lambda s: self._forward.lower(*self._forward_args(
-                                        *self._step_args(*idle, s)[0][:2])), s),
+                jobs = [LoweringJob(_program_name(s, i < n_decode, False), functools.partial(self._lower_forward, s),
                                     s[:2]) for i, s in enumerate(shapes)]
-                tail = [LoweringJob(_sampler_name(*smp), functools.partial(
-                    lambda smp: self._sample.lower(*self._sampler_args(*smp)), smp), smp) for smp in samplers]
+                tail = [LoweringJob(_sampler_name(*smp), functools.partial(self._lower_sampler, *smp), smp)
+                        for smp in samplers]
                 self.warmup_timings = tuple(compile_programs(jobs, threads, staged, tail=tail, on_done=bar.advance))
             for shape in shapes:
-                self._run(*idle, shape).tokens.block_until_ready()
+                self._run(*self._idle(), shape).tokens.block_until_ready()
                 if threads <= 1:
                     bar.advance()
             for smp in samplers:
@@ -535,6 +530,20 @@ class DPModelRunner:
         self.num_compilations = (sum(f() for f in sizes) if all(callable(f) for f in sizes)
                                  else len(self.compiled_shapes) + len(self.compiled_samplers))
         return out
+
+    def _idle(self) -> tuple[list[None], list[list[Any]], list[list[int]]]:
+        """``(steps, params, seeds)`` of a mesh step in which every engine runs padding."""
+        dp = self.layout.dp
+        return [None] * dp, [[]] * dp, [[]] * dp
+
+    def _lower_forward(self, shape: tuple[int, int, int]) -> Any:
+        """The model program of bucket ``shape`` lowered on an all-padding step (warm-up, memory planning)."""
+        (inp, feed, _), _ = self._step_args(*self._idle(), shape)
+        return self._forward.lower(*self._forward_args(inp, feed))
+
+    def _lower_sampler(self, b: int, use_filters: bool, all_greedy: bool) -> Any:
+        """The sampler program of batch ``b`` and one variant, lowered (warm-up, memory planning)."""
+        return self._sample.lower(*self._sampler_args(b, use_filters, all_greedy))
 
     def _forward_args(self, inp: StepInput, feed: InFlight) -> tuple[Any, ...]:
         return self.params, self.cache, inp, feed, self._prev_tokens, self._engram, self._loads

@@ -528,7 +528,7 @@ class LLM:
             cache_cfg = CacheConfig(num_slots=max_num_seqs + 1, num_blocks=max(self.buckets.pages) + 1,
                                     block_size=self.block_size)
         else:
-            if kv_cache_memory_bytes is None and (dp_size, cp_size, ep_size) == (1, 1, 1):
+            if kv_cache_memory_bytes is None and one_device:
                 self.memory_plan = plan_memory(
                     self.model, _largest_steps(self.buckets), block_size=self.block_size,
                     max_rows=max(max(self.buckets.decode_batch), max(self.buckets.prefill_batch)),
