@@ -11,6 +11,8 @@
 #   02. STAGE=cmdbuf (any card): every program with conditionals and loops in command buffers (the layer scans as
 #      CUDA-graph while nodes) against the defaults, greedy decode of the V4-Flash slice (48% of its roofline) — if it
 #      helps, the model programs and the speculative step (whose sampling conditionals still block the host) take it;
+#   03. STAGE=spec-dispatch (any card): does the speculative step block the host (its verification samples under
+#      conditionals, in the model's program)? Dispatch vs done with and without GPU_SAMPLER_OPTIONS;
 #   0. on an H200: STAGE=h200-attn — issue 9's 60% is an H200 figure (split_cta was 48-55% there): the kernel with
 #      early release (the model's rule above 8 queries; +5% on the H100) against split_cta, its GPU tests, and the
 #      model's attention path at batch 64, 32K context (its "kernel alone" column now uses the model's rule);
@@ -95,7 +97,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to cmdbuf, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -297,6 +299,11 @@ case "${STAGE:?set STAGE to cmdbuf, sampler-probe, sampler-async, rows-depth, ro
     # engine's GPU_SAMPLER_OPTIONS, including the engine's draw variant on rows without filters (use_filters=True:
     # the sorts skipped under a conditional) — is that conditional what costs the no-filter sampled step 2.6 ms?
     timeout 300 python3 scripts/probe_cond_sync.py --option-sets 2>&1 | quiet | tail -30 ;;
+  spec-dispatch)
+    # issue 11: does the speculative step (model + verification + MTP drafts in one program) block the host? Its
+    # dispatch against completion with the decode programs' default options and with GPU_SAMPLER_OPTIONS added
+    timeout 400 python3 scripts/probe_spec_step.py --preset deepseek-v4-flash --layers 4 --batch 64 --dispatch 2>&1 \
+      | quiet | grep "^|\|^jax\|Error" ;;
   sampler-async)
     # issue 8: the sampler program compiled with runner.GPU_SAMPLER_OPTIONS (conditionals in command buffers, XLA's
     # sorts): its GPU tests, then the batch-64 V4-Flash 4-layer slice greedy, sampled, sampled with top-k 50

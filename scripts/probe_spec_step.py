@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -52,6 +53,60 @@ def drafting_slice(base, n: int):
     return first_layers(base, n).replace(n_mtp_layers=base.n_mtp_layers, mtp_compress_ratios=base.mtp_compress_ratios)
 
 
+def dispatch_ms(fn: Callable[[], jax.Array], reps: int = 10) -> tuple[float, float]:
+    """Median ``(ms until the call returned, ms until its result was ready)`` of ``reps`` calls, each started with
+    the device idle, after two warm calls: a return long before completion is asynchronous dispatch, one close to
+    it means the program blocked the host."""
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    ret, done = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        ret.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+        done.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(ret)), 1e3 * float(np.median(done))
+
+
+def dispatch_table(model, method: str, buckets, kw: dict, B: int, P: int, what: str) -> None:
+    """The k = 4 speculative step's dispatch against completion (:func:`dispatch_ms`) with the decode programs'
+    default XLA options, then with :data:`~dinfer_jax.engine.runner.GPU_SAMPLER_OPTIONS` added to them, at
+    temperature 0 and 1 (the draw's conditionals), tokens compared between the two option sets."""
+    from dinfer_jax.engine.llm import step_program_options
+    from dinfer_jax.engine.runner import GPU_SAMPLER_OPTIONS
+    from dinfer_jax.sampling import SamplingParams
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {what}, batch {B}, {P} pages")
+    print("| decode options | sampling | ms per call | returns after ms | done after ms | tokens |\n"
+          "|---|---|---:|---:|---:|---|")
+    reference: dict[str, np.ndarray] = {}
+    base = None
+    for label, extra in (("engine defaults", {}), ("+ GPU_SAMPLER_OPTIONS", dict(GPU_SAMPLER_OPTIONS))):
+        probe = LLM(model, buckets=buckets, speculative=method, num_speculative_tokens=4, **kw)
+        base = base or step_program_options(None, None, probe.model.linear_impl)[1]
+        if extra:
+            probe = LLM(model, buckets=buckets, speculative=method, num_speculative_tokens=4,
+                        decode_compiler_options={**base, **extra}, **kw)
+        spec = probe.runner
+        inp, feed = empty_inputs(B, 5, P)
+        for temp in (0.0, 1.0):
+            params = [SamplingParams(temperature=temp)] * B
+            samp = spec._sampling(params, list(range(B)), [100] * B, B)
+
+            def call(spec=spec, inp=inp, feed=feed, samp=samp) -> jax.Array:
+                return spec._call_spec(inp, feed, samp, (B, 5, P), True, *spec._spec_extra(B))[0]
+
+            ret, done = dispatch_ms(call)
+            toks = np.asarray(call())
+            key = f"t={temp}"
+            same = "—" if key not in reference else ("equal" if np.array_equal(toks, reference[key]) else "DIFFER")
+            reference.setdefault(key, toks)
+            print(f"| {label} | temperature {temp} | {per_call_ms(call, reps=10):.2f} | {ret:.2f} | {done:.2f} | "
+                  f"{same} |", flush=True)
+        del spec, probe
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=10)
@@ -61,6 +116,10 @@ def main() -> None:
     ap.add_argument("--widths", action="store_true",
                     help="also the k = 4 speculative step at every decode width 1..5 (the step-time curve that "
                          "confidence-scheduled verification chooses from, LLM(speculative_widths='all'))")
+    ap.add_argument("--dispatch", action="store_true",
+                    help="instead: whether the k = 4 speculative step blocks the host that dispatches it (its "
+                         "verification and drafts sample under data-dependent conditionals), with the decode "
+                         "programs' default XLA options and with runner.GPU_SAMPLER_OPTIONS added")
     args = ap.parse_args()
     B, P = args.batch, args.pages
     model, method, extra, what = "default", "dspark", {}, "default model"
@@ -81,6 +140,8 @@ def main() -> None:
     # A fixed pool (1 GiB holds every row's 256 tokens many times over): the default plan sizes the pool from the
     # device memory left, so a second engine built while the first lives would find none left.
     kw = dict(max_num_seqs=B, max_model_len=256, progress=False, warmup=False, kv_cache_memory_bytes=1 << 30, **extra)
+    if args.dispatch:
+        return dispatch_table(model, method, buckets(5), kw, B, P, what)
     plain = LLM(model, buckets=buckets(1), **kw).runner
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {what}, batch {B}, {P} pages")
     print("| program | shape | ms per call | vs plain [B, 1] step + sampler |\n|---|---|---:|---:|")
