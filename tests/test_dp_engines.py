@@ -276,6 +276,41 @@ def test_cp_split_attention_equals_unsplit(cp, Q):
         assert not g[~real].any()
 
 
+def _query_projection_rows(llm: LLM, cfg, shape: tuple[int, int, int]) -> list[tuple[int, ...]]:
+    """The left operands' shapes of every ``dot_general`` by a query up-projection (``wq_b`` of the attention,
+    ``[H·d, q_lora]``, or of the indexer, ``[Hi·di, q_lora]``, applied to latents ``[B, rows, q_lora]``) in the
+    per-device model program of bucket ``shape``, read from its StableHLO (other weights of the indexer's shape,
+    applied to flattened tokens, are not counted)."""
+    import re
+
+    rhs = {f"{cfg.num_heads * cfg.head_dim}x{cfg.q_lora_rank}", f"{cfg.index_n_heads * cfg.index_head_dim}x"
+           f"{cfg.q_lora_rank}"}
+    text = llm.runner._lower_forward(shape).as_text()
+    found = []
+    for m in re.finditer(r"stablehlo\.dot_general .*?: \(tensor<([0-9x]+)x\w+>, tensor<([0-9x]+)x\w+>\)", text):
+        lhs = tuple(int(v) for v in m.group(1).split("x"))
+        if m.group(2) in rhs and len(lhs) == 3 and lhs[-1] == cfg.q_lora_rank:
+            found.append(lhs)
+    return found
+
+
+@pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
+def test_cp_ranks_project_only_their_own_queries(preset):
+    """On a CP prefill step each rank computes the query heads (``wq_b``, V4-Flash's largest attention projection:
+    ``q_lora · H · d`` products a token) and the indexer's queries of its mirrored rows only, ``2·ceil(Q / 2C)`` a
+    sequence, not all ``Q``: read from the lowered per-device program, against a control without CP whose
+    projections take all the rows (so the pattern finds them)."""
+    cfg = load_config(preset)
+    model = random_model(cfg, seed=3, std=0.1, include_mtp=False)
+    kw = {**KW, "warmup": False}
+    b, q, p = 4, 32, 6
+    split = _query_projection_rows(LLM(model, dp_size=1, cp_size=2, ep_size=2, **kw), cfg, (b, q, p))
+    control = _query_projection_rows(LLM(model, dp_size=2, cp_size=1, ep_size=2, **kw), cfg, (b, q, p))
+    assert control and set(control) == {(b, q, cfg.q_lora_rank)}
+    assert len(split) == len(control)
+    assert set(split) == {(b, 2 * -(-q // 4), cfg.q_lora_rank)}
+
+
 def test_cp_engine_v41_equals_single_device():
     """V4.1 under CP (1, 2, 2): prefill rows' indexer scores and top-k (KV sources, index sources restricted to
     the candidate blocks, their consumers), attention core and MoE run on each rank's mirrored rows; greedy tokens

@@ -189,20 +189,34 @@ def index_scores(p: Mapping[str, Any], h: jax.Array, cq: jax.Array, k_rows: jax.
     return index_scores_of(q, w, k_rows, pos, ratio=ratio, fp4_operands=index_operands_fp4(cfg))
 
 
-def query_and_window_kv(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig,
-                        rope: RopeTable) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q low-rank path and the shared K=V latent. h: ``[B,S,D]``. Returns ``(cq [B,S,q_lora], q [B,S,H,d] with
-    RoPE, kv [B,S,d] with RoPE)``. V4 normalises each q head (unweighted RMS); V4.1 does not."""
-    B, S, _ = h.shape
-    eps = cfg.norm_eps
-    cq = rms_norm(linear(h, p["wq_a"]), p["q_norm"], eps)
+def query_latent(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+    """The queries' low-rank latent ``cq [B,S,q_lora]`` (normalised) of ``h [B,S,D]``."""
+    return rms_norm(linear(h, p["wq_a"]), p["q_norm"], cfg.norm_eps)
+
+
+def query_heads(p: Mapping[str, Any], cq: jax.Array, *, cfg: ModelConfig, rope: RopeTable) -> jax.Array:
+    """The attention queries ``q [B,S,H,d]`` (RoPE'd) of the latent ``cq [B,S,q_lora]`` (:func:`query_latent`);
+    ``rope`` the rows' table. V4 normalises each q head (unweighted RMS); V4.1 does not."""
+    B, S, _ = cq.shape
     q = linear(cq, p["wq_b"]).reshape(B, S, cfg.num_heads, cfg.head_dim)
     if cfg.use_qnorm:
-        q = rms_norm(q, None, eps)
-    q = apply_rope_tail(q, rope.cos[..., None, :], rope.sin[..., None, :])
-    kv = rms_norm(linear(h, p["wkv"]), p["kv_norm"], eps)
-    kv = apply_rope_tail(kv, rope.cos, rope.sin)
-    return cq, q, kv
+        q = rms_norm(q, None, cfg.norm_eps)
+    return apply_rope_tail(q, rope.cos[..., None, :], rope.sin[..., None, :])
+
+
+def window_kv(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig, rope: RopeTable) -> jax.Array:
+    """The shared K=V latent ``kv [B,S,d]`` (normalised, RoPE'd) of ``h [B,S,D]``: the rows the window attends."""
+    kv = rms_norm(linear(h, p["wkv"]), p["kv_norm"], cfg.norm_eps)
+    return apply_rope_tail(kv, rope.cos, rope.sin)
+
+
+def query_and_window_kv(p: Mapping[str, Any], h: jax.Array, *, cfg: ModelConfig,
+                        rope: RopeTable) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q low-rank path and the shared K=V latent. h: ``[B,S,D]``. Returns ``(cq [B,S,q_lora]``
+    (:func:`query_latent`), ``q [B,S,H,d]`` with RoPE (:func:`query_heads`), ``kv [B,S,d]`` with RoPE
+    (:func:`window_kv`))."""
+    cq = query_latent(p, h, cfg=cfg)
+    return cq, query_heads(p, cq, cfg=cfg, rope=rope), window_kv(p, h, cfg=cfg, rope=rope)
 
 
 def _visible_rows(rows: jax.Array, mask: jax.Array) -> jax.Array:

@@ -37,9 +37,11 @@ from dinfer_jax.models.attention import (
     index_scores_stored,
     output_projection,
     pooled_kernel_pays,
-    query_and_window_kv,
+    query_heads,
+    query_latent,
     selected_attention_impl,
     use_selected_rows,
+    window_kv,
 )
 from dinfer_jax.models.attention_invariant import attend_invariant, window_rows
 from dinfer_jax.models.cache_codec import RowCodec, cache_codecs
@@ -251,10 +253,45 @@ def _cp_selection(index_select: Callable[..., dict[str, jax.Array]], iq: jax.Arr
     return {**sel, idx_key: jnp.where(real[..., None], sel[idx_key], -1)}
 
 
-def _split_over_cp(q: jax.Array, opts: LayerOptions) -> bool:
-    """Whether this step's attention runs on each CP rank's mirrored query rows (prefill rows inside the DP
-    engines' per-device step; DeepInfer uses CP for prefill only)."""
-    return opts.cp_manual > 1 and q.shape[1] > 1 and not opts.collect and not active_tile()
+def _split_over_cp(num_queries: int, opts: LayerOptions) -> bool:
+    """Whether this step's attention runs on each CP rank's mirrored query rows (prefill rows, ``num_queries``
+    > 1 a row, inside the DP engines' per-device step; DeepInfer uses CP for prefill only)."""
+    return opts.cp_manual > 1 and num_queries > 1 and not opts.collect and not active_tile()
+
+
+QueryMap = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def _query_source(p: Any, t: dict[str, jax.Array], inv_freq: Any, cfg: ModelConfig,
+                  opts: LayerOptions) -> tuple[jax.Array, QueryMap | None]:
+    """Where the attention core's queries come from: ``(t["q"] [B,Q,H,d], None)``, or on a step split over CP
+    (whose ``t`` holds only the latent ``cq [B,Q,q_lora]``: :func:`_queries` with ``defer_queries``)
+    ``(t["cq"], q_of)``, ``q_of(cq, pos)`` giving the query heads of a CP rank's rows at positions ``pos`` — so the
+    ``wq_b`` products (``q_lora · H · d`` a token, V4-Flash's largest attention projection) are split over the
+    ranks as the attention core is."""
+    if "q" in t:
+        return constrain(opts.sharder, t["q"], ("act_batch", "act_seq", "act_heads", None)), None
+
+    def q_of(cq: jax.Array, pos: jax.Array) -> jax.Array:
+        return query_heads(p, cq, cfg=cfg, rope=RopeTable(*rope_cos_sin(pos, inv_freq)))
+
+    return t["cq"], q_of
+
+
+def _query_like(q: jax.Array, q_of: QueryMap | None, pos: jax.Array) -> Any:
+    """The queries' shape and dtype (``[B,Q,H,d]``) for static choices: ``q`` itself, or ``q_of(q, pos)``'s."""
+    return q if q_of is None else jax.eval_shape(q_of, q, pos)
+
+
+def _index_select_of_latent(select: Callable[..., dict[str, jax.Array]], p: Any, cfg: ModelConfig,
+                            inv_freq: Any) -> Callable[..., dict[str, jax.Array]]:
+    """``select(iq, iw, pos, *rest)`` as a function of ``(cq, h, pos, *rest)``: the indexer's queries and head
+    weights (:func:`~dinfer_jax.models.attention.index_queries`) computed from the rows given (a CP rank's)."""
+    def run(cq: jax.Array, h: jax.Array, pos: jax.Array, *rest: Any) -> dict[str, jax.Array]:
+        iq, iw = index_queries(p["indexer"], h, cq, cfg=cfg, rope=RopeTable(*rope_cos_sin(pos, inv_freq)))
+        return select(iq, iw, pos, *rest)
+
+    return run
 
 
 def _on_queries(fn: Callable[..., Any], q: jax.Array, extras: tuple[Any, ...], inp: StepInput,
@@ -263,7 +300,7 @@ def _on_queries(fn: Callable[..., Any], q: jax.Array, extras: tuple[Any, ...], i
     rank's mirrored rows, all-gathered, when the step is split over CP (:func:`_split_over_cp`), else directly.
     ``project(y, pos)`` (``pos = extras[0]``, the rows' positions), when given, is applied on the rank's rows before
     the all-gather, and only when the step is split (the caller projects otherwise)."""
-    if _split_over_cp(q, opts):
+    if _split_over_cp(q.shape[1], opts):
         if project is not None:
             def projected(q: jax.Array, pos: jax.Array, *rest: Any) -> jax.Array:
                 return project(fn(q, pos, *rest), pos)
@@ -285,7 +322,8 @@ def kernel_reads(codec: RowCodec, stored: jax.Array, q: jax.Array) -> bool:
 def _attend_rows(q: jax.Array, keys: jax.Array, wmask: jax.Array, rows_of: Callable[[jax.Array], jax.Array],
                  idx: jax.Array, sink: jax.Array, ctx: StepContext, cfg: ModelConfig,
                  opts: LayerOptions, pool_rows_of: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None,
-                 project: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
+                 project: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+                 q_of: QueryMap | None = None) -> jax.Array:
     """Attention over the window and each query's selected compressed rows ``rows_of(idx)`` (``idx [B,Q,k]``, −1:
     none; the gather and decode of the rows happen here, so a CP rank gathers only its queries' rows),
     batch-invariantly when tracing so. The decode kernel reads each query's own window (``W`` rows instead of the
@@ -293,16 +331,18 @@ def _attend_rows(q: jax.Array, keys: jax.Array, wmask: jax.Array, rows_of: Calla
     outputs are all-gathered (:func:`~dinfer_jax.models.cp_rows.cp_tokenwise`). ``pool_rows_of(idx)``: where the
     rows are stored as the kernel reads them, ``(pool [R,d], indices [B,Q,k])`` for ``attention_impl="pallas_gather"``
     (the kernel fetches them from the pool; :func:`~dinfer_jax.models.attention.attend_selected_pooled`).
-    ``project``: :func:`_on_queries`'s (the output projection on each CP rank's rows)."""
+    ``project``: :func:`_on_queries`'s (the output projection on each CP rank's rows). ``q_of``
+    (:func:`_query_source`): ``q`` is the queries' latent, mapped to queries on each rank's rows."""
     if active_tile():
         return attend_invariant(q, keys, wmask, ctx.inp.start, ctx.pos, cfg.sliding_window, sink, rows=rows_of(idx),
                                 row_mask=idx >= 0)
-    impl = selected_attention_impl(opts.attention_impl, q)
+    impl = selected_attention_impl(opts.attention_impl, _query_like(q, q_of, ctx.pos))
     chunk = q.shape[1]
 
     kernel = impl in KERNEL_IMPLS
 
     def core(q: jax.Array, pos: jax.Array, wmask: jax.Array, idx: jax.Array) -> jax.Array:
+        q = q if q_of is None else q_of(q, pos)
         wkeys, wm = _query_windows(keys, wmask, ctx.inp.start, pos, chunk, cfg, per_query=kernel)
         if impl == "pallas_gather" and pool_rows_of is not None and pooled_kernel_pays(q.shape[0] * q.shape[1]):
             pool, rows = pool_rows_of(idx)
@@ -314,15 +354,18 @@ def _attend_rows(q: jax.Array, keys: jax.Array, wmask: jax.Array, rows_of: Calla
 
 def _attend_all(q: jax.Array, keys: jax.Array, wmask: jax.Array, ckv: jax.Array | None, cmask: jax.Array | None,
                 sink: jax.Array, ctx: StepContext, cfg: ModelConfig, opts: LayerOptions,
-                project: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
+                project: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+                q_of: QueryMap | None = None) -> jax.Array:
     """Attention over the window and all compressed rows under ``cmask`` (batch-invariantly when tracing so; with CP
-    on a prefill step over each rank's mirrored query rows, as :func:`_attend_rows`, ``project`` included)."""
+    on a prefill step over each rank's mirrored query rows, as :func:`_attend_rows`, ``project`` and ``q_of``
+    included)."""
     if active_tile():
         return attend_invariant(q, keys, wmask, ctx.inp.start, ctx.pos, cfg.sliding_window, sink, ckv=ckv,
                                 cmask=cmask)
     chunk = q.shape[1]
 
     def core(q: jax.Array, pos: jax.Array, wmask: jax.Array, cmask: jax.Array | None) -> jax.Array:
+        q = q if q_of is None else q_of(q, pos)
         wkeys, wm = _query_windows(keys, wmask, ctx.inp.start, pos, chunk, cfg, per_query=False)
         return attend(q, wkeys, wm, ckv, cmask, sink)
 
@@ -346,13 +389,18 @@ def _compress_into_cache(params: Any, h: jax.Array, kv_ring: jax.Array, gate_rin
 
 
 def _queries(p: Any, h: jax.Array, pos: jax.Array, inv_freq: Any, *, cfg: ModelConfig,
-             indexed: bool) -> dict[str, jax.Array]:
+             indexed: bool, defer_queries: bool = False) -> dict[str, jax.Array]:
     """The per-token half of an attention sublayer on normalised rows ``h [B,Q,D]`` at positions ``pos [B,Q]``:
     ``h``, ``cq [B,Q,q_lora]``, queries ``q [B,Q,H,d]`` and the window row ``kv [B,Q,d]`` (RoPE'd), and with
-    ``indexed`` the indexer's queries ``iq [B,Q,Hi,di]`` and head weights ``iw [B,Q,Hi]``."""
+    ``indexed`` the indexer's queries ``iq [B,Q,Hi,di]`` and head weights ``iw [B,Q,Hi]``. ``defer_queries`` (a
+    step split over CP): no ``q``, ``iq``, ``iw`` — each CP rank computes them from ``cq`` and ``h`` for its own
+    rows (:func:`_query_source`, :func:`_index_select_of_latent`)."""
     table = RopeTable(*rope_cos_sin(pos, inv_freq))
-    cq, q, kv = query_and_window_kv(p, h, cfg=cfg, rope=table)
-    out = {"h": h, "cq": cq, "q": q, "kv": kv}
+    cq = query_latent(p, h, cfg=cfg)
+    out = {"h": h, "cq": cq, "kv": window_kv(p, h, cfg=cfg, rope=table)}
+    if defer_queries:
+        return out
+    out["q"] = query_heads(p, cq, cfg=cfg, rope=table)
     if indexed:
         out["iq"], out["iw"] = index_queries(p["indexer"], h, cq, cfg=cfg, rope=table)
     return out
@@ -373,8 +421,8 @@ def attention_v4(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, 
     and queries Hadamard-rotated FP4, in this step as in the cache that stores their bytes."""
     inp, pos = ctx.inp, ctx.pos
     inv = ctx.ropes[info.ratio > 0][0]
-    h, q, kv = t["h"], t["q"], t["kv"]
-    q = constrain(opts.sharder, q, ("act_batch", "act_seq", "act_heads", None))
+    h, kv = t["h"], t["kv"]
+    q, q_of = _query_source(p, t, inv, cfg, opts)
     codecs = cache_codecs(cfg, h.dtype)
     if codecs.packed:   # this step's window rows are the stored rows' values
         keys, wmask, swa = _window(lc.swa, k, kv, inp, pos, cfg.sliding_window, None, codecs.swa, t["kv_stored"])
@@ -407,8 +455,9 @@ def attention_v4(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, 
                 top_idx, selected = topk_select(scores, cfg.index_topk)
                 return {"top_idx": top_idx, "selected": selected, "scores": scores}
 
-            if _split_over_cp(q, opts):   # each CP rank scores its mirrored queries (Q·T products split)
-                sel = _cp_selection(index_select, t["iq"], (t["iw"], pos), inp, opts, "top_idx")
+            if _split_over_cp(pos.shape[1], opts):   # each CP rank scores its mirrored queries (Q·T products split)
+                sel = _cp_selection(_index_select_of_latent(index_select, p, cfg, inv), t["cq"], (h, pos), inp,
+                                    opts, "top_idx")
             else:
                 sel = index_select(t["iq"], t["iw"], pos)
             top_idx, selected = sel["top_idx"], sel["selected"]
@@ -422,16 +471,17 @@ def attention_v4(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array, 
             def pool_rows_of(idx: jax.Array) -> tuple[jax.Array, jax.Array]:
                 return pool_rows(upd["ckv"], k, pages, idx)
 
+            q_like = _query_like(q, q_of, pos)
             o = _attend_rows(q, keys, wmask, rows_of, top_idx, p["attn_sink"], ctx, cfg, opts,
-                             pool_rows_of=pool_rows_of if kernel_reads(codecs.ckv, upd["ckv"], q) else None,
-                             project=project)
+                             pool_rows_of=pool_rows_of if kernel_reads(codecs.ckv, upd["ckv"], q_like) else None,
+                             project=project, q_of=q_of)
             return o, dataclasses.replace(lc, **upd), aux
         ckv = codecs.ckv.unpack(pages_read(upd["ckv"], k, pages))
         cmask = jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]  # [B,Q,T]
         cmask = cmask & _real_queries(inp, pos.shape[1])[..., None]
         if overlap:
             cmask = cmask & selected
-    o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg, opts, project)
+    o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg, opts, project, q_of)
     return o, dataclasses.replace(lc, **upd), aux
 
 
@@ -470,8 +520,8 @@ def attention_v41(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array,
     before the output projection, layer cache, carry, aux)``; ``project`` as in :func:`attention_v4`."""
     inp, pos = ctx.inp, ctx.pos
     inv = ctx.ropes[info.ratio > 0][0]
-    h, q = t["h"], t["q"]
-    q = constrain(opts.sharder, q, ("act_batch", "act_seq", "act_heads", None))
+    h = t["h"]
+    q, q_of = _query_source(p, t, inv, cfg, opts)
     codecs = cache_codecs(cfg, h.dtype)
     floor = inp.window_floor if info.yoco_region else None
     keys, wmask, swa = _window(lc.swa, k, t["kv"], inp, pos, cfg.sliding_window, floor, codecs.swa, t["kv_stored"])
@@ -512,8 +562,9 @@ def attention_v41(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array,
                 return {**out, "scores": scores}
 
             cand = carry.get("candidates") if info.uses_candidates else None
-            if _split_over_cp(q, opts):   # each CP rank scores its mirrored queries (Q·T products split)
-                sel = _cp_selection(index_select, t["iq"], (t["iw"], pos, cand), inp, opts, "selected_idx")
+            if _split_over_cp(pos.shape[1], opts):   # each CP rank scores its mirrored queries (Q·T products split)
+                sel = _cp_selection(_index_select_of_latent(index_select, p, cfg, inv), t["cq"], (h, pos, cand),
+                                    inp, opts, "selected_idx")
             else:
                 sel = index_select(t["iq"], t["iw"], pos, cand)
             carry["selected_idx"], carry["selected"] = sel["selected_idx"], sel["selected"]
@@ -530,14 +581,15 @@ def attention_v41(p: Any, t: dict[str, jax.Array], lc: LayerCache, k: jax.Array,
             def pool_rows_of(idx: jax.Array) -> tuple[jax.Array, jax.Array]:
                 return stored_rows(stored, idx)
 
+            q_like = _query_like(q, q_of, pos)
             o = _attend_rows(q, keys, wmask, rows_of, carry["selected_idx"], p["attn_sink"], ctx, cfg, opts,
-                             pool_rows_of=pool_rows_of if kernel_reads(codecs.ckv, stored, q) else None,
-                             project=project)
+                             pool_rows_of=pool_rows_of if kernel_reads(codecs.ckv, stored, q_like) else None,
+                             project=project, q_of=q_of)
             return o, dataclasses.replace(lc, **upd), carry, aux
         ckv = codecs.ckv.unpack(stored)
         cmask = (jnp.arange(ckv.shape[1]) < ((pos + 1) // ratio)[..., None]) & carry["selected"]
         cmask = cmask & _real_queries(inp, pos.shape[1])[..., None]
-    o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg, opts, project)
+    o = _attend_all(q, keys, wmask, ckv, cmask, p["attn_sink"], ctx, cfg, opts, project, q_of)
     return o, dataclasses.replace(lc, **upd), carry, aux
 
 
@@ -563,11 +615,12 @@ def layer_v4(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arra
     hc_kw = _hc_kw(cfg, opts.mhc_impl)
     inv = ctx.ropes[info.ratio > 0][0]
     packed = cache_codecs(cfg, jnp.dtype(carry["streams"].dtype)).packed
+    split = _split_over_cp(carry["streams"].shape[1], opts)   # then each CP rank computes its rows' queries
 
     def attention_inputs(streams: jax.Array, pos: jax.Array) -> dict[str, jax.Array]:
         u, post, comb = hc_pre(streams, p["hc_attn"], **hc_kw)
         h = rms_norm(u, p["attn_norm"], cfg.norm_eps)
-        t = _queries(p["attn"], h, pos, inv, cfg=cfg, indexed=info.kind == ATTN_CSA)
+        t = _queries(p["attn"], h, pos, inv, cfg=cfg, indexed=info.kind == ATTN_CSA, defer_queries=split)
         if packed:   # this step's window rows are the stored rows' values
             swa = cache_codecs(cfg, h.dtype).swa
             t["kv_stored"] = swa.pack(t["kv"])
@@ -577,7 +630,7 @@ def layer_v4(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arra
     t = rowwise(attention_inputs, carry["streams"], ctx.pos)
     project = functools.partial(_attention_output, p["attn"], cfg=cfg, inv_freq=inv)
     o, lc, aux = attention_v4(p["attn"], t, lc, k, ctx, cfg=cfg, info=info, opts=opts, project=project)
-    projected = _split_over_cp(t["q"], opts)   # o is then the projected [B,Q,D] (attention_v4)
+    projected = split   # o is then the projected [B,Q,D] (attention_v4)
 
     def rest(streams: jax.Array, o: jax.Array, post: jax.Array, comb: jax.Array, pos: jax.Array,
              tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -634,18 +687,20 @@ def _moe(p: Any, x: jax.Array, token_ids: jax.Array | None, image_mask: jax.Arra
 
 def _v41_attention_inputs(p: Any, streams: jax.Array, premix: jax.Array, pos: jax.Array, rows: jax.Array | None,
                           image_mask: jax.Array | None, *, cfg: ModelConfig, info: LayerInfo, inv_freq: Any,
-                          queries: bool, mhc_impl: str = "auto") -> dict[str, jax.Array]:
+                          queries: bool, mhc_impl: str = "auto", defer_queries: bool = False
+                          ) -> dict[str, jax.Array]:
     """A V4.1 layer's per-token values before attention, for ``streams [B,Q,n,D]``: the Engram gate's streams
     (Engram layers, ``rows [B,Q,E_in]``), the normalised attention input ``h`` (collapse with ``premix``), and
     with ``queries`` the attention site's mixes (``pre``, ``post``, ``comb``), the queries and window rows
-    (:func:`_queries`; ``kv`` as attended, ``kv_stored`` as the ring stores it) and the DSpark feature."""
+    (:func:`_queries`, ``defer_queries`` passed on; ``kv`` as attended, ``kv_stored`` as the ring stores it) and
+    the DSpark feature."""
     if info.engram:
         streams = engram_gate(streams, rows, p["engram"], norm_eps=cfg.norm_eps, image_mask=image_mask)
     h = rms_norm(hc_collapse(streams, premix), p["attn_norm"], cfg.norm_eps)
     if not queries:
         return {"streams": streams, "h": h}
     pre, post, comb = hc_mixes(streams, p["hc_attn"], **_hc_kw(cfg, mhc_impl))
-    t = _queries(p["attn"], h, pos, inv_freq, cfg=cfg, indexed=info.index_source)
+    t = _queries(p["attn"], h, pos, inv_freq, cfg=cfg, indexed=info.index_source, defer_queries=defer_queries)
     codecs = cache_codecs(cfg, h.dtype)   # byte codecs encode rows before rounding (``cache_codec`` says why)
     kv_pre = t["kv"]
     t["kv"] = maybe_fake_quant(cfg.kv_fake_quant, q8_fake, kv_pre, 32)
@@ -690,13 +745,14 @@ def layer_v41(p: Any, carry: Carry, lc: LayerCache, k: jax.Array, layer: jax.Arr
     hc_kw = _hc_kw(cfg, opts.mhc_impl)
     inp = ctx.inp
     inv = ctx.ropes[info.ratio > 0][0]
+    split = _split_over_cp(carry["streams"].shape[1], opts)   # then each CP rank computes its rows' queries
     t = rowwise(functools.partial(_v41_attention_inputs, p, cfg=cfg, info=info, inv_freq=inv, queries=True,
-                                  mhc_impl=opts.mhc_impl),
+                                  mhc_impl=opts.mhc_impl, defer_queries=split),
                 carry["streams"], carry["premix"], ctx.pos, _engram_rows(ctx, layer, info), inp.image_mask)
     project = functools.partial(_attention_output, p["attn"], cfg=cfg, inv_freq=inv)
     o, lc, carry, aux = attention_v41(p["attn"], t, lc, k, carry, ctx, cfg=cfg, info=info, opts=opts,
                                       project=project)
-    projected = _split_over_cp(t["q"], opts)   # o is then the projected [B,Q,D] (attention_v41)
+    projected = split   # o is then the projected [B,Q,D] (attention_v41)
 
     def rest(streams: jax.Array, o: jax.Array, pre_a: jax.Array, post_a: jax.Array, comb_a: jax.Array,
              pos: jax.Array, image_mask: jax.Array | None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
