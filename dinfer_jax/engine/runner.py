@@ -104,8 +104,14 @@ class ModelRunner:
         self.yoco_skip_steps = 0  # prefill steps that ran so (LLM.metrics()["yoco_skipped_steps"])
         self._programs = step_programs(compiler_options)
         # decode buckets may compile with other XLA options (LLM decode_compiler_options; None: the same)
-        self._decode_programs = step_programs(compiler_options if decode_compiler_options is None
-                                              else decode_compiler_options)
+        decode_options = compiler_options if decode_compiler_options is None else decode_compiler_options
+        self._decode_programs = step_programs(decode_options)
+        # The speculative decode step samples (verification, drafts) under data-dependent conditionals inside the
+        # model's program: compiled as the sampler is on a GPU (GPU_SAMPLER_OPTIONS), it no longer blocks the host
+        # (V4-Flash 4-layer slice + MTP, batch 64, k = 4, H100: returned after 23.5 ms = its completion, now after
+        # 4.8 ms; 23.2 -> 20.6 ms a step greedy, 34.1 -> 30.6 at temperature 1; same tokens;
+        # docs/perf/speculative_h200.md). Prefill steps keep the model's options (unmeasured with these).
+        self._spec_decode_programs = step_programs(sampler_program_options(decode_options, jax.default_backend()))
         self.cache_config = cache_config
         self.max_pages = math.ceil(max_model_len / cache_config.block_size)
         self.buckets = buckets.resolve(self.max_pages, cache_config.block_size)
@@ -225,12 +231,16 @@ class ModelRunner:
         inp, feed = self._empty_inputs(b, q, p)
         if self.spec is not None:
             args, kw = self._spec_args(inp, feed, self._sampling([], [], [], b), decode, *self._spec_extra(b))
-            return self._programs_for(decode).step_spec.lower(*args, **kw)
+            return self._spec_program(decode).lower(*args, **kw)
         forward = self._programs_for(shape in self._decode_shapes).forward   # as _forward picks it
         return forward.lower(*self._forward_args(inp, feed), **self._forward_kw(yoco_skip))
 
     def _programs_for(self, decode: bool) -> StepPrograms:
         return self._decode_programs if decode else self._programs
+
+    def _spec_program(self, decode: bool) -> Any:
+        """The speculative step's jitted program for decode or prefill buckets."""
+        return (self._spec_decode_programs if decode else self._programs).step_spec
 
     def _forward_kw(self, yoco_skip: bool) -> dict[str, Any]:
         return {**self._forward_static, "yoco_skip": True} if yoco_skip else self._forward_static
@@ -306,7 +316,7 @@ class ModelRunner:
                    sample_mask: np.ndarray, token_masks: Any, chain_row: np.ndarray, chain_room: np.ndarray):
         args, kw = self._spec_args(inp, feed, samp, decode, ndraft, next_tok, sample_mask, token_masks, chain_row,
                                    chain_room)
-        step_spec = self._programs_for(decode).step_spec
+        step_spec = self._spec_program(decode)
         with _CompileCounter(self, step_spec, (*shape, decode)):
             toks, nacc, logprobs, self.cache, self.spec, conf = step_spec(*args, **kw)
         return toks, nacc, logprobs, conf
