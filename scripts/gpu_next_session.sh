@@ -1,18 +1,19 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
-# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after the fourth of
-# 2026-12-06, which ran the owed sampler slice on an H100, moved the sampler program's conditionals into command
-# buffers — sampled decode on the H200 10.45 -> 8.65 ms, greedy 6.09 — and measured the attention kernel on an
-# H200: 57% of copy alone, the gathered bf16 path 43% with 64-row steps, which now are the H200's rule):
-#   00. STAGE=sampler-probe, then STAGE=sampler-async BREAKDOWN=1 SKIP_TESTS=1 (any card): where the sampled step's
-#      remaining 2.6 ms above greedy goes (the breakdown now samples as the run does; top-k 50 is 1.0 ms above);
+# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after the fifth of
+# 2026-12-06, whose one started call, on an H100, ran the sampler probe — the sampled step's "2.6 ms" is mostly the
+# bench's step arithmetic, docs/perf/serving_h200.md — and found the speculative step blocking the host; its decode
+# programs now compile with GPU_SAMPLER_OPTIONS):
+#   00. STAGE=spec-dispatch (any card): the engine's speculative decode step with the new default (its "engine
+#      defaults" rows should now return early, as the "+ GPU_SAMPLER_OPTIONS" rows did: 4.8 ms of a 22 ms step);
 #   01. on an H200: tests/test_decode_attention_rows_gpu.py -k model_pooled with the H200 rule (64-row bf16 steps),
-#      then the ways left to reach issue 9's 60% (the kernel alone is at 57%);
+#      then the ways left to reach issue 9's 60% (the kernel alone is at 57%; the DSMEM logit exchange does not
+#      lower under jax 0.11.2: attention_h200.md, fifth session of 2026-12-06);
 #   02. STAGE=cmdbuf (any card): every program with conditionals and loops in command buffers (the layer scans as
 #      CUDA-graph while nodes) against the defaults, greedy decode of the V4-Flash slice (48% of its roofline) — if it
-#      helps, the model programs and the speculative step (whose sampling conditionals still block the host) take it;
-#   03. STAGE=spec-dispatch (any card): does the speculative step block the host (its verification samples under
-#      conditionals, in the model's program)? Dispatch vs done with and without GPU_SAMPLER_OPTIONS;
+#      helps, the model programs take it too;
+#   03. a decode-only step time for bench_serving.py (its decode_step_ms is a difference of two prefill-dominated
+#      generate times under --lean-buckets), then greedy vs sampled again;
 #   0. on an H200: STAGE=h200-attn — issue 9's 60% is an H200 figure (split_cta was 48-55% there): the kernel with
 #      early release (the model's rule above 8 queries; +5% on the H100) against split_cta, its GPU tests, and the
 #      model's attention path at batch 64, 32K context (its "kernel alone" column now uses the model's rule);
