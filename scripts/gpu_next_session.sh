@@ -1,7 +1,7 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
 # with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after the fifth of
-# 2026-12-06, whose one started call, on an H100, ran the sampler probe and the sampled step's breakdown — 0.65 ms of
+# 2026-12-06, whose two calls that started, on an H100, ran the sampler probe and the sampled step's breakdown — 0.65 ms of
 # the ~2.7 ms gap is the sampler's kernels, the rest is not device work, docs/perf/serving_h200.md — and found the
 # speculative step blocking the host; its decode programs now compile with GPU_SAMPLER_OPTIONS):
 #   00. STAGE=spec-dispatch (any card): the engine's speculative decode step with the new default (its "engine
