@@ -70,9 +70,11 @@ def dispatch_ms(fn: Callable[[], jax.Array], reps: int = 10) -> tuple[float, flo
 
 
 def dispatch_table(model, method: str, buckets, kw: dict, B: int, P: int, what: str) -> None:
-    """The k = 4 speculative step's dispatch against completion (:func:`dispatch_ms`) with the decode programs'
-    default XLA options, then with :data:`~dinfer_jax.engine.runner.GPU_SAMPLER_OPTIONS` added to them, at
-    temperature 0 and 1 (the draw's conditionals), tokens compared between the two option sets."""
+    """The k = 4 speculative step's dispatch against completion (:func:`dispatch_ms`) with the engine's own
+    options, then with the decode programs' default options plus :data:`~dinfer_jax.engine.runner.
+    GPU_SAMPLER_OPTIONS` given explicitly (the engine applies the latter to its speculative decode programs on a GPU
+    since 2026-12-06, so on a GPU both rows now compile the same options), at temperature 0 and 1 (the draw's
+    conditionals), tokens compared between the two."""
     from dinfer_jax.engine.llm import step_program_options
     from dinfer_jax.engine.runner import GPU_SAMPLER_OPTIONS
     from dinfer_jax.sampling import SamplingParams
@@ -81,13 +83,11 @@ def dispatch_table(model, method: str, buckets, kw: dict, B: int, P: int, what: 
     print("| decode options | sampling | ms per call | returns after ms | done after ms | tokens |\n"
           "|---|---|---:|---:|---:|---|")
     reference: dict[str, np.ndarray] = {}
-    base = None
+    base: dict = {}   # the decode programs' default options, read from the first engine
     for label, extra in (("engine defaults", {}), ("+ GPU_SAMPLER_OPTIONS", dict(GPU_SAMPLER_OPTIONS))):
-        probe = LLM(model, buckets=buckets, speculative=method, num_speculative_tokens=4, **kw)
+        options = {"decode_compiler_options": {**base, **extra}} if extra else {}
+        probe = LLM(model, buckets=buckets, speculative=method, num_speculative_tokens=4, **options, **kw)
         base = base or step_program_options(None, None, probe.model.linear_impl)[1]
-        if extra:
-            probe = LLM(model, buckets=buckets, speculative=method, num_speculative_tokens=4,
-                        decode_compiler_options={**base, **extra}, **kw)
         spec = probe.runner
         inp, feed = empty_inputs(B, 5, P)
         for temp in (0.0, 1.0):
