@@ -53,28 +53,14 @@ def drafting_slice(base, n: int):
     return first_layers(base, n).replace(n_mtp_layers=base.n_mtp_layers, mtp_compress_ratios=base.mtp_compress_ratios)
 
 
-def dispatch_ms(fn: Callable[[], jax.Array], reps: int = 10) -> tuple[float, float]:
-    """Median ``(ms until the call returned, ms until its result was ready)`` of ``reps`` calls, each started with
-    the device idle, after two warm calls: a return long before completion is asynchronous dispatch, one close to
-    it means the program blocked the host."""
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    ret, done = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        ret.append(time.perf_counter() - t0)
-        jax.block_until_ready(out)
-        done.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(ret)), 1e3 * float(np.median(done))
-
-
 def dispatch_table(model, method: str, buckets, kw: dict, B: int, P: int, what: str) -> None:
-    """The k = 4 speculative step's dispatch against completion (:func:`dispatch_ms`) with the engine's own
-    options, then with the decode programs' default options plus :data:`~dinfer_jax.engine.runner.
-    GPU_SAMPLER_OPTIONS` given explicitly (the engine applies the latter to its speculative decode programs on a GPU
-    since 2026-12-06, so on a GPU both rows now compile the same options), at temperature 0 and 1 (the draw's
-    conditionals), tokens compared between the two."""
+    """The k = 4 speculative step's dispatch against completion (``probe_cond_sync.time_dispatch``, median of 10)
+    with the engine's own options, then with the decode programs' default options plus
+    :data:`~dinfer_jax.engine.runner.GPU_SAMPLER_OPTIONS` given explicitly (the engine applies the latter to its
+    speculative decode programs on a GPU since 2026-12-06, so on a GPU both rows now compile the same options), at
+    temperature 0 and 1 (the draw's conditionals), tokens compared between the two."""
+    from probe_cond_sync import time_dispatch  # scripts/ is on sys.path when run as a script
+
     from dinfer_jax.engine.llm import step_program_options
     from dinfer_jax.engine.runner import GPU_SAMPLER_OPTIONS
     from dinfer_jax.sampling import SamplingParams
@@ -97,7 +83,7 @@ def dispatch_table(model, method: str, buckets, kw: dict, B: int, P: int, what: 
             def call(spec=spec, inp=inp, feed=feed, samp=samp) -> jax.Array:
                 return spec._call_spec(inp, feed, samp, (B, 5, P), True, *spec._spec_extra(B))[0]
 
-            ret, done = dispatch_ms(call)
+            ret, done = time_dispatch(call, reps=10)
             toks = np.asarray(call())
             key = f"t={temp}"
             same = "—" if key not in reference else ("equal" if np.array_equal(toks, reference[key]) else "DIFFER")
