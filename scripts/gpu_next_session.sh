@@ -9,7 +9,10 @@
 #   01. on an H200: tests/test_decode_attention_rows_gpu.py -k model_pooled with the H200 rule (64-row bf16 steps),
 #      then the ways left to reach issue 9's 60% (the kernel alone is at 57%; the DSMEM logit exchange does not
 #      lower under jax 0.11.2: attention_h200.md, fifth session of 2026-12-06);
-#   02. STAGE=cmdbuf (any card): every program with conditionals and loops in command buffers (the layer scans as
+#   02. STAGE=paced (any card; replaces 02 cmdbuf and 03 below): bench_serving's decode step from the engine's decode
+#      pace (EngineMetrics.decode_paced_seconds, added in the sixth session) greedy and sampled, and greedy with
+#      command buffers;
+#   02 (old). STAGE=cmdbuf (any card): every program with conditionals and loops in command buffers (the layer scans as
 #      CUDA-graph while nodes) against the defaults, greedy decode of the V4-Flash slice (48% of its roofline) — if it
 #      helps, the model programs take it too;
 #   03. a decode-only step time for bench_serving.py (its decode_step_ms is a difference of two prefill-dominated
@@ -98,7 +101,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -295,6 +298,15 @@ case "${STAGE:?set STAGE to cmdbuf, spec-dispatch, sampler-probe, sampler-async,
     cd scripts && for F in "" "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"; do XLA_FLAGS="$F" timeout 170 \
       python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C --out "$OUT/cmdbuf${F:+_on}" 2>&1 \
       | quiet | grep "^| 4 \|Error" | sed "s/^/[${F:-defaults}] /"; done ;;
+  paced)
+    # issues 8 / 9: bench_serving's decode-only step time (the engine's decode pace: time between consecutive decode
+    # steps' tokens, prefills excluded) on the V4-Flash 4-layer slice at batch 64 — greedy, temperature 1 (the
+    # ~2.7 ms sampled-step gap, so far a difference of prefill-dominated generate times), then greedy with
+    # conditionals and loops in command buffers (STAGE=cmdbuf's question), one process each
+    cd scripts && for R in "defaults|--temperature 0|" "defaults|--temperature 1.0|" \
+        "cmdbuf|--temperature 0|--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"; do IFS="|" read N T F <<< "$R"
+      XLA_FLAGS="$F" timeout 170 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C $T \
+        --out "$OUT/paced_${N}${T// /_}" 2>&1 | quiet | grep "^| 4 \|Error" | sed "s/^/[$N $T] /"; done ;;
   sampler-probe)
     # issue 8: the sampler's variants after ~8 ms of device work, dispatch vs done, under XLA's defaults and the
     # engine's GPU_SAMPLER_OPTIONS, including the engine's draw variant on rows without filters (use_filters=True:

@@ -168,3 +168,26 @@ def test_logprobs_are_returned_per_generated_token():
         assert entry["logprob"] == pytest.approx(top[0][1]) and entry["logprob"] <= 0
         assert top[0][1] >= top[1][1] >= top[2][1]
     assert outs[1].logprobs is None
+
+
+def test_decode_pace_counts_only_consecutive_decode_steps():
+    """``decode_paced_steps`` counts decode steps whose predecessor (in the order the host processed them) was a
+    decode step too: one request at a time (``max_num_seqs=1``) with max_tokens 4 then 7 runs prefill, 3 decodes,
+    prefill, 6 decodes — 2 + 5 paced pairs of 9 decode steps — synchronous or asynchronous. Their summed time lies
+    within the generate call's wall time."""
+    model = random_model(load_config("tiny-v4"), seed=7, std=0.1, include_mtp=False)
+    prompts = _prompts(model.config.vocab_size, [5, 9], seed=2)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 7)]
+    for async_scheduling in (False, True):
+        llm = LLM(model, max_num_seqs=1, max_model_len=128, max_num_batched_tokens=32,
+                  buckets=_small_buckets(4, 32), async_scheduling=async_scheduling)
+        before = llm.metrics()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        m = llm.metrics()
+        assert [len(o.token_ids) for o in outs] == [4, 7]
+        assert m["decode_steps"] - before["decode_steps"] == 9
+        assert m["prefill_steps"] - before["prefill_steps"] == 2
+        assert m["decode_paced_steps"] - before["decode_paced_steps"] == 7
+        paced = m["decode_paced_seconds"] - before["decode_paced_seconds"]
+        assert 0.0 < paced <= m["generate_seconds"] - before["generate_seconds"]
+        assert m["decode_paced_step_ms"] == pytest.approx(1e3 * paced / 7)

@@ -98,6 +98,11 @@ class EngineMetrics:
     host_schedule_seconds: float = 0.0
     host_dispatch_seconds: float = 0.0
     host_process_seconds: float = 0.0
+    # the decode pace: time between the host getting the tokens of two decode steps in a row (no prefill step
+    # between them), summed, and how many such pairs — in a steady decode phase their ratio is the period of a
+    # decode step whatever bounds it (device or host), free of the prefill steps' time
+    decode_paced_seconds: float = 0.0
+    decode_paced_steps: int = 0
 
 
 def _enable_compilation_cache() -> None:
@@ -503,6 +508,7 @@ class LLM:
         # the online slope of the step-time curve, fed by every decode step the host loop can time (engine life)
         self._step_time_fix = self._time_correction(speculative_time_correction)
         self._clock = StepClock()
+        self._last_decode_done: float | None = None   # when the newest processed step's tokens came, if a decode step
         self.yoco_keep = _check_yoco(cfg, yoco, yoco_keep, k, one_device,
                                      enable_chunked_prefill)
         self.yoco = yoco
@@ -689,7 +695,9 @@ class LLM:
         near zero) and the host waited for the device. Structured outputs: ``structured_requests`` (with
         ``so_args``), ``structured_failed`` (ended by a grammar error), ``structured_mask_seconds`` (host time
         filling token masks: the device can wait on the masks only while the host fills them) and
-        ``structured_build_wait_seconds`` (host time blocked on a grammar compilation with nothing else to run)."""
+        ``structured_build_wait_seconds`` (host time blocked on a grammar compilation with nothing else to run).
+        ``decode_paced_step_ms``: the mean time between the tokens of consecutive decode steps reaching the host
+        (pairs with no prefill step between them): a decode step's period, prefills excluded."""
         m = dataclasses.asdict(self._metrics)
         m["compilations"] = self.runner.num_compilations
         so = self._structured
@@ -700,6 +708,8 @@ class LLM:
         busy = m["generate_seconds"]
         m["device_wait_fraction"] = m["device_waited_for_host_seconds"] / busy if busy else 0.0
         m["output_tokens_per_second"] = m["output_tokens"] / busy if busy else 0.0
+        n = m["decode_paced_steps"]
+        m["decode_paced_step_ms"] = 1e3 * m["decode_paced_seconds"] / n if n else 0.0
         fix = self._step_time_fix
         m["spec_timed_steps"] = fix.num_updates if fix is not None else 0
         m["spec_step_time_slope_ms"] = max(0.0, fix.slope_ms()) if fix is not None else 0.0
@@ -744,6 +754,15 @@ class LLM:
         curve = self.runner.decode_step_ms.get(done.shape)
         if ms is not None and done.num_accepted is not None and curve is not None:
             self._step_time_fix.update(done.shape, ms, curve)
+
+    def _pace(self, decode: bool, got_at: float) -> None:
+        """Count a processed step into the decode pace (``EngineMetrics.decode_paced_seconds``): a decode step whose
+        predecessor was one too adds the time between their tokens reaching the host (``got_at``)."""
+        last, m = self._last_decode_done, self._metrics
+        if decode and last is not None:
+            m.decode_paced_seconds += got_at - last
+            m.decode_paced_steps += 1
+        self._last_decode_done = got_at if decode else None
 
     def _record_draft_rates(self, done: StepOutput) -> None:
         """Keep each row's acceptance rates of the drafts it published in ``done`` on its sequence (the width
@@ -827,6 +846,7 @@ class LLM:
         by_id = {r["id"]: r for r in records}
         inflight: collections.deque[Launched] = collections.deque()
         self._clock = StepClock()   # the device is idle when a loop starts
+        self._last_decode_done = None
         deferred = False   # the newest step was launched without its sampler (structured rows: masks first)
         progress = _Progress(len(records), use_tqdm)
         idle_since: float | None = None
@@ -908,6 +928,7 @@ class LLM:
         logprobs = jax.device_get(done.logprobs) if wants_lp else None
         t1 = time.perf_counter()
         m.host_waited_for_device_seconds += t1 - t0
+        self._pace(done.step.kind == "decode", t1)
         if self.confidence_scheduling and done.draft_confidences is not None:
             self._record_draft_rates(done)
         if done.num_accepted is not None:  # speculative decode step: each row emitted a run
@@ -950,6 +971,7 @@ class LLM:
         m = self._metrics
         runner = self.runner
         assert isinstance(runner, DPModelRunner)
+        self._last_decode_done = None
         while any(s.has_unfinished() for s in scheds) or inflight:
             steps = [s.schedule() for s in scheds]
             dispatched = False
@@ -979,7 +1001,9 @@ class LLM:
                 wants_lp = any(by_id[r.request_id]["logprobs"] is not None
                                for st in done.steps if st is not None for r in st.rows)
                 logprobs = jax.device_get(done.logprobs) if wants_lp else None
-                m.host_waited_for_device_seconds += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                m.host_waited_for_device_seconds += t1 - t0
+                self._pace(any(st is not None and st.kind == "decode" for st in done.steps), t1)
                 for e, st in enumerate(done.steps):
                     if st is None:
                         continue
