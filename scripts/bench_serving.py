@@ -240,11 +240,13 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
                device_waited_s=m1["device_waited_for_host_seconds"] - m0["device_waited_for_host_seconds"],
                generate_s=gen_s, kv_capacity_tokens=llm.kv_capacity_tokens,
                # host time per step of the timed run by phase (ms): schedule, dispatch (inputs + launch), launch
-               # (the jitted call alone), process (tokens back into the requests)
+               # (the jitted calls alone), sampler_launch (of which the sampler program's call), process (tokens
+               # back into the requests)
                host_ms_per_step={k: 1e3 * (m1[f"host_{k}_seconds"] - m0[f"host_{k}_seconds"])
                                  / max(m1["decode_steps"] + m1["prefill_steps"]
                                        - m0["decode_steps"] - m0["prefill_steps"], 1)
-                                 for k in ("schedule", "dispatch", "launch", "process", "waited_for_device")})
+                                 for k in ("schedule", "dispatch", "launch", "sampler_launch", "process",
+                                           "waited_for_device")})
     if args.breakdown:
         parts, window_step_ms = decode_breakdown(llm, prompts, args.max_tokens, temperature=args.temperature,
                                                  top_p=args.top_p, top_k=args.top_k)

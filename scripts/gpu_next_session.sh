@@ -1,22 +1,14 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
-# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after the fifth of
-# 2026-12-06, whose two calls that started, on an H100, ran the sampler probe and the sampled step's breakdown — 0.65 ms of
-# the ~2.7 ms gap is the sampler's kernels, the rest is not device work, docs/perf/serving_h200.md — and found the
-# speculative step blocking the host; its decode programs now compile with GPU_SAMPLER_OPTIONS):
-#   00. STAGE=spec-dispatch (any card): the engine's speculative decode step with the new default (its "engine
-#      defaults" rows should now return early, as the "+ GPU_SAMPLER_OPTIONS" rows did: 4.8 ms of a 22 ms step);
+# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after the sixth of
+# 2026-12-06, whose H100 calls measured the engine's speculative decode wiring — 20.8 / 30.7 ms a step as with the
+# explicit options, speculative_h200.md — and the decode pace greedy vs sampled: 6.99 / 9.67 ms, the 2.7 ms gap is
+# real, serving_h200.md):
+#   00. STAGE=paced's third row alone (greedy with command buffers), and the host's time per program in the decode
+#      phase (model call vs sampler call) greedy vs sampled;
 #   01. on an H200: tests/test_decode_attention_rows_gpu.py -k model_pooled with the H200 rule (64-row bf16 steps),
 #      then the ways left to reach issue 9's 60% (the kernel alone is at 57%; the DSMEM logit exchange does not
 #      lower under jax 0.11.2: attention_h200.md, fifth session of 2026-12-06);
-#   02. STAGE=paced (any card; replaces 02 cmdbuf and 03 below): bench_serving's decode step from the engine's decode
-#      pace (EngineMetrics.decode_paced_seconds, added in the sixth session) greedy and sampled, and greedy with
-#      command buffers;
-#   02 (old). STAGE=cmdbuf (any card): every program with conditionals and loops in command buffers (the layer scans as
-#      CUDA-graph while nodes) against the defaults, greedy decode of the V4-Flash slice (48% of its roofline) — if it
-#      helps, the model programs take it too;
-#   03. a decode-only step time for bench_serving.py (its decode_step_ms is a difference of two prefill-dominated
-#      generate times under --lean-buckets), then greedy vs sampled again;
 #   0. on an H200: STAGE=h200-attn — issue 9's 60% is an H200 figure (split_cta was 48-55% there): the kernel with
 #      early release (the model's rule above 8 queries; +5% on the H100) against split_cta, its GPU tests, and the
 #      model's attention path at batch 64, 32K context (its "kernel alone" column now uses the model's rule);

@@ -174,7 +174,7 @@ def test_decode_pace_counts_only_consecutive_decode_steps():
     """``decode_paced_steps`` counts decode steps whose predecessor (in the order the host processed them) was a
     decode step too: one request at a time (``max_num_seqs=1``) with max_tokens 4 then 7 runs prefill, 3 decodes,
     prefill, 6 decodes — 2 + 5 paced pairs of 9 decode steps — synchronous or asynchronous. Their summed time lies
-    within the generate call's wall time."""
+    within the generate call's wall time. The sampler program's host call time is counted, inside the launches'."""
     model = random_model(load_config("tiny-v4"), seed=7, std=0.1, include_mtp=False)
     prompts = _prompts(model.config.vocab_size, [5, 9], seed=2)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 7)]
@@ -191,3 +191,6 @@ def test_decode_pace_counts_only_consecutive_decode_steps():
         paced = m["decode_paced_seconds"] - before["decode_paced_seconds"]
         assert 0.0 < paced <= m["generate_seconds"] - before["generate_seconds"]
         assert m["decode_paced_step_ms"] == pytest.approx(1e3 * paced / 7)
+        # the plain engine samples in its own program: its calls are part of the jitted calls' host time
+        sampler = m["host_sampler_launch_seconds"] - before["host_sampler_launch_seconds"]
+        assert 0.0 < sampler < m["host_launch_seconds"] - before["host_launch_seconds"]

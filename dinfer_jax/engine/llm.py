@@ -704,6 +704,7 @@ class LLM:
         m.update(structured_requests=so.requests, structured_failed=so.failed,
                  structured_mask_seconds=so.mask_seconds, structured_build_wait_seconds=so.build_wait_seconds)
         m["host_launch_seconds"] = getattr(self.runner, "launch_seconds", 0.0)
+        m["host_sampler_launch_seconds"] = getattr(self.runner, "sampler_launch_seconds", 0.0)
         m["yoco_skipped_steps"] = getattr(self.runner, "yoco_skip_steps", 0)
         busy = m["generate_seconds"]
         m["device_wait_fraction"] = m["device_waited_for_host_seconds"] / busy if busy else 0.0

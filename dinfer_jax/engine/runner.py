@@ -128,6 +128,7 @@ class ModelRunner:
         self.compiled_samplers: set[tuple[int, bool, bool]] = set()  # (batch, use_filters, all_greedy)
         self.num_compilations = 0  # compilations this runner's calls caused (shared steps: see _CompileCounter)
         self.launch_seconds = 0.0  # host time inside the jitted step calls of dispatch (argument transfer, launch)
+        self.sampler_launch_seconds = 0.0  # of which the separate sampler program's calls (sample_step)
         self.warmup_timings: tuple[CompileTiming, ...] = ()  # per program of the last threaded warm-up, lowering order
         # confidence-scheduled verification: ms per decode step of each (B, Q, P) bucket, measured at warm-up (or
         # on first use) when several widths are compiled; the width choice reads it (decode_time_ms)
@@ -408,7 +409,9 @@ class ModelRunner:
             mask = jax.device_put(mask)  # a device array like full_mask's: the same compiled sampler serves both
         t0 = time.perf_counter()
         out.tokens, out.logprobs = self._sample(logits, sampling, mask)
-        self.launch_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.launch_seconds += dt
+        self.sampler_launch_seconds += dt
         out.pending = None
         self._prev_tokens, self._prev_step_id = out.tokens, out.step.step_id
 
