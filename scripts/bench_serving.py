@@ -47,6 +47,9 @@ from dinfer_jax.models.config import load_config  # noqa: E402
 from dinfer_jax.models.engram import engram_table_sizes  # noqa: E402
 from dinfer_jax.sampling.params import SamplingParams  # noqa: E402
 
+# the engine's host-time counters (LLM.metrics()["host_<phase>_seconds"]) reported per step
+HOST_PHASES = ("schedule", "dispatch", "launch", "sampler_launch", "process", "waited_for_device")
+
 
 def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s, the same ceiling as ``bench_kernels.py`` (PyTorch ``copy_``
@@ -212,6 +215,7 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
     llm.generate(prompts, SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                          max_tokens=1, ignore_eos=True), use_tqdm=False)
     short_prefill_s = time.perf_counter() - t0
+    m2 = llm.metrics()
     decode_s = max(gen_s - short_prefill_s, 1e-9)
     step_ms = 1e3 * decode_s / max(dsteps, 1)
     # the decode pace: time between consecutive decode steps' tokens reaching the host, prefill steps excluded
@@ -245,8 +249,12 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
                host_ms_per_step={k: 1e3 * (m1[f"host_{k}_seconds"] - m0[f"host_{k}_seconds"])
                                  / max(m1["decode_steps"] + m1["prefill_steps"]
                                        - m0["decode_steps"] - m0["prefill_steps"], 1)
-                                 for k in ("schedule", "dispatch", "launch", "sampler_launch", "process",
-                                           "waited_for_device")})
+                                 for k in HOST_PHASES},
+               # the same per decode step: the timed run's host times minus those of the max_tokens=1 run (the
+               # same prefill steps, no decode step), over the timed run's decode steps
+               host_ms_per_decode_step={k: 1e3 * ((m1[f"host_{k}_seconds"] - m0[f"host_{k}_seconds"])
+                                                  - (m2[f"host_{k}_seconds"] - m1[f"host_{k}_seconds"]))
+                                        / max(dsteps, 1) for k in HOST_PHASES})
     if args.breakdown:
         parts, window_step_ms = decode_breakdown(llm, prompts, args.max_tokens, temperature=args.temperature,
                                                  top_p=args.top_p, top_k=args.top_k)
@@ -260,6 +268,8 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
                    prefill_window_ms=prefill_wall_ms)
         print_kernels(f"prefill of {args.prefill_tokens} tokens ({1e3 * prefill_s:.1f} ms unprofiled)", pparts,
                       prefill_wall_ms)
+    print("host ms per decode step: " + ", ".join(f"{k} {v:.2f}" for k, v in row["host_ms_per_decode_step"].items()),
+          flush=True)
     print(json.dumps(row, default=str), flush=True)
     del llm, model
     return row
