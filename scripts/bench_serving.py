@@ -208,6 +208,7 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
         print("host profile of the timed generate (cProfile, by own time):")
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     m1 = llm.metrics()
+    paced_all = llm.decode_pace_ms(last=m1["decode_paced_steps"] - m0["decode_paced_steps"])
     dsteps = m1["decode_steps"] - m0["decode_steps"]
     dtoks = m1["decode_tokens"] - m0["decode_tokens"]
     # decode time ≈ total minus the prefill steps, which we time separately as one batched prefill
@@ -233,6 +234,10 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
                prefill_tok_per_s=args.prefill_tokens / prefill_s, first_tokens=out[0].token_ids,
                batch=args.batch, decode_steps=dsteps, decode_tokens=dtoks, decode_tok_per_s=dtoks / decode_s,
                decode_step_ms=step_ms, decode_paced_step_ms=paced_ms, decode_paced_steps=paced_n,
+               # the paced intervals' distribution: a median well under the mean means rare long steps
+               decode_paced_median_ms=float(np.median(paced_all)) if paced_all.size else float("nan"),
+               decode_paced_p90_ms=float(np.percentile(paced_all, 90)) if paced_all.size else float("nan"),
+               decode_paced_max_ms=float(paced_all.max()) if paced_all.size else float("nan"),
                decode_read_GB=read_bytes / 1e9, experts_touched=expert_frac,
                roofline_step_ms=roofline_ms, roofline_fraction=roofline_ms / step_ms,
                roofline_fraction_paced=roofline_ms / paced_ms,
@@ -268,6 +273,9 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
                    prefill_window_ms=prefill_wall_ms)
         print_kernels(f"prefill of {args.prefill_tokens} tokens ({1e3 * prefill_s:.1f} ms unprofiled)", pparts,
                       prefill_wall_ms)
+    print(f"decode pace ms: mean {row['decode_paced_step_ms']:.2f}, median {row['decode_paced_median_ms']:.2f}, "
+          f"p90 {row['decode_paced_p90_ms']:.2f}, max {row['decode_paced_max_ms']:.2f} ({paced_n} intervals)",
+          flush=True)
     print("host ms per decode step: " + ", ".join(f"{k} {v:.2f}" for k, v in row["host_ms_per_decode_step"].items()),
           flush=True)
     print(json.dumps(row, default=str), flush=True)

@@ -6,7 +6,9 @@
 # real, serving_h200.md):
 #   00. STAGE=paced again (any card): greedy, sampled, greedy with command buffers — its runs now print the host's
 #      time per decode step by phase ("host ms per decode step": the model's and the sampler's jitted calls apart,
-#      and the wait for the device), which says whether the sampled step's 2.7 ms is host or device time;
+#      and the wait for the device; one sampled run already said: device-bound, the host waits 5.4 of 9.7 ms) and
+#      the paced intervals' median / p90 / max (rare long steps, e.g. the draw's exact-scan fallback, or every step
+#      slower?);
 #   01. on an H200: tests/test_decode_attention_rows_gpu.py -k model_pooled with the H200 rule (64-row bf16 steps),
 #      then the ways left to reach issue 9's 60% (the kernel alone is at 57%; the DSMEM logit exchange does not
 #      lower under jax 0.11.2: attention_h200.md, fifth session of 2026-12-06);
@@ -299,7 +301,7 @@ case "${STAGE:?set STAGE to paced, cmdbuf, spec-dispatch, sampler-probe, sampler
     cd scripts && for R in "defaults|--temperature 0|" "defaults|--temperature 1.0|" \
         "cmdbuf|--temperature 0|--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"; do IFS="|" read N T F <<< "$R"
       XLA_FLAGS="$F" timeout 170 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C $T \
-        --out "$OUT/paced_${N}${T// /_}" 2>&1 | quiet | grep "^| 4 \|Error\|^host ms" | sed "s/^/[$N $T] /"; done ;;
+        --out "$OUT/paced_${N}${T// /_}" 2>&1 | quiet | grep "^| 4 \|Error\|^host ms\|^decode pace" | sed "s/^/[$N $T] /"; done ;;
   sampler-probe)
     # issue 8: the sampler's variants after ~8 ms of device work, dispatch vs done, under XLA's defaults and the
     # engine's GPU_SAMPLER_OPTIONS, including the engine's draw variant on rows without filters (use_filters=True:

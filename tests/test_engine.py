@@ -191,6 +191,9 @@ def test_decode_pace_counts_only_consecutive_decode_steps():
         paced = m["decode_paced_seconds"] - before["decode_paced_seconds"]
         assert 0.0 < paced <= m["generate_seconds"] - before["generate_seconds"]
         assert m["decode_paced_step_ms"] == pytest.approx(1e3 * paced / 7)
+        intervals = llm.decode_pace_ms()
+        assert intervals.shape == (7,) and (intervals > 0).all() and intervals.sum() == pytest.approx(1e3 * paced)
+        assert np.array_equal(llm.decode_pace_ms(last=2), intervals[-2:]) and llm.decode_pace_ms(last=0).size == 0
         # the plain engine samples in its own program: its calls are part of the jitted calls' host time
         sampler = m["host_sampler_launch_seconds"] - before["host_sampler_launch_seconds"]
         assert 0.0 < sampler < m["host_launch_seconds"] - before["host_launch_seconds"]

@@ -105,6 +105,9 @@ class EngineMetrics:
     decode_paced_steps: int = 0
 
 
+PACE_HISTORY = 4096  # decode-pace intervals an engine keeps (LLM.decode_pace_ms)
+
+
 def _enable_compilation_cache() -> None:
     """JAX's persistent compilation cache (``$DINFER_JAX_COMPILATION_CACHE`` or ``~/.cache/dinfer_jax/xla``)."""
     if jax.config.jax_compilation_cache_dir:
@@ -509,6 +512,8 @@ class LLM:
         self._step_time_fix = self._time_correction(speculative_time_correction)
         self._clock = StepClock()
         self._last_decode_done: float | None = None   # when the newest processed step's tokens came, if a decode step
+        # the newest paced intervals (seconds), for their distribution: a mean hides rare long steps
+        self._paced_intervals: collections.deque[float] = collections.deque(maxlen=PACE_HISTORY)
         self.yoco_keep = _check_yoco(cfg, yoco, yoco_keep, k, one_device,
                                      enable_chunked_prefill)
         self.yoco = yoco
@@ -678,6 +683,15 @@ class LLM:
             tokens_per_expert = self.runner.take_expert_loads()
         return self.runner.rebalance(tokens_per_expert)
 
+    def decode_pace_ms(self, last: int | None = None) -> np.ndarray:
+        """The newest ``last`` (None: all kept, at most :data:`PACE_HISTORY`) decode-pace intervals in ms, oldest
+        first: float64 ``[n]``, the pairs ``metrics()["decode_paced_steps"]`` counts. Their median against their
+        mean tells steady steps from rare long ones."""
+        kept = list(self._paced_intervals)
+        if last is not None:
+            kept = kept[len(kept) - min(last, len(kept)):]
+        return 1e3 * np.asarray(kept, np.float64)
+
     def expert_loads(self) -> np.ndarray:
         """EPLB engines: tokens routed to each (layer, logical expert) ``[L, E]`` since the engine started or last
         rebalanced, over every engine's real prefill and decode tokens (without resetting the count)."""
@@ -763,6 +777,7 @@ class LLM:
         if decode and last is not None:
             m.decode_paced_seconds += got_at - last
             m.decode_paced_steps += 1
+            self._paced_intervals.append(got_at - last)
         self._last_decode_done = got_at if decode else None
 
     def _record_draft_rates(self, done: StepOutput) -> None:
