@@ -194,6 +194,8 @@ def test_decode_pace_counts_only_consecutive_decode_steps():
         intervals = llm.decode_pace_ms()
         assert intervals.shape == (7,) and (intervals > 0).all() and intervals.sum() == pytest.approx(1e3 * paced)
         assert np.array_equal(llm.decode_pace_ms(last=2), intervals[-2:]) and llm.decode_pace_ms(last=0).size == 0
+        with pytest.raises(ValueError, match="last must be >= 0"):
+            llm.decode_pace_ms(last=-1)
         # the plain engine samples in its own program: its calls are part of the jitted calls' host time
         sampler = m["host_sampler_launch_seconds"] - before["host_sampler_launch_seconds"]
         assert 0.0 < sampler < m["host_launch_seconds"] - before["host_launch_seconds"]

@@ -687,6 +687,8 @@ class LLM:
         """The newest ``last`` (None: all kept, at most :data:`PACE_HISTORY`) decode-pace intervals in ms, oldest
         first: float64 ``[n]``, the pairs ``metrics()["decode_paced_steps"]`` counts. Their median against their
         mean tells steady steps from rare long ones."""
+        if last is not None and last < 0:
+            raise ValueError(f"last must be >= 0 (or None for all kept intervals), got {last}")
         kept = list(self._paced_intervals)
         if last is not None:
             kept = kept[len(kept) - min(last, len(kept)):]
