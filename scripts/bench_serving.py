@@ -51,6 +51,20 @@ from dinfer_jax.sampling.params import SamplingParams  # noqa: E402
 HOST_PHASES = ("schedule", "dispatch", "launch", "sampler_launch", "process", "waited_for_device")
 
 
+def host_seconds(before: dict, after: dict) -> dict[str, float]:
+    """Host seconds by phase (:data:`HOST_PHASES`) between two ``LLM.metrics()`` snapshots."""
+    return {k: after[f"host_{k}_seconds"] - before[f"host_{k}_seconds"] for k in HOST_PHASES}
+
+
+def pace_quantiles(intervals_ms: np.ndarray) -> dict[str, float]:
+    """Median, 90th percentile and maximum of decode-pace intervals (``LLM.decode_pace_ms``), NaN when empty."""
+    if not intervals_ms.size:
+        return dict.fromkeys(("decode_paced_median_ms", "decode_paced_p90_ms", "decode_paced_max_ms"), float("nan"))
+    return dict(decode_paced_median_ms=float(np.median(intervals_ms)),
+                decode_paced_p90_ms=float(np.percentile(intervals_ms, 90)),
+                decode_paced_max_ms=float(intervals_ms.max()))
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s, the same ceiling as ``bench_kernels.py`` (PyTorch ``copy_``
     where torch is installed, else an XLA elementwise pass, which reads lower: 2.4-3.4 TB/s vs 4.3 on the H200)."""
@@ -223,6 +237,7 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
     # (EngineMetrics.decode_paced_seconds) — unlike step_ms, not a difference of two prefill-dominated wall times
     paced_n = m1["decode_paced_steps"] - m0["decode_paced_steps"]
     paced_ms = 1e3 * (m1["decode_paced_seconds"] - m0["decode_paced_seconds"]) / paced_n if paced_n else float("nan")
+    timed_host, prefill_host = host_seconds(m0, m1), host_seconds(m1, m2)
     roofline_all_ms = 1e3 * model.param_bytes / bw
     read_bytes, expert_frac = decode_read_bytes(model.params, cfg, args.batch)
     roofline_ms = 1e3 * read_bytes / bw
@@ -235,9 +250,7 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
                batch=args.batch, decode_steps=dsteps, decode_tokens=dtoks, decode_tok_per_s=dtoks / decode_s,
                decode_step_ms=step_ms, decode_paced_step_ms=paced_ms, decode_paced_steps=paced_n,
                # the paced intervals' distribution: a median well under the mean means rare long steps
-               decode_paced_median_ms=float(np.median(paced_all)) if paced_all.size else float("nan"),
-               decode_paced_p90_ms=float(np.percentile(paced_all, 90)) if paced_all.size else float("nan"),
-               decode_paced_max_ms=float(paced_all.max()) if paced_all.size else float("nan"),
+               **pace_quantiles(paced_all),
                decode_read_GB=read_bytes / 1e9, experts_touched=expert_frac,
                roofline_step_ms=roofline_ms, roofline_fraction=roofline_ms / step_ms,
                roofline_fraction_paced=roofline_ms / paced_ms,
@@ -251,15 +264,13 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
                # host time per step of the timed run by phase (ms): schedule, dispatch (inputs + launch), launch
                # (the jitted calls alone), sampler_launch (of which the sampler program's call), process (tokens
                # back into the requests)
-               host_ms_per_step={k: 1e3 * (m1[f"host_{k}_seconds"] - m0[f"host_{k}_seconds"])
-                                 / max(m1["decode_steps"] + m1["prefill_steps"]
-                                       - m0["decode_steps"] - m0["prefill_steps"], 1)
-                                 for k in HOST_PHASES},
+               host_ms_per_step={k: 1e3 * v / max(m1["decode_steps"] + m1["prefill_steps"]
+                                                  - m0["decode_steps"] - m0["prefill_steps"], 1)
+                                 for k, v in timed_host.items()},
                # the same per decode step: the timed run's host times minus those of the max_tokens=1 run (the
                # same prefill steps, no decode step), over the timed run's decode steps
-               host_ms_per_decode_step={k: 1e3 * ((m1[f"host_{k}_seconds"] - m0[f"host_{k}_seconds"])
-                                                  - (m2[f"host_{k}_seconds"] - m1[f"host_{k}_seconds"]))
-                                        / max(dsteps, 1) for k in HOST_PHASES})
+               host_ms_per_decode_step={k: 1e3 * (v - prefill_host[k]) / max(dsteps, 1)
+                                        for k, v in timed_host.items()})
     if args.breakdown:
         parts, window_step_ms = decode_breakdown(llm, prompts, args.max_tokens, temperature=args.temperature,
                                                  top_p=args.top_p, top_k=args.top_k)
