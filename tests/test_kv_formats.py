@@ -305,7 +305,8 @@ def test_bytes_per_token_tiny_presets():
 def test_v41_cache_arrays_hold_deepinfers_bytes():
     """V4.1-Flash's cache arrays (abstract, nothing allocated) are uint8 rows of the byte formats: ring 512 + 16 =
     528 B, compressed KV 288 B, index keys 68 B; so one 128-token page of all layers costs 128 × 890 B, DeepInfer's
-    per-token figure (hand-computed above), and a bf16 V4 cache keeps value rows."""
+    per-token figure (hand-computed above), and a bf16 V4 cache keeps value rows (on CPU as their 16-bit patterns,
+    ``cache_codec.stores_bits``: the same two bytes a value)."""
     from dinfer_jax.engine.kv_cache import bytes_per_block_and_slot
     from dinfer_jax.models.step_state import CacheConfig, cache_shapes
 
@@ -323,7 +324,10 @@ def test_v41_cache_arrays_hold_deepinfers_bytes():
     per_block, _ = bytes_per_block_and_slot(cfg, 128, jnp.bfloat16)
     assert per_block == 128 * 890
     v4 = cache_shapes(load_config("deepseek-v4-flash"), CacheConfig(3, 5, 128), jnp.bfloat16)
-    assert {lc.swa.dtype for g in v4.layers for lc in g} == {jnp.dtype(jnp.bfloat16)}
+    from dinfer_jax.models.cache_codec import stores_bits
+
+    value_rows = jnp.dtype(jnp.uint16 if stores_bits(jnp.bfloat16) else jnp.bfloat16)
+    assert {(lc.swa.shape[-1], lc.swa.dtype) for g in v4.layers for lc in g} == {(512, value_rows)}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
