@@ -29,7 +29,10 @@ one prefill):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
+import gc
 import json
 import sys
 import tempfile
@@ -73,11 +76,11 @@ def copy_bandwidth() -> float:
     return ceilings()["copy_GBps"] * 1e9
 
 
-def kernel_times(fn) -> dict[str, float] | None:
-    """Device milliseconds per kernel name, summed over everything ``fn()`` launches (CUPTI, through the extension
-    behind ``jax.experimental.mosaic.gpu.profiler``; None where it is unavailable). The engine's host loop is not a
-    single jitted function, so the profiler's ``measure`` wrapper cannot take it; this opens the same CUPTI window
-    around a plain call."""
+def kernel_launches(fn) -> dict[str, tuple[float, int]] | None:
+    """Device milliseconds and launch count per kernel name, over everything ``fn()`` launches (CUPTI, through the
+    extension behind ``jax.experimental.mosaic.gpu.profiler``; None where it is unavailable). The engine's host loop
+    is not a single jitted function, so the profiler's ``measure`` wrapper cannot take it; this opens the same CUPTI
+    window around a plain call."""
     try:
         from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
 
@@ -90,10 +93,17 @@ def kernel_times(fn) -> dict[str, float] | None:
         fn()
     finally:
         timings = ext._cupti_get_timings(True)
-    out: dict[str, float] = {}
+    out: dict[str, tuple[float, int]] = {}
     for name, ms in timings or []:
-        out[name] = out.get(name, 0.0) + ms
+        total, count = out.get(name, (0.0, 0))
+        out[name] = (total + ms, count + 1)
     return out
+
+
+def kernel_times(fn) -> dict[str, float] | None:
+    """Device milliseconds per kernel name, summed over everything ``fn()`` launches (:func:`kernel_launches`)."""
+    launches = kernel_launches(fn)
+    return None if launches is None else {name: ms for name, (ms, _) in launches.items()}
 
 
 def decode_breakdown(llm, prompts, steps: int, **sampling: float) -> tuple[list[tuple[str, float]], float]:
@@ -205,6 +215,10 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                         ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)
+    tracked = len(gc.get_objects())  # before a freeze: afterwards they are out of the collector's sight
+    if args.gc == "freeze":
+        gc.collect()
+        gc.freeze()
     m0 = llm.metrics()
     prof = None
     if args.host_profile:
@@ -212,9 +226,10 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
 
         prof = cProfile.Profile()
         prof.enable()
-    t0 = time.perf_counter()
-    llm.generate(prompts, sp, use_tqdm=False)
-    gen_s = time.perf_counter() - t0
+    with gc_pauses() as pauses:
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        gen_s = time.perf_counter() - t0
     if prof is not None:
         import pstats
 
@@ -251,6 +266,12 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
                decode_step_ms=step_ms, decode_paced_step_ms=paced_ms, decode_paced_steps=paced_n,
                # the paced intervals' distribution: a median well under the mean means rare long steps
                **pace_quantiles(paced_all),
+               decode_paced_intervals_ms=[round(float(v), 3) for v in paced_all],
+               # Python's garbage collections during the timed run: objects tracked when it began, and per
+               # generation the collections and their longest pause (ms)
+               gc_mode=args.gc, gc_tracked_objects=tracked,
+               gc_collections={g: sum(1 for k, _ in pauses if k == g) for g in range(3)},
+               gc_longest_ms={g: max((ms for k, ms in pauses if k == g), default=0.0) for g in range(3)},
                decode_read_GB=read_bytes / 1e9, experts_touched=expert_frac,
                roofline_step_ms=roofline_ms, roofline_fraction=roofline_ms / step_ms,
                roofline_fraction_paced=roofline_ms / paced_ms,
@@ -271,6 +292,16 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
                # same prefill steps, no decode step), over the timed run's decode steps
                host_ms_per_decode_step={k: 1e3 * (v - prefill_host[k]) / max(dsteps, 1)
                                         for k, v in timed_host.items()})
+    if args.timed_kernels:
+        launches, window_s = timed(kernel_launches, functools.partial(llm.generate, prompts, sp, use_tqdm=False))
+        if launches:
+            top = sorted(launches.items(), key=lambda kv: -kv[1][0])[:15]
+            row["timed_run_kernels"] = [(name, ms, n) for name, (ms, n) in top]
+            print(f"kernels of the timed run again in a CUPTI window ({window_s:.2f} s wall, "
+                  f"{sum(ms for ms, _ in launches.values()):.1f} ms of kernels, "
+                  f"{sum(n for _, n in launches.values())} launches), by device time:", flush=True)
+            for name, ms, n in row["timed_run_kernels"]:
+                print(f"  {ms:9.2f} ms  {n:7d} launches  {name[:100]}", flush=True)
     if args.breakdown:
         parts, window_step_ms = decode_breakdown(llm, prompts, args.max_tokens, temperature=args.temperature,
                                                  top_p=args.top_p, top_k=args.top_k)
@@ -287,6 +318,12 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
     print(f"decode pace ms: mean {row['decode_paced_step_ms']:.2f}, median {row['decode_paced_median_ms']:.2f}, "
           f"p90 {row['decode_paced_p90_ms']:.2f}, max {row['decode_paced_max_ms']:.2f} ({paced_n} intervals)",
           flush=True)
+    if len(paced_all):
+        longest = np.argsort(paced_all)[::-1][:3]
+        print("longest decode-pace intervals (index of " + str(len(paced_all)) + ": ms): "
+              + ", ".join(f"{i}: {paced_all[i]:.2f}" for i in longest), flush=True)
+    print(f"gc ({args.gc}, {tracked} objects tracked): collections by generation {row['gc_collections']}, longest "
+          + ", ".join(f"gen {g} {ms:.1f} ms" for g, ms in row["gc_longest_ms"].items()), flush=True)
     print("host ms per decode step: " + ", ".join(f"{k} {v:.2f}" for k, v in row["host_ms_per_decode_step"].items()),
           flush=True)
     print(json.dumps(row, default=str), flush=True)
@@ -365,6 +402,27 @@ def busy_cell(r: dict) -> str:
     return f"{r['kernel_ms_per_step']:.2f} ÷ {r['window_step_ms']:.2f} = {100 * r['device_busy']:.1f}%"
 
 
+@contextlib.contextmanager
+def gc_pauses():
+    """Record Python's garbage collections while the block runs: yields a list that fills with one
+    ``(generation, milliseconds)`` pair per collection (``gc.callbacks``). A full (generation-2) collection walks
+    every tracked object of the process — after a real-dimension warm-up, millions — and stops the host loop."""
+    pauses: list[tuple[int, float]] = []
+    started: list[float] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append((int(info["generation"]), 1e3 * (time.perf_counter() - started.pop())))
+
+    gc.callbacks.append(callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(callback)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="deepseek-v4-flash")
@@ -417,6 +475,14 @@ def main() -> None:
                     help="XLA option added for the decode programs only (LLM decode_compiler_options); 'none': no "
                          "extra options; default: the engine's (GEMM autotuning off when the linear kernel serves "
                          "decode)")
+    ap.add_argument("--timed-kernels", action="store_true",
+                    help="after the timed run, one more run of it in a CUPTI window: the kernels with the most device "
+                         "time over the whole run, with their launch counts (a rare long device step — e.g. the "
+                         "draw's exact scan, a loop of ~16K iterations — shows as thousands of launches of its body)")
+    ap.add_argument("--gc", default="default", choices=["default", "freeze"],
+                    help="Python's garbage collector during the timed runs: as the process has it, or 'freeze': "
+                         "gc.collect() then gc.freeze() after warm-up (what survived warm-up is never traversed "
+                         "again)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.compiler_options = options_arg(args.compiler_option)

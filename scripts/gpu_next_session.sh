@@ -1,14 +1,15 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
-# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after the sixth of
-# 2026-12-06, whose H100 calls measured the engine's speculative decode wiring — 20.8 / 30.7 ms a step as with the
-# explicit options, speculative_h200.md — and the decode pace greedy vs sampled: 6.99 / 9.67 ms, the 2.7 ms gap is
-# real, serving_h200.md):
-#   00. STAGE=paced again (any card): greedy, sampled, greedy with command buffers — its runs now print the host's
-#      time per decode step by phase ("host ms per decode step": the model's and the sampler's jitted calls apart,
-#      and the wait for the device; one sampled run already said: device-bound, the host waits 5.4 of 9.7 ms) and
-#      the paced intervals' median / p90 / max (rare long steps, e.g. the draw's exact-scan fallback, or every step
-#      slower?);
+# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after the seventh of
+# 2026-12-06, whose H100 calls ran STAGE=paced twice and found the sampled runs' mean inflated by ONE ~233 ms
+# decode-pace interval, always index 94 of 126, in every temperature-1 run (five runs, CUDA_MODULE_LOADING lazy or
+# eager, command buffers or not; no compilation after warm-up), while the medians were 8.0 ms sampled against
+# 9.2-9.7 ms greedy on that card (serving_h200.md, seventh session)):
+#   00. STAGE=stall (any card): what the 233 ms interval is — the sampled run again with the collector frozen after
+#      warm-up (--gc freeze; the run also reports collections in the timed window) and the timed run repeated in a
+#      CUPTI window (--timed-kernels: the draw's exact scan, a loop of ~16K iterations, would show as thousands of
+#      launches of its body and ~230 ms of kernels); if it is the exact scan, the fallback needs a faster exact
+#      path (docs/perf/serving_h200.md, seventh session: a per-binade parallel form);
 #   01. on an H200: tests/test_decode_attention_rows_gpu.py -k model_pooled with the H200 rule (64-row bf16 steps),
 #      then the ways left to reach issue 9's 60% (the kernel alone is at 57%; the DSMEM logit exchange does not
 #      lower under jax 0.11.2: attention_h200.md, fifth session of 2026-12-06);
@@ -96,7 +97,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -293,6 +294,13 @@ case "${STAGE:?set STAGE to paced, cmdbuf, spec-dispatch, sampler-probe, sampler
     cd scripts && for F in "" "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"; do XLA_FLAGS="$F" timeout 170 \
       python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C --out "$OUT/cmdbuf${F:+_on}" 2>&1 \
       | quiet | grep "^| 4 \|Error" | sed "s/^/[${F:-defaults}] /"; done ;;
+  stall)
+    # issue 8: the one ~233 ms decode-pace interval of every sampled run (seventh session of 2026-12-06): Python's
+    # collector (frozen here; collections in the timed window reported) or device work (the timed run again in a
+    # CUPTI window: kernels by device time with launch counts)
+    cd scripts && timeout 250 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C \
+      --temperature 1.0 --gc freeze --timed-kernels --out "$OUT/stall" 2>&1 | quiet \
+      | grep "^| 4 \|Error\|^host ms\|^decode pace\|^longest\|^gc\|^kernels\|^  " ;;
   paced)
     # issues 8 / 9: bench_serving's decode-only step time (the engine's decode pace: time between consecutive decode
     # steps' tokens, prefills excluded) on the V4-Flash 4-layer slice at batch 64 — greedy, temperature 1 (the
