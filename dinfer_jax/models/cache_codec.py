@@ -31,12 +31,11 @@ U8 = jnp.uint8
 _BITS = {1: jnp.uint8, 2: jnp.uint16}
 
 
-def stores_bits(dtype: Any, backend: str | None = None) -> bool:
-    """Whether plain rows of ``dtype`` are stored as their bits on ``backend`` (default: jax's default backend):
-    floats narrower than 32 bits on CPU (module docstring)."""
+def stores_bits(dtype: Any) -> bool:
+    """Whether plain rows of ``dtype`` are stored as their bits: floats narrower than 32 bits when jax's default
+    backend is the CPU (module docstring)."""
     dt = jnp.dtype(dtype)
-    return ((backend or jax.default_backend()) == "cpu" and jnp.issubdtype(dt, np.floating)
-            and dt.itemsize in _BITS)
+    return jax.default_backend() == "cpu" and jnp.issubdtype(dt, np.floating) and dt.itemsize in _BITS
 
 
 @dataclasses.dataclass(frozen=True)
