@@ -76,11 +76,12 @@ def copy_bandwidth() -> float:
     return ceilings()["copy_GBps"] * 1e9
 
 
-def kernel_launches(fn) -> dict[str, tuple[float, int]] | None:
+def kernel_launches(fn, longest: list | None = None) -> dict[str, tuple[float, int]] | None:
     """Device milliseconds and launch count per kernel name, over everything ``fn()`` launches (CUPTI, through the
     extension behind ``jax.experimental.mosaic.gpu.profiler``; None where it is unavailable). The engine's host loop
     is not a single jitted function, so the profiler's ``measure`` wrapper cannot take it; this opens the same CUPTI
-    window around a plain call."""
+    window around a plain call. ``longest``, where given, receives the ten longest single launches as
+    ``(name, ms)``."""
     try:
         from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
 
@@ -97,6 +98,8 @@ def kernel_launches(fn) -> dict[str, tuple[float, int]] | None:
     for name, ms in timings or []:
         total, count = out.get(name, (0.0, 0))
         out[name] = (total + ms, count + 1)
+    if longest is not None:
+        longest.extend(sorted(timings or [], key=lambda t: -t[1])[:10])
     return out
 
 
@@ -293,7 +296,9 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
                host_ms_per_decode_step={k: 1e3 * (v - prefill_host[k]) / max(dsteps, 1)
                                         for k, v in timed_host.items()})
     if args.timed_kernels:
-        launches, window_s = timed(kernel_launches, functools.partial(llm.generate, prompts, sp, use_tqdm=False))
+        longest: list[tuple[str, float]] = []
+        launches, window_s = timed(functools.partial(kernel_launches, longest=longest),
+                                   functools.partial(llm.generate, prompts, sp, use_tqdm=False))
         if launches:
             top = sorted(launches.items(), key=lambda kv: -kv[1][0])[:15]
             row["timed_run_kernels"] = [(name, ms, n) for name, (ms, n) in top]
@@ -301,6 +306,17 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
                   f"{sum(ms for ms, _ in launches.values()):.1f} ms of kernels, "
                   f"{sum(n for _, n in launches.values())} launches), by device time:", flush=True)
             for name, ms, n in row["timed_run_kernels"]:
+                print(f"  {ms:9.2f} ms  {n:7d} launches  {name[:100]}", flush=True)
+            # a stall made of one long kernel shows in the longest launches; one made of a device loop (many short
+            # launches of its body) in the most-launched kernels
+            row["timed_run_longest_launches"] = longest
+            row["timed_run_most_launched"] = [(name, ms, n) for name, (ms, n) in
+                                              sorted(launches.items(), key=lambda kv: -kv[1][1])[:15]]
+            print("longest single launches:", flush=True)
+            for name, ms in longest:
+                print(f"  {ms:9.2f} ms  {name[:100]}", flush=True)
+            print("most launched:", flush=True)
+            for name, ms, n in row["timed_run_most_launched"]:
                 print(f"  {ms:9.2f} ms  {n:7d} launches  {name[:100]}", flush=True)
     if args.breakdown:
         parts, window_step_ms = decode_breakdown(llm, prompts, args.max_tokens, temperature=args.temperature,

@@ -34,8 +34,10 @@ Speed: the exact scan is sequential in the vocabulary (``V`` emulated adds per r
 ``method="auto"`` (default) first runs a vocabulary-parallel search (``_fastcdf.certified_search``: exact integer
 fixed-point prefix sums plus rigorous bounds on torch's fp64 rounding error) that *proves* per row that its answer
 is torch's; only rows it cannot prove (a target within ~V * 2**-53 of a CDF boundary: ~1e-6 of rows at V = 129280)
-are recomputed by the exact scan, under a ``lax.cond``. Measured on one H200, 256 x 129280: auto 2.0-2.9 ms; the
-exact scan 133 ms (block 8). On CPU (2 cores), 64 x 129280: ~0.25 s exact.
+are recomputed exactly, under a ``lax.cond``: by the sequential scan on CPU, and on accelerators by
+``_binadecdf.binade_search`` (bit-identical, one vocabulary-parallel pass per binade of the running sum; the scan's
+~16K dependent steps cost 100-250 ms there). Measured on one H200, 256 x 129280: auto 2.0-2.9 ms; the exact scan
+133 ms (block 8). On CPU (2 cores), 64 x 129280: ~0.16-0.25 s the scan, ~1.9 s the binade passes.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import numpy as np
 from jax import lax
 
 from . import _f64
+from ._binadecdf import binade_rows, binade_search
 from ._fastcdf import certified_search
 from ._u64 import U32, U64, add64, clz_limbs, const64, from_int32, mul64, shl32, shl64, shr32, shr64, u32, xor64
 
@@ -62,22 +65,32 @@ CASE_RESAMPLE = 1
 """RNG stream of the residual resample after a rejected draft (``is_nextn_predict=True``)."""
 
 
+def _platform(probs: Any) -> str:
+    """The platform of ``probs`` if it is a placed array, else of ``jax.default_device`` if set, else the default
+    backend."""
+    if isinstance(probs, jax.Array):
+        try:
+            return next(iter(probs.devices())).platform
+        except Exception:  # a tracer: no placement known here
+            pass
+    dev = jax.config.jax_default_device
+    return getattr(dev, "platform", dev) if dev is not None else jax.default_backend()
+
+
 def default_block(probs: Any = None) -> int:
     """Columns unrolled per step of the exact scan: 1 on CPU (fastest there, and XLA:CPU compiles unrolled bodies
     slowly), 8 on accelerators (amortises the per-iteration launch cost without blowing up compile time). H200,
     256 x 129280, exact scan run / compile: block 1: 935 ms / 2.7 s; 4: 233 ms / 2.4 s; 8: 133 ms / 4.4 s;
-    16: 110 ms / 15 s; 64: 59 ms / minutes. The platform is that of ``probs`` if it is a placed array, else of
-    ``jax.default_device`` if set, else the default backend."""
-    platform = None
-    if isinstance(probs, jax.Array):
-        try:
-            platform = next(iter(probs.devices())).platform
-        except Exception:  # a tracer: no placement known here
-            platform = None
-    if platform is None:
-        dev = jax.config.jax_default_device
-        platform = getattr(dev, "platform", dev) if dev is not None else jax.default_backend()
-    return 1 if platform == "cpu" else 8
+    16: 110 ms / 15 s; 64: 59 ms / minutes. The platform is :func:`_platform`'s."""
+    return 1 if _platform(probs) == "cpu" else 8
+
+
+def default_fallback(probs: Any = None) -> str:
+    """How ``method="auto"`` computes the rows the certified search cannot prove: ``"scan"`` (the sequential exact
+    scan) on CPU, where its ``V`` small steps are cheap (64 x 129280: 0.16 s against 1.9 s), ``"binade"``
+    (``_binadecdf.binade_search``, ~20 vocabulary-parallel passes) on accelerators, where each of the scan's
+    steps is a launch (docs/perf/serving_h200.md). Both give the same tokens."""
+    return "scan" if _platform(probs) == "cpu" else "binade"
 
 
 # --- seeds ----------------------------------------------------------------------------------------------------
@@ -240,21 +253,26 @@ def _exact_search(bits: jnp.ndarray, k: U64, block: int) -> jnp.ndarray:
     return _first_above(prefix, target, v)
 
 
-METHODS = ("auto", "exact")
+METHODS = ("auto", "exact", "binade")
+FALLBACKS = ("scan", "binade")
 
 
-@partial(jax.jit, static_argnames=("case", "block", "method"))
-def _random_sampling_impl(probs, seed_hi, seed_lo, positions, *, case: int, block: int, method: str):
+@partial(jax.jit, static_argnames=("case", "block", "method", "fallback"))
+def _random_sampling_impl(probs, seed_hi, seed_lo, positions, *, case: int, block: int, method: str,
+                          fallback: str):
     k = uniform_u53(U64(seed_hi, seed_lo), positions, case)
     bits = lax.bitcast_convert_type(probs.astype(jnp.float32), U32)  # integers from here on
     if method == "exact":
         return _exact_search(bits, k, block)
+    if method == "binade":
+        return binade_search(bits, k)
     idx, certified = certified_search(bits, k)
-    return lax.cond(
-        jnp.all(certified),
-        lambda: idx,
-        lambda: jnp.where(certified, idx, _exact_search(bits, k, block)),
-    )
+
+    def exact_rows():
+        exact = _exact_search(bits, k, block) if fallback == "scan" else binade_rows(bits, k, ~certified)
+        return jnp.where(certified, idx, exact)
+
+    return lax.cond(jnp.all(certified), lambda: idx, exact_rows)
 
 
 def random_sampling(
@@ -265,6 +283,7 @@ def random_sampling(
     *,
     method: str = "auto",
     block: int | None = None,
+    fallback: str | None = None,
 ) -> jnp.ndarray:
     """Sample one column per row of ``probs`` exactly as DeepInfer's ``random_sampling_ref``.
 
@@ -278,11 +297,14 @@ def random_sampling(
             a ``(hi, lo)`` uint32 pair, jax 32-bit ints, ...).
         sample_positions: [N] int32 RNG counters.
         is_nextn_predict: static; selects RNG stream case 1 (residual resample) instead of 0.
-        method: static. ``"exact"``: the sequential exact emulation for every row. ``"auto"`` (default): the
-            vocabulary-parallel certified search (``_fastcdf``) for every row, and the exact emulation (under a
-            ``lax.cond``, so only paid when needed) for the rows it cannot certify. Both return identical tokens.
+        method: static. ``"exact"``: the sequential exact emulation for every row. ``"binade"``: the exact
+            binade-by-binade emulation (``_binadecdf``) for every row. ``"auto"`` (default): the
+            vocabulary-parallel certified search (``_fastcdf``) for every row, and an exact emulation (under a
+            ``lax.cond``, so only paid when needed) for the rows it cannot certify. All return identical tokens.
         block: static; vocabulary columns unrolled per step of the exact scan (speed only, never the result);
             default :func:`default_block` of the default backend.
+        fallback: static; ``"auto"``'s exact emulation for uncertified rows, ``"scan"`` or ``"binade"`` (speed
+            only, never the result); default :func:`default_fallback`.
 
     Returns:
         [N] int32 sampled column indices (0 for an all-zero row, like the reference).
@@ -298,6 +320,10 @@ def random_sampling(
                          f"{positions.shape}")
     case = CASE_RESAMPLE if is_nextn_predict else CASE_SAMPLE
     block = default_block(probs) if block is None else int(block)
+    fallback = default_fallback(probs) if fallback is None else fallback
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return _random_sampling_impl(probs, seeds.hi, seeds.lo, positions, case=case, block=block, method=method)
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    return _random_sampling_impl(probs, seeds.hi, seeds.lo, positions, case=case, block=block, method=method,
+                                 fallback=fallback)

@@ -260,7 +260,7 @@ def sample(
         greedy_fast_path: static; greedy rows take the argmax (True) or DeepInfer's temperature-1e-5 sample.
         seed_offset: static; added to every seed mod 2**64 (``MTP_SEED_OFFSET`` for draft sampling).
         logprobs_mode: static; ``"processed"`` (DeepInfer) or ``"raw"`` (log_softmax of the input logits).
-        method: static; ``random_sampling`` method (``"auto"`` or ``"exact"``; same tokens).
+        method: static; ``random_sampling`` method (``"auto"``, ``"exact"`` or ``"binade"``; same tokens).
     Returns:
         tokens: [N] int32 (0 for padding rows).
         :class:`SampleLogprobs` (zeros for padding rows).
