@@ -5,11 +5,10 @@
 # decode-pace interval, always index 94 of 126, in every temperature-1 run (five runs, CUDA_MODULE_LOADING lazy or
 # eager, command buffers or not; no compilation after warm-up), while the medians were 8.0 ms sampled against
 # 9.2-9.7 ms greedy on that card (serving_h200.md, seventh session)):
-#   00. STAGE=stall (any card): what the 233 ms interval is — the sampled run again with the collector frozen after
-#      warm-up (--gc freeze; the run also reports collections in the timed window) and the timed run repeated in a
-#      CUPTI window (--timed-kernels: the draw's exact scan, a loop of ~16K iterations, would show as thousands of
-#      launches of its body and ~230 ms of kernels); if it is the exact scan, the fallback needs a faster exact
-#      path (docs/perf/serving_h200.md, seventh session: a per-binade parallel form);
+#   00. STAGE=draw (any card; eighth session of 2026-12-06): the 233 ms interval was the draw's exact scan (STAGE=stall
+#      found no long kernel and no collection; the fallback through binade passes over all 64 rows cut it to 17.9 ms
+#      on an H200) — the binade tests on the GPU, bench_draw.py (the compacted fallback, binade_rows), and the
+#      sampled and greedy decode pace on one machine (docs/perf/serving_h200.md, eighth session);
 #   01. on an H200: tests/test_decode_attention_rows_gpu.py -k model_pooled with the H200 rule (64-row bf16 steps),
 #      then the ways left to reach issue 9's 60% (the kernel alone is at 57%; the DSMEM logit exchange does not
 #      lower under jax 0.11.2: attention_h200.md, fifth session of 2026-12-06);
@@ -301,6 +300,15 @@ case "${STAGE:?set STAGE to stall, paced, cmdbuf, spec-dispatch, sampler-probe, 
     cd scripts && timeout 250 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C \
       --temperature 1.0 --gc freeze --timed-kernels --out "$OUT/stall" 2>&1 | quiet \
       | grep "^| 4 \|Error\|^host ms\|^decode pace\|^longest\|^gc\|^kernels\|^  " ;;
+  draw)
+    # issue 8: the draw's exact fallback through binade passes (eighth session of 2026-12-06: the stall was the
+    # 16K-step exact scan): its tests on the GPU, the exact paths timed (scripts/bench_draw.py), then the sampled
+    # and greedy decode pace of the V4-Flash 4-layer slice on the same machine
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_binade_cdf.py 2>&1 | tail -2
+    timeout 150 python3 scripts/bench_draw.py --batches 1 64 256 --out "$OUT/draw" 2>&1 | quiet | grep "^|"
+    cd scripts && for T in 1.0 0; do timeout 170 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 \
+        --batch 64 $C --temperature $T --gc freeze --out "$OUT/draw_paced_$T" 2>&1 | quiet \
+        | grep "^| 4 \|Error\|^decode pace\|^longest" | sed "s/^/[T=$T] /"; done ;;
   paced)
     # issues 8 / 9: bench_serving's decode-only step time (the engine's decode pace: time between consecutive decode
     # steps' tokens, prefills excluded) on the V4-Flash 4-layer slice at batch 64 — greedy, temperature 1 (the
