@@ -104,9 +104,10 @@ def _one_pass(m_in, x_in, bits, carry, target: _f64.F64 | None):
     # parity of M before each column: flips since the last tie (or since the start, plus the starting parity)
     flip = jnp.where(live & ~tie, inc_lo & u32(1), u32(0))
     flips = jnp.cumsum(flip, axis=1, dtype=U32)
-    last_tie = lax.cummax(jnp.where(tie, col, -1), axis=1)
-    at_tie = jnp.take_along_axis(flips, jnp.maximum(last_tie, 0), axis=1)
-    parity = jnp.where(last_tie >= 0, flips - at_tie, flips + (s_lo[:, None] & u32(1))) & u32(1)
+    # flips never decrease, so their value at the last tie is a running maximum (no gather)
+    at_tie = lax.cummax(jnp.where(tie, flips, u32(0)), axis=1)
+    seen_tie = lax.cummax(tie.astype(jnp.int32), axis=1) > 0
+    parity = jnp.where(seen_tie, flips - at_tie, flips + (s_lo[:, None] & u32(1))) & u32(1)
     before = jnp.concatenate([(s_lo[:, None] & u32(1)), parity[:, :-1]], axis=1)
     inc_lo = jnp.where(tie, fl + ((before + fl) & u32(1)), inc_lo)
     inc_hi = jnp.where(live, inc_hi, u32(0))
