@@ -152,7 +152,7 @@ def _i64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-@pytest.mark.parametrize("method", ["auto", "exact"])
+@pytest.mark.parametrize("method", ["auto", "exact", "binade"])
 def test_random_sampling_matches_ref_small_vocab(refs, method: str) -> None:
     """2048 rows x V=1024 of mixed distributions, both RNG cases: identical tokens to the reference."""
     rng = np.random.default_rng(1)
@@ -166,7 +166,7 @@ def test_random_sampling_matches_ref_small_vocab(refs, method: str) -> None:
 
 
 def test_random_sampling_matches_ref_full_vocab(refs) -> None:
-    """64 rows x V=129280 (V4.1 vocabulary): identical tokens with both methods (case 1 is covered above; the
+    """64 rows x V=129280 (V4.1 vocabulary): identical tokens with every method (case 1 is covered above; the
     hash does not depend on V)."""
     rng = np.random.default_rng(2)
     n, v = 64, 129280
@@ -175,6 +175,7 @@ def test_random_sampling_matches_ref_full_vocab(refs) -> None:
     ref0 = _ref_tokens(refs, probs, seeds, pos, False)
     np.testing.assert_array_equal(np.asarray(random_sampling(probs, seeds, pos, False)), ref0)
     np.testing.assert_array_equal(np.asarray(random_sampling(probs, seeds, pos, False, method="exact")), ref0)
+    np.testing.assert_array_equal(np.asarray(random_sampling(probs, seeds, pos, False, method="binade")), ref0)
 
 
 def test_random_sampling_tiny_vocab_and_degenerate(refs) -> None:
