@@ -20,7 +20,7 @@ While the running sum stays in one binade ``[2**b, 2**(b+1))`` every value on th
 The first column whose mantissa would reach ``2**53`` leaves the binade (the sum reaches ``2**(b+1)``, possibly by
 rounding); that one addition is emulated alone with the exact ``_f64.add``, and the next pass starts after it in
 the new binade. A run of zeros before the first non-zero input is one more "pass" (its sum stays 0). A flat row
-over 129,280 columns visits ~18 binades; adversarial rows (every exponent present, growing) visit more, never
+over 129,280 columns takes 19 passes for its total; adversarial rows (every exponent present, growing) visit more, never
 more than the ~280 binades from 2**-149 up to ``V * 2**128`` — the loop always ends, it is only slower.
 
 ``binade_search`` runs the passes twice: once for the row total ``S_{V-1}`` (which the target ``t = fl(u *
@@ -77,7 +77,7 @@ def _one_pass(m_in, x_in, bits, carry, target: _f64.F64 | None):
     and exponent (int32), done (bool), answer (int32); the pass counter (int32 scalar); the recorded pass starts
     (four [N, HISTORY] arrays: column, mantissa hi, lo, exponent)."""
     a, s_hi, s_lo, s_x, done, ans, it, hist = carry
-    n, v = m_in.shape
+    v = m_in.shape[1]
     w = limb_width(v)
     nl = -(-54 // w)  # increments are < 2**53 or saturated at 2**53
     col = jnp.arange(v, dtype=jnp.int32)[None, :]
@@ -147,11 +147,8 @@ def _one_pass(m_in, x_in, bits, carry, target: _f64.F64 | None):
     # the total (or the sum where the row stopped): S_{V-1} when nothing crossed, S_c otherwise
     nxt = _f64.F64(U64(jnp.where(has_c, s_c.m.hi, m_end.hi), jnp.where(has_c, s_c.m.lo, m_end.lo)),
                    jnp.where(has_c, s_c.x, s_end.x))
-    keep = done
-    a2 = jnp.where(keep, a, c + 1)
-    carry = (a2, jnp.where(keep, s_hi, nxt.m.hi), jnp.where(keep, s_lo, nxt.m.lo), jnp.where(keep, s_x, nxt.x),
-             done | step_done, jnp.where(step_done, new_ans, ans), it + 1, hist)
-    return carry
+    return (jnp.where(done, a, c + 1), jnp.where(done, s_hi, nxt.m.hi), jnp.where(done, s_lo, nxt.m.lo),
+            jnp.where(done, s_x, nxt.x), done | step_done, jnp.where(step_done, new_ans, ans), it + 1, hist)
 
 
 def _run(m_in, x_in, bits, start, target: _f64.F64 | None, record: bool):

@@ -35,9 +35,10 @@ Speed: the exact scan is sequential in the vocabulary (``V`` emulated adds per r
 fixed-point prefix sums plus rigorous bounds on torch's fp64 rounding error) that *proves* per row that its answer
 is torch's; only rows it cannot prove (a target within ~V * 2**-53 of a CDF boundary: ~1e-6 of rows at V = 129280)
 are recomputed exactly, under a ``lax.cond``: by the sequential scan on CPU, and on accelerators by
-``_binadecdf.binade_search`` (bit-identical, one vocabulary-parallel pass per binade of the running sum; the scan's
-~16K dependent steps cost 100-250 ms there). Measured on one H200, 256 x 129280: auto 2.0-2.9 ms; the exact scan
-133 ms (block 8). On CPU (2 cores), 64 x 129280: ~0.16-0.25 s the scan, ~1.9 s the binade passes.
+``_binadecdf.binade_rows`` (bit-identical; one vocabulary-parallel pass per binade of the running sum, over the
+uncertified rows only, 8 at a time; the scan's ~16K dependent steps cost 100-250 ms there). Measured on one H200,
+256 x 129280: auto 2.0-2.9 ms; the exact scan 131 ms (block 8), binade passes over every row 45 ms (64 rows: 129 /
+13 ms). On CPU (2 cores), 64 x 129280: ~0.16-0.25 s the scan, ~1.9 s the binade passes.
 """
 
 from __future__ import annotations
