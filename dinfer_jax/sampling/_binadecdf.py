@@ -34,22 +34,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _f64
-from ._fastcdf import _gt_limbs, _renorm, _to_limbs64, limb_width
-from ._u64 import U32, U64, add64, shl32, shr32, u32
+from ._fastcdf import _gt_limbs, _renorm, _to_limbs64, f32_parts, limb_width
+from ._u64 import U32, U64, add64, shl32, shr32, sub64, u32
 
 HISTORY = 48
 """Pass starts recorded by the total pass for the search pass to resume from (more passes only cost time)."""
 
 _TWO53 = 1 << 53
-
-
-def _parse(bits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """fp32 bits [N, V] -> (mantissa < 2**24 uint32, exponent int32) with value ``m * 2**x``; sign set -> 0."""
-    neg = (bits >> u32(31)) != 0
-    e = ((bits >> u32(23)) & u32(0xFF)).astype(jnp.int32)
-    frac = bits & u32(0x7FFFFF)
-    m = jnp.where(e == 0, frac, frac | u32(0x800000))
-    return jnp.where(neg, u32(0), m), jnp.where(e == 0, -149, e - 150)
 
 
 def _limbs_to_u64(limbs: list[jnp.ndarray], w: int) -> U64:
@@ -62,12 +53,6 @@ def _limbs_to_u64(limbs: list[jnp.ndarray], w: int) -> U64:
         if s + w > 32:
             hi = hi | (shr32(limb, 32 - s) if s < 32 else shl32(limb, s - 32))
     return U64(hi, lo)
-
-
-def _sub64(a: U64, b: U64) -> U64:
-    """``a - b mod 2**64``."""
-    lo = a.lo - b.lo
-    return U64(a.hi - b.hi - (a.lo < b.lo).astype(U32), lo)
 
 
 def _one_pass(m_in, x_in, bits, carry, target: _f64.F64 | None):
@@ -115,8 +100,8 @@ def _one_pass(m_in, x_in, bits, carry, target: _f64.F64 | None):
 
     # M_i - M_{a-1}: exact prefix sums in limbs; the first column reaching 2**53 leaves the binade
     psum = _renorm([jnp.cumsum(l, axis=1, dtype=U32) for l in _to_limbs64(U64(inc_hi, inc_lo), w, nl)], w)
-    room = _sub64(U64(jnp.full_like(s_hi, u32(_TWO53 >> 32)), jnp.zeros_like(s_lo)), m0)  # 2**53 - M_{a-1}
-    room_m1 = _sub64(room, U64(jnp.zeros_like(s_hi), jnp.ones_like(s_lo)))
+    room = sub64(U64(jnp.full_like(s_hi, u32(_TWO53 >> 32)), jnp.zeros_like(s_lo)), m0)  # 2**53 - M_{a-1}
+    room_m1 = sub64(room, U64(jnp.zeros_like(s_hi), jnp.ones_like(s_lo)))
     crossed = live & _gt_limbs(psum, [l[:, None] for l in _to_limbs64(room_m1, w, nl)])
     has_c = jnp.any(crossed, axis=1)
     c = jnp.where(has_c, jnp.argmax(crossed, axis=1).astype(jnp.int32), v)
@@ -134,7 +119,7 @@ def _one_pass(m_in, x_in, bits, carry, target: _f64.F64 | None):
     else:
         # first j in [a, c) with S_j > t: in this binade S_j > t iff M_j > t / ulp
         same = target.x == s_x
-        thr = _sub64(target.m, m0)  # t.m >= M_{a-1} when t is in this binade and S_{a-1} <= t
+        thr = sub64(target.m, m0)  # t.m >= M_{a-1} when t is in this binade and S_{a-1} <= t
         above_t = _gt_limbs(psum, [l[:, None] for l in _to_limbs64(thr, w, nl)])
         above = live & (col < c[:, None]) & (
             (target.x < s_x)[:, None] | (same[:, None] & above_t))
@@ -179,7 +164,7 @@ def binade_search(bits: jnp.ndarray, k: U64, active: jnp.ndarray | None = None) 
         [N] int32: the first j with ``S_j > t`` (0 if none, and for all-zero rows).
     """
     n, v = bits.shape
-    m_in, x_in = _parse(bits)
+    m_in, x_in = f32_parts(bits)
     done = jnp.zeros((n,), bool) if active is None else ~active
     zi = jnp.zeros((n,), jnp.int32)
     zu = jnp.zeros((n,), U32)

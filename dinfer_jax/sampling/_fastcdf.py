@@ -41,6 +41,16 @@ def limb_width(vocab: int) -> int:
     return min(15, 32 - vocab.bit_length())
 
 
+def f32_parts(bits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Raw fp32 bits (uint32) -> ``(m, x)`` with value ``m * 2**x``: ``m`` uint32 < 2**24 (the implicit bit added
+    for normal numbers), ``x`` int32; a set sign bit (negative values, ``-0.0``) reads as ``m = 0``."""
+    neg = (bits >> u32(31)) != 0
+    e = ((bits >> u32(23)) & u32(0xFF)).astype(jnp.int32)
+    frac = bits & u32(0x7FFFFF)
+    m = jnp.where(e == 0, frac, frac | u32(0x800000))
+    return jnp.where(neg, u32(0), m), jnp.where(e == 0, -149, e - 150)
+
+
 def _to_limbs64(v: U64, w: int, n: int) -> list[jnp.ndarray]:
     """Split a value < 2**(w*n) held in a U64 into n w-bit limbs."""
     out = []
@@ -116,12 +126,7 @@ def certified_search(bits: jnp.ndarray, k: U64) -> tuple[jnp.ndarray, jnp.ndarra
     nl = -(-R_BITS // w)  # limbs per F_i
     f32 = jnp.float32
 
-    neg = (bits >> u32(31)) != 0
-    e = ((bits >> u32(23)) & u32(0xFF)).astype(jnp.int32)
-    frac = bits & u32(0x7FFFFF)
-    m = jnp.where(e == 0, frac, frac | u32(0x800000))
-    m = jnp.where(neg, u32(0), m)
-    x = jnp.where(e == 0, -149, e - 150)  # value = m * 2**x, m < 2**24
+    m, x = f32_parts(bits)
     nz = m != 0
     all_zero = ~jnp.any(nz, axis=1)
     xtop = jnp.max(jnp.where(nz, x + 24, -(1 << 20)), axis=1)

@@ -74,6 +74,11 @@ def add64(a: U64, b: U64) -> U64:
     return U64(a.hi + b.hi + carry, lo)
 
 
+def sub64(a: U64, b: U64) -> U64:
+    """``a - b mod 2**64``."""
+    return U64(a.hi - b.hi - (a.lo < b.lo).astype(U32), a.lo - b.lo)
+
+
 def xor64(a: U64, b: U64) -> U64:
     return U64(a.hi ^ b.hi, a.lo ^ b.lo)
 
