@@ -171,10 +171,6 @@ def test_bad_settings_are_refused(v41):
         LLM(v41, batch_invariant=16, warmup=False, progress=False)
     with pytest.raises(ValueError, match="one-device engine"):
         LLM(v41, batch_invariant=True, dp_size=2, warmup=False, progress=False)
-    model = random_model(load_config("tiny-v41"), seed=3)
-    with pytest.raises(ValueError, match="speculative decoding"):
-        LLM(model, batch_invariant=True, speculative="dspark", num_speculative_tokens=2, warmup=False,
-            progress=False)
 
 
 def test_moe_called_outside_a_segment_tiles_itself():

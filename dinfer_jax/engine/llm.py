@@ -335,16 +335,12 @@ def _check_launch_thread(launch_thread: Any, engram_tables: str, one_device: boo
     return launch_thread
 
 
-def _check_batch_invariant(batch_invariant: Any, speculative: str | None, one_device: bool) -> int:
-    """The engine's batch-invariant tile (0: off); ValueError for a non-bool, speculative decoding (any requested
-    method) or a DP layout."""
+def _check_batch_invariant(batch_invariant: Any, one_device: bool) -> int:
+    """The engine's batch-invariant tile (0: off); ValueError for a non-bool or a DP layout."""
     if not isinstance(batch_invariant, (bool, np.bool_)):
         raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
     if not batch_invariant:
         return 0
-    if speculative:
-        raise ValueError("batch_invariant=True is not combined with speculative decoding (the drafter's steps are "
-                         "not batch-invariant)")
     if not one_device:
         raise ValueError("batch_invariant=True runs on the one-device engine only (dp_size = cp_size = ep_size = 1)")
     return DEFAULT_TILE
@@ -448,8 +444,9 @@ class LLM:
             whatever else is in its batch, its row in it and how its prompt is chunked (DeepInfer's batch-invariant
             inference; ``docs/batch_invariance.md``): every product runs at fixed shapes (tiles of 16 token rows,
             experts densely per tile, attention per query over fixed key blocks). It costs throughput (measured
-            there); one-device engine, no speculative decoding. Its values are the default path's up to fp32
-            rounding, not bit for bit.
+            there); one-device engine. With speculative decoding the whole speculative step is traced invariantly
+            (greedy output = the invariant non-speculative engine's, token for token). Its values are the default
+            path's up to fp32 rounding, not bit for bit.
     """
 
     def __init__(self, model: str | Path | Model, dtype: str = "float32", max_num_seqs: int = 8,
@@ -476,7 +473,7 @@ class LLM:
         one_device = (dp_size, cp_size, ep_size) == (1, 1, 1)
         _check_engram_tables(engram_tables, one_device)
         self.launch_thread = _check_launch_thread(launch_thread, engram_tables, one_device)
-        self.batch_invariant_tile = _check_batch_invariant(batch_invariant, speculative, one_device)
+        self.batch_invariant_tile = _check_batch_invariant(batch_invariant, one_device)
         self.parallel = parallel_layout(dp_size, cp_size, ep_size)
         self.dp_size = dp_size
         self.model, self.path = _resolve_model(model, dtype, seed, progress, stacked=one_device,

@@ -41,9 +41,11 @@ from dinfer_jax.engine.speculative import SpecState, draft, draft_dspark, init_s
 from dinfer_jax.models import Model
 from dinfer_jax.models.backbone import head_logits
 from dinfer_jax.models.engram_lookup import EngramLookup, EngramState
+from dinfer_jax.models.invariant import batch_invariant as invariant_tracing
 from dinfer_jax.models.invariant import token_tiled
 from dinfer_jax.models.layer_plan import stack_params
 from dinfer_jax.models.linear_impl import linear_impl as linear_impl_scope
+from dinfer_jax.models.linear_impl import resolve_linear_impl
 from dinfer_jax.models.step_state import StepInput
 from dinfer_jax.progress import PhaseProgress
 from dinfer_jax.sampling import SamplingTensors, sample
@@ -552,14 +554,19 @@ def _device_step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, 
                       sample_mask: jax.Array, token_masks: jax.Array, prev_nacc: jax.Array, chain_row: jax.Array,
                       chain_room: jax.Array, *, cfg: Any, dtype: str, moe_impl: str, engram_fn: Any, attention: str,
                       max_rows: int, k: int, decode: bool, method: str, mhc_impl: str = "auto",
-                      linear_impl: str = "xla", attention_impl: str = "auto"):
+                      linear_impl: str = "xla", attention_impl: str = "auto", batch_invariant: int = 0):
     """:func:`_step_spec` with the FP8 linears of the model and the drafter on ``linear_impl``
-    (:mod:`dinfer_jax.models.linear_impl`)."""
-    with linear_impl_scope(linear_impl), reuse_kernel_lowerings(platform_from_env()):
+    (:mod:`dinfer_jax.models.linear_impl`); ``batch_invariant`` (rows per tile, 0: off) traces the whole step — the
+    target's forward and head, the verification and the drafter — with :func:`~dinfer_jax.models.invariant.
+    batch_invariant`."""
+    with (invariant_tracing(batch_invariant),
+          linear_impl_scope(resolve_linear_impl(linear_impl, bool(batch_invariant))),
+          reuse_kernel_lowerings(platform_from_env())):
         return _step_spec(params, cache, spec, inp, feed, prev_tokens, samp, engram, ndraft, next_tok, sample_mask,
                           token_masks, prev_nacc, chain_row, chain_room, cfg=cfg, dtype=dtype, moe_impl=moe_impl,
                           engram_fn=engram_fn, attention=attention, max_rows=max_rows, k=k, decode=decode,
-                          method=method, mhc_impl=mhc_impl, attention_impl=attention_impl)
+                          method=method, mhc_impl=mhc_impl, attention_impl=attention_impl,
+                          batch_invariant=batch_invariant)
 
 
 def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: InFlight,
@@ -567,7 +574,7 @@ def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: I
                sample_mask: jax.Array, token_masks: jax.Array, prev_nacc: jax.Array, chain_row: jax.Array,
                chain_room: jax.Array, *, cfg: Any, dtype: str, moe_impl: str,
                engram_fn: Any, attention: str, max_rows: int, k: int, decode: bool, method: str,
-               mhc_impl: str = "auto", attention_impl: str = "auto"):
+               mhc_impl: str = "auto", attention_impl: str = "auto", batch_invariant: int = 0):
     """Traced step with speculative decoding (V4 MTP drafter, ``engine/speculative.py``).
 
     decode: rows ``[t, d1..dk]`` (drafts read from the slot's draft pool, ``ndraft [B]`` of them valid) are verified
@@ -604,7 +611,7 @@ def _step_spec(params: Any, cache: Any, spec: SpecState, inp: StepInput, feed: I
     hist0 = cache.ngram_hist
     logits, cache, carry = model_step(params, cache, inp, cfg=cfg, dtype=dtype, moe_impl=moe_impl, attention=attention,
                                       engram_fn=engram_fn, engram=engram, return_carry=True, mhc_impl=mhc_impl,
-                                      attention_impl=attention_impl)
+                                      attention_impl=attention_impl, batch_invariant=batch_invariant)
     streams = carry["streams"]
     kw = dict(cfg=cfg, dtype=dtype, moe_impl=moe_impl, k=k)
     if decode:
@@ -699,7 +706,7 @@ def step_programs(compiler_options: CompilerOptions = (), backend: str | None = 
         forward=jax.jit(_device_forward, static_argnames=_FORWARD_STATIC, donate_argnums=(1,), compiler_options=opts),
         sample=jax.jit(_device_sample, static_argnames=("max_rows", "batch_invariant"),
                        compiler_options=sampler_opts),
-        step_spec=jax.jit(_device_step_spec, static_argnames=_STATIC + ("k", "decode", "method"),
+        step_spec=jax.jit(_device_step_spec, static_argnames=_STATIC + ("k", "decode", "method", "batch_invariant"),
                           donate_argnums=(1, 2), compiler_options=opts))
 
 
