@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.models.group_select import group_topk_select, selection_output
+from dinfer_jax.models.invariant import active_tile
 
 F32 = jnp.float32
 # On a GPU, XLA's top_k over long rows sorts each whole row; selecting through the maxima of groups of 4 entries
@@ -64,7 +65,8 @@ def topk_impl(num_scores: int, num_rows: int, backend: str) -> str:
 def topk_select(scores: jax.Array, k: int, *, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
     """Top-``k`` over the last axis, −inf entries dropped, ties lowest index first.
 
-    ``scores [..., T]`` float; ``k`` is clipped to ``T``. Returns ``(indices [..., k] int32, mask [..., T] bool)``:
+    ``scores [..., T]`` float; ``k`` is clipped to ``T`` (not while tracing batch-invariantly: then ``k`` picks,
+    −1 beyond ``T``). Returns ``(indices [..., k] int32, mask [..., T] bool)``:
     the selected indices in ascending order followed by −1 fill (DeepSelect's ``sorted_index`` order with −1 for
     dropped picks), and the same selection as a mask. ``impl``: ``"sort"`` (``lax.top_k``), ``"group"``
     (:func:`~dinfer_jax.models.group_select.group_topk_select`, the same result on every input) or ``"auto"``
@@ -73,6 +75,12 @@ def topk_select(scores: jax.Array, k: int, *, impl: str = "auto") -> tuple[jax.A
     if impl not in TOPK_IMPLS:
         raise ValueError(f"topk_select: impl={impl!r} is not one of {TOPK_IMPLS}")
     t = scores.shape[-1]
+    if t < k and active_tile():
+        # a batch-invariant step picks exactly k rows whatever its pool's width: with k clipped to a narrower pool
+        # the attention over the picks would take another shape (and summation order) in programs with fewer pages
+        pad = jnp.full((*scores.shape[:-1], k - t), -jnp.inf, scores.dtype)
+        idx, mask = topk_select(jnp.concatenate([scores, pad], axis=-1), k, impl=impl)
+        return idx, mask[..., :t]
     if impl == "auto":
         impl = topk_impl(t, math.prod(scores.shape[:-1]), jax.default_backend())
     if impl == "group":
