@@ -6,7 +6,9 @@ dependent steps) and is now ``_binadecdf.binade_search`` (one vocabulary-paralle
 sum). What is timed (wall milliseconds of the jitted call, mean of 5 after a warm call; the conditional's predicate
 read by the host included), per batch:
 
-* ``auto, all certified``: flat rows (standard normal logits, what a random-weight model gives), no fallback;
+* ``auto, all certified``: flat rows (standard normal logits, what a random-weight model gives), no fallback —
+  with the platform's prefix sums (``random.default_prefix``: block products on accelerators) and with
+  ``jnp.cumsum`` (the form before 2026-12-07);
 * ``auto + scan`` / ``auto + binade``: the same rows with row 0 replaced by one the certificate cannot prove
   (``tests/helpers.uncertifiable_rows`` at full width), so the fallback runs, through each exact path (the binade
   fallback compacts the uncertified rows and processes 8 at a time: ``_binadecdf.binade_rows``);
@@ -57,6 +59,7 @@ def inputs(batch: int, vocab: int, uncertified: bool):
 
 VARIANTS = {  # label: (uncertified row present, random_sampling keywords)
     "auto, all certified": (False, dict(method="auto")),
+    "auto, all certified, jnp.cumsum": (False, dict(method="auto", prefix="xla")),
     "auto + scan": (True, dict(method="auto", fallback="scan")),
     "auto + binade": (True, dict(method="auto", fallback="binade")),
     "exact scan": (False, dict(method="exact")),

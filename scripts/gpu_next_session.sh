@@ -96,7 +96,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -300,6 +300,18 @@ case "${STAGE:?set STAGE to stall, paced, cmdbuf, spec-dispatch, sampler-probe, 
     cd scripts && timeout 250 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C \
       --temperature 1.0 --gc freeze --timed-kernels --out "$OUT/stall" 2>&1 | quiet \
       | grep "^| 4 \|Error\|^host ms\|^decode pace\|^longest\|^gc\|^kernels\|^  " ;;
+  prefix)
+    # issue 8: the certified draw's prefix sums as block products (dinfer_jax/sampling/_scan.py; first session of
+    # 2026-12-07: the certified draw alone took 1.63 ms of the sampled batch-64 step): exactness on the GPU (fp32
+    # products at HIGHEST must be exact on integers), the draw against jnp.cumsum's form, the sampled and greedy pace
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_scan.py tests/test_binade_cdf.py 2>&1 \
+      | grep "^E \|passed\|failed" | head -10
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampling_gpu.py 2>&1 \
+      | grep "^E \|passed\|failed" | head -10
+    timeout 150 python3 scripts/bench_draw.py --batches 1 64 256 --out "$OUT/draw" 2>&1 | quiet | grep "^|"
+    cd scripts && for T in 1.0 0; do timeout 150 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 \
+        --batch 64 $C --temperature $T --gc freeze --out "$OUT/prefix_paced_$T" 2>&1 | quiet \
+        | grep "^| 4 \|Error\|^decode pace\|^longest" | sed "s/^/[T=$T] /"; done ;;
   draw)
     # issue 8: the draw's exact fallback through binade passes (eighth session of 2026-12-06: the stall was the
     # 16K-step exact scan): its tests on the GPU, the exact paths timed (scripts/bench_draw.py), then the sampled

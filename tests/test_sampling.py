@@ -43,7 +43,7 @@ from dinfer_jax.sampling import (
     top_p_top_k_mask,
     uniform_u53,
 )
-from dinfer_jax.sampling._fastcdf import certified_search
+from dinfer_jax.sampling._fastcdf import PREFIX_SUMS, certified_search
 from dinfer_jax.sampling._u64 import U64
 from dinfer_jax.sampling.random import _sequential_cdf
 from helpers import uncertifiable_rows
@@ -152,15 +152,16 @@ def _i64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-@pytest.mark.parametrize("method", ["auto", "exact", "binade"])
-def test_random_sampling_matches_ref_small_vocab(refs, method: str) -> None:
-    """2048 rows x V=1024 of mixed distributions, both RNG cases: identical tokens to the reference."""
+@pytest.mark.parametrize("method,prefix", [("auto", "xla"), ("auto", "blocked"), ("exact", None), ("binade", None)])
+def test_random_sampling_matches_ref_small_vocab(refs, method: str, prefix: str | None) -> None:
+    """2048 rows x V=1024 of mixed distributions, both RNG cases: identical tokens to the reference (``auto``'s
+    certified search with either form of its prefix sums)."""
     rng = np.random.default_rng(1)
     n, v = 2048, 1024
     probs = _prob_rows(rng, n, v)
     seeds, pos = _seeds(rng, n), _positions(rng, n)
     for nextn in (False, True):
-        ours = np.asarray(random_sampling(probs, seeds, pos, nextn, method=method))
+        ours = np.asarray(random_sampling(probs, seeds, pos, nextn, method=method, prefix=prefix))
         np.testing.assert_array_equal(ours, _ref_tokens(refs, probs, seeds, pos, nextn))
         assert (probs[np.arange(n), ours] > 0).all()
 
@@ -174,6 +175,7 @@ def test_random_sampling_matches_ref_full_vocab(refs) -> None:
     seeds, pos = _seeds(rng, n), _positions(rng, n)
     ref0 = _ref_tokens(refs, probs, seeds, pos, False)
     np.testing.assert_array_equal(np.asarray(random_sampling(probs, seeds, pos, False)), ref0)
+    np.testing.assert_array_equal(np.asarray(random_sampling(probs, seeds, pos, False, prefix="blocked")), ref0)
     np.testing.assert_array_equal(np.asarray(random_sampling(probs, seeds, pos, False, method="exact")), ref0)
     np.testing.assert_array_equal(np.asarray(random_sampling(probs, seeds, pos, False, method="binade")), ref0)
 
@@ -274,8 +276,10 @@ def test_certificate_declines_rows_where_exact_real_sums_mislead(refs, fallback:
     mix = np.concatenate([probs, _prob_rows(rng, 20, v)])
     mseeds, mpos = np.concatenate([seeds, _seeds(rng, 20)]), np.concatenate([poss, _positions(rng, 20)])
     k = uniform_u53(seeds_to_u64(mseeds), jnp.asarray(mpos), 0)
-    _, cert = jax.jit(certified_search)(jax.lax.bitcast_convert_type(jnp.asarray(mix), jnp.uint32), k)
-    assert not np.asarray(cert)[: len(probs)].any()
+    for prefix in PREFIX_SUMS:
+        _, cert = jax.jit(certified_search, static_argnums=2)(
+            jax.lax.bitcast_convert_type(jnp.asarray(mix), jnp.uint32), k, prefix)
+        assert not np.asarray(cert)[: len(probs)].any(), prefix
     mref = _ref_tokens(refs, mix, mseeds, mpos)
     np.testing.assert_array_equal(np.asarray(random_sampling(mix, mseeds, mpos, fallback=fallback)), mref)
     method = "exact" if fallback == "scan" else "binade"

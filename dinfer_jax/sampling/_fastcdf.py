@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from ._scan import cumsum_f32, cumsum_u32
 from ._u64 import U32, U64, shl32, shr32, u32
 
 R_BITS = 60
+PREFIX_SUMS = ("xla", "blocked")
 
 
 def limb_width(vocab: int) -> int:
@@ -111,12 +113,15 @@ def _limbs_to_f32(limbs: list[jnp.ndarray], w: int) -> jnp.ndarray:
     return acc
 
 
-def certified_search(bits: jnp.ndarray, k: U64) -> tuple[jnp.ndarray, jnp.ndarray]:
+def certified_search(bits: jnp.ndarray, k: U64, prefix: str = "xla") -> tuple[jnp.ndarray, jnp.ndarray]:
     """Vocabulary-parallel CDF inversion with a correctness certificate.
 
     Args:
         bits: [N, V] uint32, raw bits of fp32 probabilities (sign bit set = read as 0).
         k: [N] U64, the 53-bit uniform integers (u = k * 2**-53).
+        prefix: how the row prefix sums are computed: ``"xla"`` (``jnp.cumsum``) or ``"blocked"`` (block products,
+            :mod:`._scan`; the integer sums are the same bits, the fp32 bound sum is another order, which the bound
+            allows). Speed only: a certified answer is torch's either way.
     Returns:
         (idx [N] int32, certified [N] bool): where ``certified``, ``idx`` equals the first j with
         ``S_j > fl64(u * S_{V-1})`` for torch's sequential fp64 prefix sums ``S`` (see module docstring).
@@ -143,7 +148,11 @@ def certified_search(bits: jnp.ndarray, k: U64) -> tuple[jnp.ndarray, jnp.ndarra
     f = U64(f_hi, f_lo)
 
     # exact fixed-point prefix sums That_j, in limbs (top limb wide)
-    that = _renorm([jnp.cumsum(l, axis=1, dtype=U32) for l in _to_limbs64(f, w, nl)], w)
+    if prefix not in PREFIX_SUMS:
+        raise ValueError(f"prefix must be one of {PREFIX_SUMS}, got {prefix!r}")
+    int_cumsum = (lambda a: jnp.cumsum(a, axis=-1, dtype=U32)) if prefix == "xla" else cumsum_u32
+    f32_cumsum = (lambda a: jnp.cumsum(a, axis=-1)) if prefix == "xla" else cumsum_f32
+    that = _renorm(list(int_cumsum(jnp.stack(_to_limbs64(f, w, nl)))), w)
 
     # target that = floor(k * That_{V-1} / 2**53)
     tot = _renorm([l[:, -1] for l in that], w, extra=-(-32 // w))
@@ -178,7 +187,7 @@ def certified_search(bits: jnp.ndarray, k: U64) -> tuple[jnp.ndarray, jnp.ndarra
     that_f = (_limbs_to_f32(that, w) + j1) * up  # >= T_j / eps
     f_f = (f.hi.astype(f32) * f32(2.0**32) + f.lo.astype(f32) + 1.0) * up  # >= p_i / eps
     term = jnp.minimum(f_f, that_f * f32(2.0**-53 * (1.0 + 2.0**-18)))
-    bnd = jnp.cumsum(term, axis=1) * f32(1.0 + v * 2.0**-21)  # >= B_j / eps (fp32 cumsum, any order)
+    bnd = f32_cumsum(term) * f32(1.0 + v * 2.0**-21)  # >= B_j / eps (fp32 cumsum, any order)
     bt = (f32(v + 1) + bnd[:, -1] + that_f[:, -1] * f32(2.0**-52)) * up  # >= |t/eps - that|
 
     take = lambda a, i: jnp.take_along_axis(a, i[:, None], axis=1)[:, 0]  # noqa: E731

@@ -53,7 +53,7 @@ from jax import lax
 
 from . import _f64
 from ._binadecdf import binade_rows, binade_search
-from ._fastcdf import certified_search
+from ._fastcdf import PREFIX_SUMS, certified_search
 from ._u64 import U32, U64, add64, clz_limbs, const64, from_int32, mul64, shl32, shl64, shr32, shr64, u32, xor64
 
 GOLDEN_GAMMA = 0x9E3779B97F4A7C15
@@ -92,6 +92,13 @@ def default_fallback(probs: Any = None) -> str:
     (``_binadecdf.binade_search``, ~20 vocabulary-parallel passes) on accelerators, where each of the scan's
     steps is a launch (docs/perf/serving_h200.md). Both give the same tokens."""
     return "scan" if _platform(probs) == "cpu" else "binade"
+
+
+def default_prefix(probs: Any = None) -> str:
+    """How the certified search computes its row prefix sums (``_fastcdf.PREFIX_SUMS``): ``"xla"``
+    (``jnp.cumsum``) on CPU, ``"blocked"`` (block products, ``_scan``) on accelerators, where XLA's cumulative sum
+    costs ~128 additions per element per level (docs/perf/serving_h200.md). Speed only: same tokens."""
+    return "xla" if _platform(probs) == "cpu" else "blocked"
 
 
 # --- seeds ----------------------------------------------------------------------------------------------------
@@ -258,16 +265,16 @@ METHODS = ("auto", "exact", "binade")
 FALLBACKS = ("scan", "binade")
 
 
-@partial(jax.jit, static_argnames=("case", "block", "method", "fallback"))
+@partial(jax.jit, static_argnames=("case", "block", "method", "fallback", "prefix"))
 def _random_sampling_impl(probs, seed_hi, seed_lo, positions, *, case: int, block: int, method: str,
-                          fallback: str):
+                          fallback: str, prefix: str):
     k = uniform_u53(U64(seed_hi, seed_lo), positions, case)
     bits = lax.bitcast_convert_type(probs.astype(jnp.float32), U32)  # integers from here on
     if method == "exact":
         return _exact_search(bits, k, block)
     if method == "binade":
         return binade_search(bits, k)
-    idx, certified = certified_search(bits, k)
+    idx, certified = certified_search(bits, k, prefix)
 
     def exact_rows():
         exact = _exact_search(bits, k, block) if fallback == "scan" else binade_rows(bits, k, ~certified)
@@ -285,6 +292,7 @@ def random_sampling(
     method: str = "auto",
     block: int | None = None,
     fallback: str | None = None,
+    prefix: str | None = None,
 ) -> jnp.ndarray:
     """Sample one column per row of ``probs`` exactly as DeepInfer's ``random_sampling_ref``.
 
@@ -306,6 +314,8 @@ def random_sampling(
             default :func:`default_block` of the default backend.
         fallback: static; ``"auto"``'s exact emulation for uncertified rows, ``"scan"`` or ``"binade"`` (speed
             only, never the result); default :func:`default_fallback`.
+        prefix: static; the certified search's prefix sums, ``"xla"`` or ``"blocked"`` (speed only, never the
+            result); default :func:`default_prefix`.
 
     Returns:
         [N] int32 sampled column indices (0 for an all-zero row, like the reference).
@@ -322,9 +332,12 @@ def random_sampling(
     case = CASE_RESAMPLE if is_nextn_predict else CASE_SAMPLE
     block = default_block(probs) if block is None else int(block)
     fallback = default_fallback(probs) if fallback is None else fallback
+    prefix = default_prefix(probs) if prefix is None else prefix
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    if prefix not in PREFIX_SUMS:
+        raise ValueError(f"prefix must be one of {PREFIX_SUMS}, got {prefix!r}")
     return _random_sampling_impl(probs, seeds.hi, seeds.lo, positions, case=case, block=block, method=method,
-                                 fallback=fallback)
+                                 fallback=fallback, prefix=prefix)

@@ -1,0 +1,84 @@
+"""Row-wise prefix sums as small matrix products, for the draw's vocabulary-parallel passes on accelerators.
+
+``jnp.cumsum`` lowers to a ``reduce_window`` that XLA:GPU rewrites into windows of 128 elements per level, so each
+output element costs ~128 additions per level; over a [64, 129280] row block the certified search's five prefix sums
+dominated the sampled step's draw (docs/perf/serving_h200.md, 2026-12-07). Here a row is cut into blocks of
+``BLOCK`` columns; the inclusive sums inside a block are one product with a triangular 0/1 matrix, and the block
+totals are summed the same way, recursively, then added back.
+
+Exactness:
+
+* ``cumsum_u32``: the uint32 values are split into 16-bit halves; a block's sum of halves is < 2**16 * 128 = 2**23,
+  an integer that fp32 holds exactly, and every partial sum on the way is such an integer, so the fp32 product at
+  ``Precision.HIGHEST`` (true fp32 accumulation; never TF32 or bf16 passes) is exact in any order. The halves'
+  sums recombine with wrapping uint32 arithmetic: the result equals ``jnp.cumsum(x, axis=1, dtype=uint32)`` bit for
+  bit (both are the prefix sums mod 2**32).
+* ``cumsum_f32``: every output is a sum of its inputs in *some* order with fp32 rounding at each addition (the
+  triangular factors are exactly 0 or 1), which is all the certified search's error bound assumes of its fp32
+  prefix sum (``_fastcdf``: any order). It is not bit-equal to ``jnp.cumsum``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from ._u64 import U32, shl32, u32
+
+BLOCK = 128
+
+
+def _block_sums(x: jnp.ndarray) -> jnp.ndarray:
+    """Inclusive sums inside consecutive blocks of ``BLOCK`` columns. ``x``: [..., n·BLOCK] float32 whose block
+    partial sums are exact or may round (see the module docstring). Returns the same shape."""
+    lead, v = x.shape[:-1], x.shape[-1]
+    tri = jnp.triu(jnp.ones((BLOCK, BLOCK), jnp.float32))   # tri[i, j] = 1 for i <= j: column j sums rows 0..j
+    blocks = x.reshape(-1, BLOCK)
+    out = lax.dot(blocks, tri, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return out.reshape(*lead, v)
+
+
+def _pad(x: jnp.ndarray) -> jnp.ndarray:
+    pad = -x.shape[-1] % BLOCK
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
+
+
+def _exclusive(totals: jnp.ndarray, incl) -> jnp.ndarray:
+    """The exclusive prefix of block totals ``[..., nb]`` from ``incl`` (an inclusive prefix-sum function)."""
+    shifted = jnp.concatenate([jnp.zeros_like(totals[..., :1]), totals[..., :-1]], axis=-1)
+    return incl(shifted)
+
+
+def cumsum_u32(x: jnp.ndarray) -> jnp.ndarray:
+    """Inclusive prefix sums along the last axis of uint32 ``x`` [..., V], wrapping mod 2**32: bit-equal to
+    ``jnp.cumsum(x, axis=-1, dtype=jnp.uint32)``."""
+    x = x.astype(U32)
+    v = x.shape[-1]
+    if v <= 1:
+        return x
+    xp = _pad(x)
+    halves = jnp.stack([xp & u32(0xFFFF), xp >> u32(16)]).astype(jnp.float32)   # [2, ..., V'] values < 2**16
+    sums = _block_sums(halves).astype(U32)                                        # exact integers < 2**23
+    within = sums[0] + shl32(sums[1], 16)                                         # mod 2**32
+    nb = xp.shape[-1] // BLOCK
+    blocked = within.reshape(*xp.shape[:-1], nb, BLOCK)
+    if nb > 1:
+        offsets = _exclusive(blocked[..., -1], cumsum_u32)
+        blocked = blocked + offsets[..., None]
+    return blocked.reshape(xp.shape)[..., :v]
+
+
+def cumsum_f32(x: jnp.ndarray) -> jnp.ndarray:
+    """Inclusive prefix sums along the last axis of float32 ``x`` [..., V], each a sum of its inputs in some order
+    with fp32 rounding (not bit-equal to ``jnp.cumsum``)."""
+    x = x.astype(jnp.float32)
+    v = x.shape[-1]
+    if v <= 1:
+        return x
+    xp = _pad(x)
+    nb = xp.shape[-1] // BLOCK
+    blocked = _block_sums(xp).reshape(*xp.shape[:-1], nb, BLOCK)
+    if nb > 1:
+        offsets = _exclusive(blocked[..., -1], cumsum_f32)
+        blocked = blocked + offsets[..., None]
+    return blocked.reshape(xp.shape)[..., :v]

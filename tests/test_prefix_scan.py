@@ -1,0 +1,79 @@
+"""Row prefix sums as block products (``dinfer_jax.sampling._scan``), the certified draw's form on accelerators.
+
+``cumsum_u32`` must equal numpy's wrapping uint32 cumulative sum bit for bit (values up to 2**32 - 1, so sums wrap;
+row lengths below, at and across the 128-column block, and the vocabulary's 129,280, which recurses twice).
+``cumsum_f32`` need only be *a* sum of each prefix in some order with fp32 rounding — what the certified search's
+error bound assumes — so it is checked against the float64 prefix sums with the worst-case bound of any summation
+order of non-negative terms, ``|error_j| <= j * 2**-24 * S_j`` (first order; ``j <= V`` here keeps it tight), and
+against a deliberately wrong form (a missing block offset) the check must fail.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dinfer_jax.sampling._fastcdf import certified_search
+from dinfer_jax.sampling._scan import BLOCK, cumsum_f32, cumsum_u32
+from dinfer_jax.sampling.random import seeds_to_u64, uniform_u53
+
+SHAPES = [(3, 1), (3, 2), (2, BLOCK - 1), (2, BLOCK), (2, BLOCK + 1), (3, BLOCK * BLOCK + 5), (2, 129280)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_u32_prefix_sums_are_numpys_bit_for_bit(shape) -> None:
+    rng = np.random.default_rng(shape[1])
+    x = rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32)
+    x[0, : shape[1] // 2] = 0xFFFFFFFF                     # wraps at nearly every step
+    got = np.asarray(jax.jit(cumsum_u32)(x))
+    np.testing.assert_array_equal(got, np.cumsum(x, axis=1, dtype=np.uint32))
+    # leading axes of any rank (the certified search stacks its limbs)
+    x3 = x[None].repeat(2, axis=0)
+    np.testing.assert_array_equal(np.asarray(jax.jit(cumsum_u32)(x3))[1], np.cumsum(x, axis=1, dtype=np.uint32))
+
+
+def _within_any_order_bound(got: np.ndarray, x: np.ndarray) -> bool:
+    exact = np.cumsum(x.astype(np.float64), axis=1)
+    j = np.arange(1, x.shape[1] + 1)[None, :]
+    return bool((np.abs(got - exact) <= j * 2.0**-24 * exact * (1 + 2.0**-20) + 1e-300).all())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_f32_prefix_sums_are_a_summation_order(shape) -> None:
+    rng = np.random.default_rng(shape[1] + 1)
+    x = (rng.random(shape) * np.exp(rng.normal(0, 8, shape))).astype(np.float32)
+    x[:, ::7] = 0.0
+    got = np.asarray(jax.jit(cumsum_f32)(x), np.float64)
+    assert _within_any_order_bound(got, x)
+    if shape[1] > BLOCK:   # the check can fail: drop the second block's offset
+        bad = got.copy()
+        bad[:, BLOCK: 2 * BLOCK] -= got[:, BLOCK - 1: BLOCK]
+        assert not _within_any_order_bound(bad, x)
+
+
+def test_certified_search_gives_the_same_answers_with_block_products() -> None:
+    """Flat and peaked rows at the full vocabulary: the two prefix-sum forms certify the same rows here and give
+    the same index on every row both certify (the integer sums are the same bits; only the fp32 bound differs)."""
+    rng = np.random.default_rng(5)
+    n, v = 16, 129280
+    logits = rng.standard_normal((n, v)) * np.linspace(0.5, 8, n)[:, None]
+    probs = np.exp(logits - logits.max(1, keepdims=True)).astype(np.float32)
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(probs), jnp.uint32)
+    k = uniform_u53(seeds_to_u64(rng.integers(0, 2**63, n, dtype=np.uint64)), jnp.arange(n, dtype=jnp.int32), 0)
+    search = jax.jit(certified_search, static_argnums=2)
+    idx_x, cert_x = (np.asarray(a) for a in search(bits, k, "xla"))
+    idx_b, cert_b = (np.asarray(a) for a in search(bits, k, "blocked"))
+    assert cert_x.all() and cert_b.all()
+    np.testing.assert_array_equal(idx_b, idx_x)
+    # and the answer is the first index whose float64 prefix sum exceeds u * total (no near-boundary rows here)
+    u = (np.asarray(k.hi, np.float64) * 2.0**32 + np.asarray(k.lo, np.float64)) * 2.0**-53
+    cdf = np.cumsum(probs.astype(np.float64), axis=1)
+    np.testing.assert_array_equal(idx_b, (cdf > (u * cdf[:, -1])[:, None]).argmax(1))
+
+
+def test_unknown_prefix_form_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefix must be one of"):
+        certified_search(jnp.zeros((1, 4), jnp.uint32), uniform_u53(seeds_to_u64(np.zeros(1, np.uint64)),
+                                                                      jnp.zeros(1, jnp.int32), 0), "cub")
