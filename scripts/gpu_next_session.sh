@@ -5,7 +5,11 @@
 # decode-pace interval, always index 94 of 126, in every temperature-1 run (five runs, CUDA_MODULE_LOADING lazy or
 # eager, command buffers or not; no compilation after warm-up), while the medians were 8.0 ms sampled against
 # 9.2-9.7 ms greedy on that card (serving_h200.md, seventh session)):
-#   00. STAGE=draw (any card; eighth session of 2026-12-06): the 233 ms interval was the draw's exact scan (STAGE=stall
+#   000. STAGE=prefix (any card; first session of 2026-12-07, which ran STAGE=draw on an H100: one unprovable row
+#      +0.5-0.8 ms, interval 94 11.4 ms, but the certified draw itself 1.63 ms of the sampled batch-64 step): the
+#      certified search's prefix sums as block products (sampling/_scan.py) — exact on the GPU, the draw against the
+#      jnp.cumsum form, the sampled and greedy pace (serving_h200.md, first session of 2026-12-07);
+#   00. (done: serving_h200.md, first session of 2026-12-07) STAGE=draw (any card; eighth session of 2026-12-06): the 233 ms interval was the draw's exact scan (STAGE=stall
 #      found no long kernel and no collection; the fallback through binade passes over all 64 rows cut it to 17.9 ms
 #      on an H200) — the binade tests on the GPU, bench_draw.py (the compacted fallback, binade_rows), and the
 #      sampled and greedy decode pace on one machine (docs/perf/serving_h200.md, eighth session);
