@@ -20,6 +20,8 @@ Exactness:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -49,36 +51,36 @@ def _exclusive(totals: jnp.ndarray, incl) -> jnp.ndarray:
     return incl(shifted)
 
 
-def cumsum_u32(x: jnp.ndarray) -> jnp.ndarray:
-    """Inclusive prefix sums along the last axis of uint32 ``x`` [..., V], wrapping mod 2**32: bit-equal to
-    ``jnp.cumsum(x, axis=-1, dtype=jnp.uint32)``."""
-    x = x.astype(U32)
+def _blocked_scan(x: jnp.ndarray, within: Callable[[jnp.ndarray], jnp.ndarray],
+                  recurse: Callable[[jnp.ndarray], jnp.ndarray]) -> jnp.ndarray:
+    """Inclusive prefix sums along the last axis of ``x`` [..., V]: ``within`` gives the sums inside each block of a
+    padded [..., V'] array (same shape and dtype), ``recurse`` the inclusive prefix of the block totals [..., nb]."""
     v = x.shape[-1]
     if v <= 1:
         return x
     xp = _pad(x)
-    halves = jnp.stack([xp & u32(0xFFFF), xp >> u32(16)]).astype(jnp.float32)   # [2, ..., V'] values < 2**16
-    sums = _block_sums(halves).astype(U32)                                        # exact integers < 2**23
-    within = sums[0] + shl32(sums[1], 16)                                         # mod 2**32
     nb = xp.shape[-1] // BLOCK
-    blocked = within.reshape(*xp.shape[:-1], nb, BLOCK)
+    blocked = within(xp).reshape(*xp.shape[:-1], nb, BLOCK)
     if nb > 1:
-        offsets = _exclusive(blocked[..., -1], cumsum_u32)
+        offsets = _exclusive(blocked[..., -1], recurse)
         blocked = blocked + offsets[..., None]
     return blocked.reshape(xp.shape)[..., :v]
+
+
+def _u32_block_sums(xp: jnp.ndarray) -> jnp.ndarray:
+    """Wrapping uint32 sums inside blocks, exact: 16-bit halves summed in fp32 (integers < 2**23), recombined."""
+    halves = jnp.stack([xp & u32(0xFFFF), xp >> u32(16)]).astype(jnp.float32)   # [2, ..., V'] values < 2**16
+    sums = _block_sums(halves).astype(U32)                                        # exact integers < 2**23
+    return sums[0] + shl32(sums[1], 16)                                           # mod 2**32
+
+
+def cumsum_u32(x: jnp.ndarray) -> jnp.ndarray:
+    """Inclusive prefix sums along the last axis of uint32 ``x`` [..., V], wrapping mod 2**32: bit-equal to
+    ``jnp.cumsum(x, axis=-1, dtype=jnp.uint32)``."""
+    return _blocked_scan(x.astype(U32), _u32_block_sums, cumsum_u32)
 
 
 def cumsum_f32(x: jnp.ndarray) -> jnp.ndarray:
     """Inclusive prefix sums along the last axis of float32 ``x`` [..., V], each a sum of its inputs in some order
     with fp32 rounding (not bit-equal to ``jnp.cumsum``)."""
-    x = x.astype(jnp.float32)
-    v = x.shape[-1]
-    if v <= 1:
-        return x
-    xp = _pad(x)
-    nb = xp.shape[-1] // BLOCK
-    blocked = _block_sums(xp).reshape(*xp.shape[:-1], nb, BLOCK)
-    if nb > 1:
-        offsets = _exclusive(blocked[..., -1], cumsum_f32)
-        blocked = blocked + offsets[..., None]
-    return blocked.reshape(xp.shape)[..., :v]
+    return _blocked_scan(x.astype(jnp.float32), _block_sums, cumsum_f32)
