@@ -7,14 +7,16 @@ sum). What is timed (wall milliseconds of the jitted call, mean of 5 after a war
 read by the host included), per batch:
 
 * ``auto, all certified``: flat rows (standard normal logits, what a random-weight model gives), no fallback —
-  with the platform's prefix sums (``random.default_prefix``: block products on accelerators) and with
-  ``jnp.cumsum`` (the form before 2026-12-07);
+  with ``jnp.cumsum`` prefix sums (the default) and with block products (``prefix="blocked"``, ``sampling/_scan``;
+  slower on an H200, docs/perf/serving_h200.md, second session of 2026-12-07);
 * ``auto + scan`` / ``auto + binade``: the same rows with row 0 replaced by one the certificate cannot prove
   (``tests/helpers.uncertifiable_rows`` at full width), so the fallback runs, through each exact path (the binade
   fallback compacts the uncertified rows and processes 8 at a time: ``_binadecdf.binade_rows``);
 * ``exact scan`` / ``binade``: every row through that exact path (flat rows: ~18 binades each).
 
-``same``: every variant returned the same tokens. ``python scripts/bench_draw.py [--batches 1 64] [--out DIR]``;
+``same``: every variant returned the same tokens. ``--kernels`` (GPU only) adds, per batch, the device time of the
+default certified draw by kernel (CUPTI, median of 10 calls) against its wall time: what the 1.7 ms at batch 64 is
+made of. ``python scripts/bench_draw.py [--batches 1 64] [--kernels] [--out DIR]``;
 ``--smoke`` runs a small vocabulary on any backend (a check that the script runs, not a measurement).
 """
 
@@ -59,7 +61,7 @@ def inputs(batch: int, vocab: int, uncertified: bool):
 
 VARIANTS = {  # label: (uncertified row present, random_sampling keywords)
     "auto, all certified": (False, dict(method="auto")),
-    "auto, all certified, jnp.cumsum": (False, dict(method="auto", prefix="xla")),
+    "auto, all certified, block products": (False, dict(method="auto", prefix="blocked")),
     "auto + scan": (True, dict(method="auto", fallback="scan")),
     "auto + binade": (True, dict(method="auto", fallback="binade")),
     "exact scan": (False, dict(method="exact")),
@@ -88,6 +90,26 @@ def bench(batches, vocab: int) -> list[dict]:
     return rows
 
 
+def kernel_breakdown(batches, vocab: int, top: int = 12) -> str:
+    """The default certified draw (flat rows, no fallback) by kernel: CUPTI device ms per call against wall ms."""
+    from bench_kernels import device_times
+
+    from dinfer_jax.sampling.random import seeds_to_u64
+    out = []
+    for batch in batches:
+        probs, seeds, positions = inputs(batch, vocab, False)
+        u = seeds_to_u64(seeds)                   # split on the host: a jit argument cannot carry uint64 without x64
+        f = jax.jit(functools.partial(random_sampling, method="auto"))
+        wall = wall_ms(f, probs, (u.hi, u.lo), positions)
+        total, per = device_times(f, probs, (u.hi, u.lo), positions)
+        out += [f"batch {batch}: wall {wall:.3f} ms, device (sum of kernels) {total:.3f} ms, {len(per)} kernel names",
+                "| kernel | ms per call | share of device |", "|---|---:|---:|"]
+        for name, ms in sorted(per.items(), key=lambda kv: -kv[1])[:top]:
+            out.append(f"| `{name[:90]}` | {ms:.4f} | {ms / total:.0%} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def table(rows: list[dict]) -> str:
     labels = list(VARIANTS)
     out = ["| batch | " + " | ".join(f"{x} ms" for x in labels) + " | same |",
@@ -101,12 +123,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--smoke", action="store_true", help="vocabulary 8192, batch 4: the script runs (any backend)")
+    p.add_argument("--kernels", action="store_true", help="GPU only: the certified draw's device time by kernel")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    if args.kernels and jax.default_backend() != "gpu":
+        p.error(f"--kernels reads CUPTI and needs a GPU (backend here: {jax.default_backend()})")
     batches, vocab = ([4], 8192) if args.smoke else (args.batches, VOCAB)
     rows = bench(batches, vocab)
     md = (f"draw exact paths, V = {vocab}, {jax.devices()[0].device_kind}, jax {jax.__version__}; wall ms of the "
           f"jitted call (mean of 5)\n\n{table(rows)}\n")
+    if args.kernels:
+        md += "\n" + kernel_breakdown(batches, vocab)
     print(md)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -94,13 +94,6 @@ def default_fallback(probs: Any = None) -> str:
     return "scan" if _platform(probs) == "cpu" else "binade"
 
 
-def default_prefix(probs: Any = None) -> str:
-    """How the certified search computes its row prefix sums (``_fastcdf.PREFIX_SUMS``): ``"xla"``
-    (``jnp.cumsum``) on CPU, ``"blocked"`` (block products, ``_scan``) on accelerators, where XLA's cumulative sum
-    costs ~128 additions per element per level (docs/perf/serving_h200.md). Speed only: same tokens."""
-    return "xla" if _platform(probs) == "cpu" else "blocked"
-
-
 # --- seeds ----------------------------------------------------------------------------------------------------
 
 
@@ -292,7 +285,7 @@ def random_sampling(
     method: str = "auto",
     block: int | None = None,
     fallback: str | None = None,
-    prefix: str | None = None,
+    prefix: str = "xla",
 ) -> jnp.ndarray:
     """Sample one column per row of ``probs`` exactly as DeepInfer's ``random_sampling_ref``.
 
@@ -314,8 +307,9 @@ def random_sampling(
             default :func:`default_block` of the default backend.
         fallback: static; ``"auto"``'s exact emulation for uncertified rows, ``"scan"`` or ``"binade"`` (speed
             only, never the result); default :func:`default_fallback`.
-        prefix: static; the certified search's prefix sums, ``"xla"`` or ``"blocked"`` (speed only, never the
-            result); default :func:`default_prefix`.
+        prefix: static; the certified search's prefix sums, ``"xla"`` (``jnp.cumsum``, the default on every
+            backend) or ``"blocked"`` (block products, ``_scan``: slower on an H200 at batch 1-256,
+            docs/perf/serving_h200.md, second session of 2026-12-07); speed only, never the result.
 
     Returns:
         [N] int32 sampled column indices (0 for an all-zero row, like the reference).
@@ -332,7 +326,6 @@ def random_sampling(
     case = CASE_RESAMPLE if is_nextn_predict else CASE_SAMPLE
     block = default_block(probs) if block is None else int(block)
     fallback = default_fallback(probs) if fallback is None else fallback
-    prefix = default_prefix(probs) if prefix is None else prefix
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if fallback not in FALLBACKS:
