@@ -5,10 +5,12 @@
 # decode-pace interval, always index 94 of 126, in every temperature-1 run (five runs, CUDA_MODULE_LOADING lazy or
 # eager, command buffers or not; no compilation after warm-up), while the medians were 8.0 ms sampled against
 # 9.2-9.7 ms greedy on that card (serving_h200.md, seventh session)):
-#   000. STAGE=prefix (any card; first session of 2026-12-07, which ran STAGE=draw on an H100: one unprovable row
-#      +0.5-0.8 ms, interval 94 11.4 ms, but the certified draw itself 1.63 ms of the sampled batch-64 step): the
-#      certified search's prefix sums as block products (sampling/_scan.py) — exact on the GPU, the draw against the
-#      jnp.cumsum form, the sampled and greedy pace (serving_h200.md, first session of 2026-12-07);
+#   000. (done: serving_h200.md and attention_h200.md, second session of 2026-12-07, on an H200) STAGE=prefix —
+#      block-product prefix sums exact on the GPU but slower (default back to jnp.cumsum); the draw by kernel
+#      (bench_draw.py --kernels): half of its 0.86 ms device time at batch 64 is one reduce_window; STAGE=h200-attn
+#      and a variant sweep: 52-57% of copy at 64 queries, shared_qk 71% at 128 (issue 9's 60% still unmet). Next
+#      for both, once built on CPU: byte-split bf16 block products for the integer limbs; shared_qk with l_split=2
+#      merged inside the kernel;
 #   00. (done: serving_h200.md, first session of 2026-12-07) STAGE=draw (any card; eighth session of 2026-12-06): the 233 ms interval was the draw's exact scan (STAGE=stall
 #      found no long kernel and no collection; the fallback through binade passes over all 64 rows cut it to 17.9 ms
 #      on an H200) — the binade tests on the GPU, bench_draw.py (the compacted fallback, binade_rows), and the
