@@ -7,16 +7,17 @@ sum). What is timed (wall milliseconds of the jitted call, mean of 5 after a war
 read by the host included), per batch:
 
 * ``auto, all certified``: flat rows (standard normal logits, what a random-weight model gives), no fallback —
-  with ``jnp.cumsum`` prefix sums (the default) and with block products (``prefix="blocked"``, ``sampling/_scan``;
-  slower on an H200, docs/perf/serving_h200.md, second session of 2026-12-07);
+  with ``jnp.cumsum`` prefix sums (the default), with fp32 block products (``prefix="blocked"``, ``sampling/_scan``;
+  slower on an H200, docs/perf/serving_h200.md, second session of 2026-12-07) and with bf16 byte products for the
+  integer limbs (``prefix="bytes"``);
 * ``auto + scan`` / ``auto + binade``: the same rows with row 0 replaced by one the certificate cannot prove
   (``tests/helpers.uncertifiable_rows`` at full width), so the fallback runs, through each exact path (the binade
   fallback compacts the uncertified rows and processes 8 at a time: ``_binadecdf.binade_rows``);
 * ``exact scan`` / ``binade``: every row through that exact path (flat rows: ~18 binades each).
 
-``same``: every variant returned the same tokens. ``--kernels`` (GPU only) adds, per batch, the device time of the
-default certified draw by kernel (CUPTI, median of 10 calls) against its wall time: what the 1.7 ms at batch 64 is
-made of. ``python scripts/bench_draw.py [--batches 1 64] [--kernels] [--out DIR]``;
+``same``: every variant returned the same tokens. ``--kernels`` (GPU only) adds, per batch and prefix form (``xla``,
+``bytes``), the device time of the certified draw by kernel (CUPTI, median of 10 calls) against its wall time.
+``python scripts/bench_draw.py [--batches 1 64] [--kernels] [--out DIR]``;
 ``--smoke`` runs a small vocabulary on any backend (a check that the script runs, not a measurement).
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import sys
 import time
@@ -62,6 +64,7 @@ def inputs(batch: int, vocab: int, uncertified: bool):
 VARIANTS = {  # label: (uncertified row present, random_sampling keywords)
     "auto, all certified": (False, dict(method="auto")),
     "auto, all certified, block products": (False, dict(method="auto", prefix="blocked")),
+    "auto, all certified, byte products": (False, dict(method="auto", prefix="bytes")),
     "auto + scan": (True, dict(method="auto", fallback="scan")),
     "auto + binade": (True, dict(method="auto", fallback="binade")),
     "exact scan": (False, dict(method="exact")),
@@ -90,19 +93,21 @@ def bench(batches, vocab: int) -> list[dict]:
     return rows
 
 
-def kernel_breakdown(batches, vocab: int, top: int = 12) -> str:
-    """The default certified draw (flat rows, no fallback) by kernel: CUPTI device ms per call against wall ms."""
+def kernel_breakdown(batches, vocab: int, top: int = 12, prefixes=("xla",)) -> str:
+    """The certified draw (flat rows, no fallback) by kernel, per prefix-sum form: CUPTI device ms per call against
+    wall ms."""
     from bench_kernels import device_times
 
     from dinfer_jax.sampling.random import seeds_to_u64
     out = []
-    for batch in batches:
+    for batch, prefix in itertools.product(batches, prefixes):
         probs, seeds, positions = inputs(batch, vocab, False)
         u = seeds_to_u64(seeds)                   # split on the host: a jit argument cannot carry uint64 without x64
-        f = jax.jit(functools.partial(random_sampling, method="auto"))
+        f = jax.jit(functools.partial(random_sampling, method="auto", prefix=prefix))
         wall = wall_ms(f, probs, (u.hi, u.lo), positions)
         total, per = device_times(f, probs, (u.hi, u.lo), positions)
-        out += [f"batch {batch}: wall {wall:.3f} ms, device (sum of kernels) {total:.3f} ms, {len(per)} kernel names",
+        out += [f"batch {batch}, prefix {prefix}: wall {wall:.3f} ms, device (sum of kernels) {total:.3f} ms, "
+                f"{len(per)} kernel names",
                 "| kernel | ms per call | share of device |", "|---|---:|---:|"]
         for name, ms in sorted(per.items(), key=lambda kv: -kv[1])[:top]:
             out.append(f"| `{name[:90]}` | {ms:.4f} | {ms / total:.0%} |")
@@ -133,7 +138,7 @@ def main() -> None:
     md = (f"draw exact paths, V = {vocab}, {jax.devices()[0].device_kind}, jax {jax.__version__}; wall ms of the "
           f"jitted call (mean of 5)\n\n{table(rows)}\n")
     if args.kernels:
-        md += "\n" + kernel_breakdown(batches, vocab)
+        md += "\n" + kernel_breakdown(batches, vocab, prefixes=("xla", "bytes"))
     print(md)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,10 @@
 # decode-pace interval, always index 94 of 126, in every temperature-1 run (five runs, CUDA_MODULE_LOADING lazy or
 # eager, command buffers or not; no compilation after warm-up), while the medians were 8.0 ms sampled against
 # 9.2-9.7 ms greedy on that card (serving_h200.md, seventh session)):
+#   0000. STAGE=prefix2 (any card): the integer limbs' prefix sums as bf16 byte products on tensor cores
+#      (prefix="bytes", sampling/_scan.cumsum_u16; built on CPU in the second session of 2026-12-07, after CUPTI
+#      showed half of the certified draw's 0.86 ms at batch 64 is one reduce_window): exactness on the GPU, then
+#      bench_draw.py with --kernels (the xla and bytes forms by kernel). If bytes wins, make it the accelerator default;
 #   000. (done: serving_h200.md and attention_h200.md, second session of 2026-12-07, on an H200) STAGE=prefix —
 #      block-product prefix sums exact on the GPU but slower (default back to jnp.cumsum); the draw by kernel
 #      (bench_draw.py --kernels): half of its 0.86 ms device time at batch 64 is one reduce_window; STAGE=h200-attn
@@ -102,7 +106,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -318,6 +322,14 @@ case "${STAGE:?set STAGE to prefix, draw, stall, paced, cmdbuf, spec-dispatch, s
     cd scripts && for T in 1.0 0; do timeout 150 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 \
         --batch 64 $C --temperature $T --gc freeze --out "$OUT/prefix_paced_$T" 2>&1 | quiet \
         | grep "^| 4 \|Error\|^decode pace\|^longest" | sed "s/^/[T=$T] /"; done ;;
+  prefix2)
+    # issue 8: the certified draw's integer prefix sums as bf16 byte products (second session of 2026-12-07)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_scan.py 2>&1 | grep "^E \|passed\|failed" \
+      | head -10
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampling_gpu.py 2>&1 \
+      | grep "^E \|passed\|failed" | head -10
+    timeout 300 python3 scripts/bench_draw.py --batches 1 64 256 --kernels --out "$OUT/draw" 2>&1 | quiet \
+      | grep "^|\|^batch" ;;
   draw)
     # issue 8: the draw's exact fallback through binade passes (eighth session of 2026-12-06: the stall was the
     # 16K-step exact scan): its tests on the GPU, the exact paths timed (scripts/bench_draw.py), then the sampled

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dinfer_jax.sampling._fastcdf import certified_search
-from dinfer_jax.sampling._scan import BLOCK, cumsum_f32, cumsum_u32
+from dinfer_jax.sampling._scan import BLOCK, cumsum_f32, cumsum_u16, cumsum_u32
 from dinfer_jax.sampling.random import seeds_to_u64, uniform_u53
 
 SHAPES = [(3, 1), (3, 2), (2, BLOCK - 1), (2, BLOCK), (2, BLOCK + 1), (3, BLOCK * BLOCK + 5), (2, 129280)]
@@ -32,6 +32,23 @@ def test_u32_prefix_sums_are_numpys_bit_for_bit(shape) -> None:
     # leading axes of any rank (the certified search stacks its limbs)
     x3 = x[None].repeat(2, axis=0)
     np.testing.assert_array_equal(np.asarray(jax.jit(cumsum_u32)(x3))[1], np.cumsum(x, axis=1, dtype=np.uint32))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_u16_byte_products_are_numpys_bit_for_bit_below_2_16(shape) -> None:
+    """The bf16 byte form: exact for values below 2**16 (the certified search's limbs are below 2**15), half of a
+    row at the largest, 0xFFFF (the widest rows' sums wrap past 2**32); a value of 2**16 or more makes it differ
+    (its bits from 16 up are not summed), so the range is the contract."""
+    rng = np.random.default_rng(shape[1] + 7)
+    x = rng.integers(0, 2**16, shape, dtype=np.uint64).astype(np.uint32)
+    x[0, : shape[1] // 2] = 0xFFFF
+    want = np.cumsum(x, axis=1, dtype=np.uint32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(cumsum_u16)(x)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(cumsum_u16)(x[None].repeat(2, axis=0)))[1], want)
+    if shape[1] >= 2:
+        big = x.copy()
+        big[:, 0] = 0x1FF01        # bit 16 set: outside the byte form's range
+        assert not np.array_equal(np.asarray(jax.jit(cumsum_u16)(big)), np.cumsum(big, axis=1, dtype=np.uint32))
 
 
 def _within_any_order_bound(got: np.ndarray, x: np.ndarray) -> bool:
@@ -65,8 +82,11 @@ def test_certified_search_gives_the_same_answers_with_block_products() -> None:
     search = jax.jit(certified_search, static_argnums=2)
     idx_x, cert_x = (np.asarray(a) for a in search(bits, k, "xla"))
     idx_b, cert_b = (np.asarray(a) for a in search(bits, k, "blocked"))
+    idx_y, cert_y = (np.asarray(a) for a in search(bits, k, "bytes"))
     assert cert_x.all() and cert_b.all()
     np.testing.assert_array_equal(idx_b, idx_x)
+    np.testing.assert_array_equal(cert_y, cert_x)     # the byte form's bound is jnp.cumsum's: the same bits
+    np.testing.assert_array_equal(idx_y, idx_x)
     # and the answer is the first index whose float64 prefix sum exceeds u * total (no near-boundary rows here)
     u = (np.asarray(k.hi, np.float64) * 2.0**32 + np.asarray(k.lo, np.float64)) * 2.0**-53
     cdf = np.cumsum(probs.astype(np.float64), axis=1)

@@ -152,7 +152,8 @@ def _i64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-@pytest.mark.parametrize("method,prefix", [("auto", "xla"), ("auto", "blocked"), ("exact", "xla"), ("binade", "xla")])
+@pytest.mark.parametrize("method,prefix", [("auto", "xla"), ("auto", "blocked"), ("auto", "bytes"), ("exact", "xla"),
+                                           ("binade", "xla")])
 def test_random_sampling_matches_ref_small_vocab(refs, method: str, prefix: str) -> None:
     """2048 rows x V=1024 of mixed distributions, both RNG cases: identical tokens to the reference (``auto``'s
     certified search with either form of its prefix sums)."""

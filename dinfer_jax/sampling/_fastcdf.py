@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ._scan import cumsum_f32, cumsum_u32
+from ._scan import cumsum_f32, cumsum_u16, cumsum_u32
 from ._u64 import U32, U64, shl32, shr32, u32
 
 R_BITS = 60
-PREFIX_SUMS = ("xla", "blocked")
+PREFIX_SUMS = ("xla", "blocked", "bytes")
 
 
 def limb_width(vocab: int) -> int:
@@ -119,9 +119,10 @@ def certified_search(bits: jnp.ndarray, k: U64, prefix: str = "xla") -> tuple[jn
     Args:
         bits: [N, V] uint32, raw bits of fp32 probabilities (sign bit set = read as 0).
         k: [N] U64, the 53-bit uniform integers (u = k * 2**-53).
-        prefix: how the row prefix sums are computed: ``"xla"`` (``jnp.cumsum``) or ``"blocked"`` (block products,
-            :mod:`._scan`; the integer sums are the same bits, the fp32 bound sum is another order, which the bound
-            allows). Speed only: a certified answer is torch's either way.
+        prefix: how the row prefix sums are computed: ``"xla"`` (``jnp.cumsum``), ``"blocked"`` (fp32 block
+            products, :mod:`._scan`; the integer sums are the same bits, the fp32 bound sum is another order, which
+            the bound allows) or ``"bytes"`` (the integer limbs as bf16 byte products, ``_scan.cumsum_u16``; the
+            fp32 bound by ``jnp.cumsum``). Speed only: a certified answer is torch's either way.
     Returns:
         (idx [N] int32, certified [N] bool): where ``certified``, ``idx`` equals the first j with
         ``S_j > fl64(u * S_{V-1})`` for torch's sequential fp64 prefix sums ``S`` (see module docstring).
@@ -150,8 +151,10 @@ def certified_search(bits: jnp.ndarray, k: U64, prefix: str = "xla") -> tuple[jn
     # exact fixed-point prefix sums That_j, in limbs (top limb wide)
     if prefix not in PREFIX_SUMS:
         raise ValueError(f"prefix must be one of {PREFIX_SUMS}, got {prefix!r}")
-    int_cumsum = (lambda a: jnp.cumsum(a, axis=-1, dtype=U32)) if prefix == "xla" else cumsum_u32
-    f32_cumsum = (lambda a: jnp.cumsum(a, axis=-1)) if prefix == "xla" else cumsum_f32
+    # the limbs are below 2**w <= 2**15 (f < 2**R_BITS = 2**(w * nl)), as cumsum_u16 requires
+    int_cumsum = {"xla": lambda a: jnp.cumsum(a, axis=-1, dtype=U32), "blocked": cumsum_u32,
+                  "bytes": cumsum_u16}[prefix]
+    f32_cumsum = cumsum_f32 if prefix == "blocked" else (lambda a: jnp.cumsum(a, axis=-1))
     that = _renorm(list(int_cumsum(jnp.stack(_to_limbs64(f, w, nl)))), w)
 
     # target that = floor(k * That_{V-1} / 2**53)

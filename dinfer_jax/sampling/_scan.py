@@ -8,6 +8,11 @@ like the cost of the certified search's five prefix sums over a [64, 129280] row
 whole certified draw (1.84 against 1.66 ms at batch 64; 0.90 against 0.57 ms at batch 1), so they are an option
 (``random_sampling(..., prefix="blocked")``), exact on the GPU too, not the default.
 
+``cumsum_u16`` is the tensor-core form of the integer case for values below 2**16 (the certified search's 15-bit
+limbs): each value split into two bytes, integers below 256 that bf16 holds exactly, the block products taken in
+bf16 with fp32 accumulation (every partial sum an integer below 2**15, exact in fp32), the block totals summed by
+``jnp.cumsum`` (a ``[..., V / 128]`` array). Not yet measured on a GPU.
+
 Exactness:
 
 * ``cumsum_u32``: the uint32 values are split into 16-bit halves; a block's sum of halves is < 2**16 * 128 = 2**23,
@@ -15,6 +20,8 @@ Exactness:
   ``Precision.HIGHEST`` (true fp32 accumulation; never TF32 or bf16 passes) is exact in any order. The halves'
   sums recombine with wrapping uint32 arithmetic: the result equals ``jnp.cumsum(x, axis=1, dtype=uint32)`` bit for
   bit (both are the prefix sums mod 2**32).
+* ``cumsum_u16``: bit-equal to ``jnp.cumsum(x, axis=-1, dtype=uint32)`` *only* for values below 2**16 (bits from
+  16 up are not summed); the caller guarantees the range.
 * ``cumsum_f32``: every output is a sum of its inputs in *some* order with fp32 rounding at each addition (the
   triangular factors are exactly 0 or 1), which is all the certified search's error bound assumes of its fp32
   prefix sum (``_fastcdf``: any order). It is not bit-equal to ``jnp.cumsum``.
@@ -86,3 +93,20 @@ def cumsum_f32(x: jnp.ndarray) -> jnp.ndarray:
     """Inclusive prefix sums along the last axis of float32 ``x`` [..., V], each a sum of its inputs in some order
     with fp32 rounding (not bit-equal to ``jnp.cumsum``)."""
     return _blocked_scan(x.astype(jnp.float32), _block_sums, cumsum_f32)
+
+
+def _u16_block_sums(xp: jnp.ndarray) -> jnp.ndarray:
+    """Sums inside blocks of uint32 values below 2**16, exact: the two bytes as bf16 (integers < 256), products with
+    the 0/1 triangle accumulated in fp32 (integers < 2**15), recombined as uint32."""
+    tri = jnp.triu(jnp.ones((BLOCK, BLOCK), jnp.bfloat16))
+    bytes_ = jnp.stack([xp & u32(0xFF), (xp >> u32(8)) & u32(0xFF)]).astype(jnp.bfloat16)   # [2, ..., V']
+    sums = lax.dot(bytes_.reshape(-1, BLOCK), tri, preferred_element_type=jnp.float32)
+    sums = sums.reshape(bytes_.shape).astype(U32)
+    return sums[0] + (sums[1] << u32(8))
+
+
+def cumsum_u16(x: jnp.ndarray) -> jnp.ndarray:
+    """Inclusive prefix sums along the last axis of uint32 ``x`` [..., V] whose values are all below 2**16 (not
+    checked: a traced value cannot be), wrapping mod 2**32: then bit-equal to ``jnp.cumsum(x, axis=-1,
+    dtype=jnp.uint32)``."""
+    return _blocked_scan(x.astype(U32), _u16_block_sums, lambda t: jnp.cumsum(t, axis=-1, dtype=U32))

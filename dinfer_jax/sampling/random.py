@@ -308,8 +308,9 @@ def random_sampling(
         fallback: static; ``"auto"``'s exact emulation for uncertified rows, ``"scan"`` or ``"binade"`` (speed
             only, never the result); default :func:`default_fallback`.
         prefix: static; the certified search's prefix sums, ``"xla"`` (``jnp.cumsum``, the default on every
-            backend) or ``"blocked"`` (block products, ``_scan``: slower on an H200 at batch 1-256,
-            docs/perf/serving_h200.md, second session of 2026-12-07); speed only, never the result.
+            backend), ``"blocked"`` (fp32 block products, ``_scan``: slower on an H200 at batch 1-256,
+            docs/perf/serving_h200.md, second session of 2026-12-07) or ``"bytes"`` (bf16 byte products for the
+            integer limbs, not yet measured on a GPU); speed only, never the result.
 
     Returns:
         [N] int32 sampled column indices (0 for an all-zero row, like the reference).
