@@ -151,7 +151,7 @@ def certified_search(bits: jnp.ndarray, k: U64, prefix: str = "xla") -> tuple[jn
     # exact fixed-point prefix sums That_j, in limbs (top limb wide)
     if prefix not in PREFIX_SUMS:
         raise ValueError(f"prefix must be one of {PREFIX_SUMS}, got {prefix!r}")
-    # the limbs are below 2**w <= 2**15 (f < 2**R_BITS = 2**(w * nl)), as cumsum_u16 requires
+    # every limb is masked to w <= 15 bits (_to_limbs64), below the 2**16 that cumsum_u16 requires
     int_cumsum = {"xla": lambda a: jnp.cumsum(a, axis=-1, dtype=U32), "blocked": cumsum_u32,
                   "bytes": cumsum_u16}[prefix]
     f32_cumsum = cumsum_f32 if prefix == "blocked" else (lambda a: jnp.cumsum(a, axis=-1))
