@@ -40,12 +40,14 @@ BLOCK = 128
 
 
 def _block_sums(x: jnp.ndarray) -> jnp.ndarray:
-    """Inclusive sums inside consecutive blocks of ``BLOCK`` columns. ``x``: [..., n·BLOCK] float32 whose block
-    partial sums are exact or may round (see the module docstring). Returns the same shape."""
+    """Inclusive sums inside consecutive blocks of ``BLOCK`` columns. ``x``: [..., n·BLOCK] float32 (products at
+    ``HIGHEST``) or bfloat16 (integers below 256), whose block partial sums are exact or may round (see the module
+    docstring). Returns the same shape, float32."""
     lead, v = x.shape[:-1], x.shape[-1]
-    tri = jnp.triu(jnp.ones((BLOCK, BLOCK), jnp.float32))   # tri[i, j] = 1 for i <= j: column j sums rows 0..j
+    tri = jnp.triu(jnp.ones((BLOCK, BLOCK), x.dtype))   # tri[i, j] = 1 for i <= j: column j sums rows 0..j
     blocks = x.reshape(-1, BLOCK)
-    out = lax.dot(blocks, tri, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    out = lax.dot(blocks, tri, precision=precision, preferred_element_type=jnp.float32)
     return out.reshape(*lead, v)
 
 
@@ -98,10 +100,8 @@ def cumsum_f32(x: jnp.ndarray) -> jnp.ndarray:
 def _u16_block_sums(xp: jnp.ndarray) -> jnp.ndarray:
     """Sums inside blocks of uint32 values below 2**16, exact: the two bytes as bf16 (integers < 256), products with
     the 0/1 triangle accumulated in fp32 (integers < 2**15), recombined as uint32."""
-    tri = jnp.triu(jnp.ones((BLOCK, BLOCK), jnp.bfloat16))
     bytes_ = jnp.stack([xp & u32(0xFF), (xp >> u32(8)) & u32(0xFF)]).astype(jnp.bfloat16)   # [2, ..., V']
-    sums = lax.dot(bytes_.reshape(-1, BLOCK), tri, preferred_element_type=jnp.float32)
-    sums = sums.reshape(bytes_.shape).astype(U32)
+    sums = _block_sums(bytes_).astype(U32)
     return sums[0] + (sums[1] << u32(8))
 
 
