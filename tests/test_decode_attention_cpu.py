@@ -178,7 +178,8 @@ def test_pingpong_config():
 
 
 @pytest.mark.parametrize("organisation,block_kv,stages", [("shared_qk", 64, 2), ("shared_qk", 128, 2),
-                                                         ("pingpong", 32, 4), ("pingpong", 64, 2)])
+                                                         ("pingpong", 32, 4), ("pingpong", 64, 2),
+                                                         ("split_exchange", 64, 4), ("split_exchange", 64, 2)])
 def test_smem_bytes_match_mosaic(monkeypatch, organisation, block_kv, stages):
     """:func:`smem_bytes` is exactly what Mosaic GPU allocates for the organisations that reserve no reduction
     scratch (its error message under a 1-byte bound reports the figure), so their margins under 227 KiB are real."""
@@ -192,6 +193,19 @@ def test_smem_bytes_match_mosaic(monkeypatch, organisation, block_kv, stages):
     with pytest.raises(ValueError, match=f"smem_bytes={smem_bytes(d, block_kv, stages, organisation)} "):
         jax.jit(f).trace(s((2, 64, d), jnp.bfloat16), s((2, 640, d), jnp.bfloat16), s((2, 640), jnp.bool_),
                          s((64,), jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+def test_split_exchange_config():
+    """Two CTAs of a cluster, each holding only its half of Q and of every KV tile: four 64-row stages fit at
+    d = 512 (Q 32 KiB + KV 4 × 32 KiB + receive buffers 2 × 16 KiB + mask rows, sink, 13 mbarriers)."""
+    assert check_config(64, 512, 640, block_kv=64, num_stages=4, v_split=2, organisation="split_exchange") == 4
+    assert smem_bytes(512, 64, 4, "split_exchange") == 32768 + 131072 + 1024 + 1024 + 32768 + 8 * 13
+    with pytest.raises(ValueError, match="shared memory"):
+        check_config(64, 512, 640, block_kv=64, num_stages=5, v_split=2, organisation="split_exchange")
+    with pytest.raises(ValueError, match="v_split must be 2"):
+        check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=4, organisation="split_exchange")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        check_config(64, 512, 640, block_kv=32, num_stages=4, v_split=2, organisation="split_exchange")
 
 
 def test_split_cta_small_tiles_and_early_release_config():
@@ -298,6 +312,9 @@ def test_decode_options_rejects_bad_sizes():
     (64, 64, 512, 640, BKV32),                                     # split_cta, 32-row tiles, 4 stages
     (64, 64, 512, 640, EARLY),                                     # split_cta, early release of others' chunks
     (4, 64, 512, 256, dict(EARLY, v_split=4)),
+    (64, 64, 512, 640, dict(organisation="split_exchange", num_stages=4)),   # partial logits through DSMEM
+    (1, 128, 512, 64, dict(organisation="split_exchange")),               # one KV step: no buffer reused
+    (4, 64, 256, 256, dict(organisation="split_exchange", num_stages=3)),
 ])
 def test_kernel_lowers_for_cuda(n, h, d, rows, kw):
     """The Mosaic GPU kernel lowers for CUDA on this CPU-only machine (jax 0.10.2 and 0.11.2): the Pallas →
@@ -394,6 +411,8 @@ def _interpreter_shims(monkeypatch) -> None:
     (2, 64, 512, 640, EARLY),                                      # others' chunks refilled after the QK product
     (2, 64, 512, 640, dict(BKV32, **EARLY)),
     (3, 128, 256, 192, dict(EARLY, v_split=4, num_stages=2)),      # three chunks early, the own one after P·V
+    (2, 64, 512, 640, dict(organisation="split_exchange", num_stages=4)),   # partial logits through DSMEM
+    (3, 128, 256, 192, dict(organisation="split_exchange", num_stages=2)),
 ])
 def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
     """The kernel (with the shims above) in the Mosaic GPU interpreter against the exact contract, with the GPU
@@ -422,7 +441,8 @@ def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
     assert err.mean() <= 2.0 ** -9 * a.mean()
 
 
-@pytest.mark.parametrize("kw", [SHARED, dict(SHARED, l_split=2), dict(PING32, v_split=1)])
+@pytest.mark.parametrize("kw", [SHARED, dict(SHARED, l_split=2), dict(PING32, v_split=1),
+                                dict(organisation="split_exchange", num_stages=2)])
 def test_exchanges_have_no_race(monkeypatch, capsys, kw):
     """``shared_qk`` (4 KV steps through 2 stages, so the exchange buffers are rewritten and the stages refilled)
     and ``pingpong`` (8 steps through 4 stages, its merge in two chunks through one buffer) under the interpreter's

@@ -94,6 +94,24 @@ def default_fallback(probs: Any = None) -> str:
     return "scan" if _platform(probs) == "cpu" else "binade"
 
 
+BYTES_PREFIX_MAX_ROWS = 96
+"""Up to this many rows a call, accelerators take the certified search's integer prefix sums as bf16 byte products
+(``prefix="bytes"``); above it, ``jnp.cumsum`` (:func:`default_prefix`)."""
+
+
+def default_prefix(probs: Any = None) -> str:
+    """The certified search's prefix sums for ``probs [N, V]``: ``"xla"`` (``jnp.cumsum``) on CPU and for more than
+    :data:`BYTES_PREFIX_MAX_ROWS` rows, ``"bytes"`` (``_scan.cumsum_u16``: tensor-core products) for fewer rows on
+    accelerators. Measured on an H100 (jax 0.11.2, V = 129,280, the jitted certified draw's device time by CUPTI,
+    docs/perf/serving_h200.md, third session of 2026-12-07): bytes / xla 0.20 / 0.25 ms at 16 rows, 0.41 / 0.57 at
+    32, 0.81 / 1.15 at 64, 1.20 / 1.80 at 96, but 1.59 / 1.21 at 128 and 3.18 / 2.66 at 256 (XLA's reduce_window
+    changes strategy between 96 and 128 rows). Both give the same tokens; speed only."""
+    if _platform(probs) == "cpu":
+        return "xla"
+    n = getattr(probs, "shape", (0,))[0] if getattr(probs, "ndim", 0) >= 1 else 0
+    return "bytes" if n <= BYTES_PREFIX_MAX_ROWS else "xla"
+
+
 # --- seeds ----------------------------------------------------------------------------------------------------
 
 
@@ -285,7 +303,7 @@ def random_sampling(
     method: str = "auto",
     block: int | None = None,
     fallback: str | None = None,
-    prefix: str = "xla",
+    prefix: str | None = None,
 ) -> jnp.ndarray:
     """Sample one column per row of ``probs`` exactly as DeepInfer's ``random_sampling_ref``.
 
@@ -307,10 +325,10 @@ def random_sampling(
             default :func:`default_block` of the default backend.
         fallback: static; ``"auto"``'s exact emulation for uncertified rows, ``"scan"`` or ``"binade"`` (speed
             only, never the result); default :func:`default_fallback`.
-        prefix: static; the certified search's prefix sums, ``"xla"`` (``jnp.cumsum``, the default on every
-            backend), ``"blocked"`` (fp32 block products, ``_scan``: slower on an H200 at batch 1-256,
-            docs/perf/serving_h200.md, second session of 2026-12-07) or ``"bytes"`` (bf16 byte products for the
-            integer limbs, not yet measured on a GPU); speed only, never the result.
+        prefix: static; the certified search's prefix sums, ``"xla"`` (``jnp.cumsum``), ``"blocked"`` (fp32 block
+            products, ``_scan``: slower on an H200 at batch 1-256, docs/perf/serving_h200.md, second session of
+            2026-12-07) or ``"bytes"`` (bf16 byte products for the integer limbs); speed only, never the result;
+            default :func:`default_prefix` (by backend and number of rows).
 
     Returns:
         [N] int32 sampled column indices (0 for an all-zero row, like the reference).
@@ -327,6 +345,7 @@ def random_sampling(
     case = CASE_RESAMPLE if is_nextn_predict else CASE_SAMPLE
     block = default_block(probs) if block is None else int(block)
     fallback = default_fallback(probs) if fallback is None else fallback
+    prefix = default_prefix(probs) if prefix is None else prefix
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if fallback not in FALLBACKS:
