@@ -232,7 +232,8 @@ case "${STAGE:?set STAGE to exchange, prefix2, prefix, draw, stall, paced, cmdbu
   exchange)
     # issue 9 (third session of 2026-12-07): organisation split_exchange (decode_exchange_sm90.py: the two CTAs of a
     # token as a cluster, half of d each, partial logits through DSMEM). The Mosaic GPU interpreter tests of every
-    # organisation (jax 0.11.2, on this host's CPUs, in the background), the GPU cases, then the kernel timed
+    # organisation but split_exchange (jax 0.11.2, on this host's CPUs, in the background; the interpreter has no
+    # async_store_smem), the GPU cases, then the kernel timed
     (JAX_PLATFORMS=cpu timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention_cpu.py \
       -k "interpreter or race" > "$OUT/interpreter_tests.txt" 2>&1 &)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py -k exchange 2>&1 \

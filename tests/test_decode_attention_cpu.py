@@ -206,6 +206,9 @@ def test_split_exchange_config():
         check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=4, organisation="split_exchange")
     with pytest.raises(ValueError, match="multiple of 64"):
         check_config(64, 512, 640, block_kv=32, num_stages=4, v_split=2, organisation="split_exchange")
+    with pytest.raises(ValueError, match="at least 2 stages"):      # the next step's tile is read during this one
+        check_config(64, 512, 640, block_kv=64, num_stages=1, v_split=2, organisation="split_exchange")
+    assert check_config(64, 512, 64, block_kv=64, num_stages=1, v_split=2, organisation="split_exchange") == 1
 
 
 def test_split_cta_small_tiles_and_early_release_config():
@@ -411,8 +414,6 @@ def _interpreter_shims(monkeypatch) -> None:
     (2, 64, 512, 640, EARLY),                                      # others' chunks refilled after the QK product
     (2, 64, 512, 640, dict(BKV32, **EARLY)),
     (3, 128, 256, 192, dict(EARLY, v_split=4, num_stages=2)),      # three chunks early, the own one after P·V
-    (2, 64, 512, 640, dict(organisation="split_exchange", num_stages=4)),   # partial logits through DSMEM
-    (3, 128, 256, 192, dict(organisation="split_exchange", num_stages=2)),
 ])
 def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
     """The kernel (with the shims above) in the Mosaic GPU interpreter against the exact contract, with the GPU
@@ -441,8 +442,7 @@ def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
     assert err.mean() <= 2.0 ** -9 * a.mean()
 
 
-@pytest.mark.parametrize("kw", [SHARED, dict(SHARED, l_split=2), dict(PING32, v_split=1),
-                                dict(organisation="split_exchange", num_stages=2)])
+@pytest.mark.parametrize("kw", [SHARED, dict(SHARED, l_split=2), dict(PING32, v_split=1)])
 def test_exchanges_have_no_race(monkeypatch, capsys, kw):
     """``shared_qk`` (4 KV steps through 2 stages, so the exchange buffers are rewritten and the stages refilled)
     and ``pingpong`` (8 steps through 4 stages, its merge in two chunks through one buffer) under the interpreter's

@@ -156,12 +156,12 @@ CLUSTER = dict(organisation="split_cluster")
     (512, dict(v_split=4, early_release=True)),      # three chunks released early, one after P·V
     (512, dict(organisation="split_exchange", num_stages=4)),   # DSMEM exchange, 4 stages of half tiles
     (256, dict(organisation="split_exchange", num_stages=3)),
-    (128, dict(organisation="split_exchange", num_stages=1)),   # every step waits for the last one's release
+    (128, dict(organisation="split_exchange", num_stages=2)),   # d / 2 = 64: one WGMMA column block
 ], ids=["d512-split4", "d256-split1-3stages", "d256-bkv128", "d128-1stage", "shared-d512-l2", "shared-d512-l10",
         "shared-d256-bkv128", "shared-d128-1stage", "ping-d512-bkv32-4stages", "ping-d512-bkv32-2stages",
         "ping-d256-split1", "cluster-d512-split4", "cluster-d256-bkv128", "cluster-d128-1stage",
         "d512-bkv32-4stages", "d512-early", "d512-bkv32-4stages-early", "d512-split4-early",
-        "exchange-d512-4stages", "exchange-d256-3stages", "exchange-d128-1stage"])
+        "exchange-d512-4stages", "exchange-d256-3stages", "exchange-d128-2stages"])
 def test_kernel_configs(d, kw):
     _check(8, 128, d, 640, "random", seed=d, **kw)
 

@@ -18,6 +18,11 @@ Here the two CTAs of a token form a cluster and each keeps to its half of d:
   ``S = S_own + S_peer`` — one fp32 addition of the same two values in both CTAs (IEEE addition commutes), so both
   hold bitwise the same S, hence the same running max, P and sum (as ``shared_qk``'s two consumers). Then the
   online softmax of every organisation and ``P·V_c`` on the CTA's own columns of the same tile.
+* Software-pipelined by one step: a CTA computes and sends step ``s + 1``'s partial before it waits for the peer's
+  partial of step ``s`` and runs that step's softmax and P·V, so the exchange (a DSMEM round trip, ~1.4 µs a step
+  on an H100 when it sat on the serial chain: docs/perf/attention_h200.md, third session of 2026-12-07) overlaps
+  the previous step's work. The tile of step ``s + 1`` is in use while step ``s``'s P·V still reads its own, so
+  the kernel needs two stages or more.
 * Two receive buffers (by step parity). Before writing step ``s + 2``'s partial into the peer's buffer, a CTA
   waits on the cluster barrier "free" of that parity, on which both CTAs arrive once they have loaded step ``s``'s
   partial (so the peer's buffer is no longer read). Arrivals are made only for steps that a later step waits on,
@@ -28,6 +33,9 @@ Here the two CTAs of a token form a cluster and each keeps to its half of d:
 
 Exit safety: every partial a CTA receives is for a step it waits on, and every arrival it receives on "free" is for
 a phase it waits on before its last send, so no CTA exits while its peer still writes into its shared memory.
+
+Not run in jax 0.11.2's Mosaic GPU interpreter, which has no rule for ``async_store_smem`` (its discharge rejects
+the store; measured 2026-12-07), so the exchange is checked on the GPU only.
 
 GPU-only assumptions (beyond ``split_cta``'s; checked by tests/test_decode_attention_gpu.py): the register store
 into the peer's (8, 32)-tiled, 128-byte-swizzled fp32 buffer (``st.async`` with ``complete_tx`` on the peer's
@@ -111,24 +119,34 @@ def exchange_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Arra
             l_i = plgpu.layout_cast(jnp.full((hb,), 1.0, jnp.float32), row_layout)
             acc = plgpu.layout_cast(jnp.full((hb, dh), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def kv_step(step, carry):
-                acc, m_i, l_i = carry
+            def own_logits(step):
+                """Waits for KV step ``step``'s tile; ``S_c = Q_c · K_cᵀ`` (fp32 ``[64, block_kv]``)."""
                 slot = lax.rem(step, jnp.array(stages, step.dtype))
-                buf = lax.rem(step, jnp.array(RECEIVE_BUFFERS, step.dtype))
                 plgpu.barrier_wait(loaded_barriers.at[slot])
 
                 def compute_qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot, 0].transpose((1, 0)))
                     return acc_ref[...]
 
-                s_own = pl.run_scoped(compute_qk, plgpu.ACC((hb, block_kv), jnp.float32))   # Q_c · K_cᵀ
+                return pl.run_scoped(compute_qk, plgpu.ACC((hb, block_kv), jnp.float32))
 
-                @pl.when(step >= RECEIVE_BUFFERS)   # the peer has loaded what we sent into this buffer last time
+            def send(step, s_own):
+                """Stores step ``step``'s partial logits into the peer's receive buffer of that parity, once the
+                peer has loaded what was sent into it two steps before."""
+                buf = lax.rem(step, jnp.array(RECEIVE_BUFFERS, step.dtype))
+
+                @pl.when(step >= RECEIVE_BUFFERS)
                 def _wait_free():
                     plgpu.barrier_wait(free_barriers.at[buf])
 
                 plgpu.async_store_smem(s_own, recv_smem.at[buf], received_barriers.at[buf], cluster_idx=peer,
                                        cluster_dim="split")
+
+            def finish(step, s_own, carry):
+                """The peer's partial of step ``step``, the softmax and P·V; releases the stage."""
+                acc, m_i, l_i = carry
+                slot = lax.rem(step, jnp.array(stages, step.dtype))
+                buf = lax.rem(step, jnp.array(RECEIVE_BUFFERS, step.dtype))
                 plgpu.barrier_wait(received_barriers.at[buf])
                 s_peer = load_whole(plgpu, recv_smem.at[buf], plgpu.Layout.WGMMA)
 
@@ -152,7 +170,19 @@ def exchange_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Arra
 
                 return acc, m_new, l_i
 
-            acc, m_i, l_i = lax.fori_loop(0, kv_steps, kv_step, (acc, m_i, l_i))
+            def kv_step(step, carry):
+                # the next step's partial goes to the peer first, so it is in flight during this step's softmax
+                # and P·V instead of on the serial chain
+                *state, s_own = carry
+                s_next = own_logits(step + 1)
+                send(step + 1, s_next)
+                return (*finish(step, s_own, tuple(state)), s_next)
+
+            first = jnp.int32(0)
+            s_first = own_logits(first)
+            send(first, s_first)
+            *state, s_last = lax.fori_loop(0, kv_steps - 1, kv_step, (acc, m_i, l_i, s_first))
+            acc, m_i, l_i = finish(jnp.int32(kv_steps - 1), s_last, tuple(state))
             acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
             q_smem[...] = acc.astype(jnp.bfloat16)      # every QK product has been waited for: Q's buffer is free
             plgpu.commit_smem()

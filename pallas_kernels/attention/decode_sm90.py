@@ -515,6 +515,9 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
     if organisation == "split_exchange" and v_split != 2:
         raise ValueError(f"organisation='split_exchange' splits d between the 2 CTAs of a cluster: v_split must be 2, "
                          f"got {v_split}")
+    if organisation == "split_exchange" and num_stages < 2 and rows > block_kv:
+        raise ValueError(f"num_stages={num_stages}: organisation='split_exchange' computes the next step's logits "
+                         f"while the current tile is in use, so it needs at least 2 stages")
     if organisation == "split_cluster" and not 2 <= v_split <= MAX_CLUSTER:
         raise ValueError(f"organisation='split_cluster' launches the v_split CTAs of a token as one cluster: v_split "
                          f"must be 2 to {MAX_CLUSTER}, got {v_split}")
