@@ -5,11 +5,11 @@
 # decode-pace interval, always index 94 of 126, in every temperature-1 run (five runs, CUDA_MODULE_LOADING lazy or
 # eager, command buffers or not; no compilation after warm-up), while the medians were 8.0 ms sampled against
 # 9.2-9.7 ms greedy on that card (serving_h200.md, seventh session)):
-#   00000. STAGE=exchange (an H200 for issue 9's figure): organisation split_exchange (decode_exchange_sm90.py, built on
-#      CPU in the third session of 2026-12-07) — interpreter tests under jax 0.11.2, GPU cases, kernel timings against
-#      split_cta / split_cluster / shared_qk. (Done the same session on an H100: L2 prefetch of the KV steps ahead of
-#      the stages lost 1-8 points at every distance and was removed; STAGE=prefix2's byte products won up to 96 rows
-#      and became the accelerator default there: attention_h200.md and serving_h200.md, third session of 2026-12-07.)
+#   00000. (done, third session of 2026-12-07, on an H100; attention_h200.md / serving_h200.md) L2 prefetch of the KV
+#      steps ahead of the stages lost 1-8 points at every distance (removed); organisation split_exchange (the two CTAs
+#      of a token as a cluster exchanging partial logits through DSMEM, commit e02c203) was exact but 34-40 us
+#      against split_cta's 24 at 64 queries (removed); STAGE=prefix2's byte products won up to 96 rows and became the
+#      accelerator default there. On an H200: STAGE=prefix2 again (the crossover is the H100's);
 #   0000. STAGE=prefix2 (any card): the integer limbs' prefix sums as bf16 byte products on tensor cores
 #      (prefix="bytes", sampling/_scan.cumsum_u16; built on CPU in the second session of 2026-12-07, after CUPTI
 #      showed half of the certified draw's 0.86 ms at batch 64 is one reduce_window): exactness on the GPU, then
@@ -111,7 +111,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to exchange, prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -229,21 +229,6 @@ case "${STAGE:?set STAGE to exchange, prefix2, prefix, draw, stall, paced, cmdbu
       | quiet | grep "^|\|copy\|Error"
     timeout 170 python3 scripts/bench_kernels.py sampler --out "$OUT/sampler_kernel" 2>&1 | quiet \
       | grep "^|\|copy\|Error" ;;
-  exchange)
-    # issue 9 (third session of 2026-12-07): organisation split_exchange (decode_exchange_sm90.py: the two CTAs of a
-    # token as a cluster, half of d each, partial logits through DSMEM). The Mosaic GPU interpreter tests of every
-    # organisation but split_exchange (jax 0.11.2, on this host's CPUs, in the background; the interpreter has no
-    # async_store_smem), the GPU cases, then the kernel timed
-    (JAX_PLATFORMS=cpu timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention_cpu.py \
-      -k "interpreter or race" > "$OUT/interpreter_tests.txt" 2>&1 &)
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py -k exchange 2>&1 \
-      | grep "^E \|passed\|failed\|Error\|Timeout" | head -20
-    timeout 240 python3 scripts/bench_kernels.py attention-kernel --batches 64 128 --variants split_cta \
-      "split_cta early" split_cluster "split_exchange stages=2" "split_exchange stages=3" "split_exchange stages=4" \
-      shared_qk "split_exchange stages=4" "split_cta early" split_cluster --out "$OUT/attn_exchange" 2>&1 | quiet \
-      | grep "^|\|copy\|Error"
-    while pgrep -f "test_decode_attention_cpu" > /dev/null; do sleep 5; done
-    grep "passed\|failed\|^E " "$OUT/interpreter_tests.txt" | head -20 ;;
   h200-attn)
     # issue 9 on an H200 in one call: the kernel with early release (the model's rule at 64 queries) against
     # split_cta at 1 / 16 / 64 queries, the GPU tests of early release and of the model's path, then the model's

@@ -178,8 +178,7 @@ def test_pingpong_config():
 
 
 @pytest.mark.parametrize("organisation,block_kv,stages", [("shared_qk", 64, 2), ("shared_qk", 128, 2),
-                                                         ("pingpong", 32, 4), ("pingpong", 64, 2),
-                                                         ("split_exchange", 64, 4), ("split_exchange", 64, 2)])
+                                                         ("pingpong", 32, 4), ("pingpong", 64, 2)])
 def test_smem_bytes_match_mosaic(monkeypatch, organisation, block_kv, stages):
     """:func:`smem_bytes` is exactly what Mosaic GPU allocates for the organisations that reserve no reduction
     scratch (its error message under a 1-byte bound reports the figure), so their margins under 227 KiB are real."""
@@ -193,22 +192,6 @@ def test_smem_bytes_match_mosaic(monkeypatch, organisation, block_kv, stages):
     with pytest.raises(ValueError, match=f"smem_bytes={smem_bytes(d, block_kv, stages, organisation)} "):
         jax.jit(f).trace(s((2, 64, d), jnp.bfloat16), s((2, 640, d), jnp.bfloat16), s((2, 640), jnp.bool_),
                          s((64,), jnp.float32)).lower(lowering_platforms=("cuda",))
-
-
-def test_split_exchange_config():
-    """Two CTAs of a cluster, each holding only its half of Q and of every KV tile: four 64-row stages fit at
-    d = 512 (Q 32 KiB + KV 4 × 32 KiB + receive buffers 2 × 16 KiB + mask rows, sink, 13 mbarriers)."""
-    assert check_config(64, 512, 640, block_kv=64, num_stages=4, v_split=2, organisation="split_exchange") == 4
-    assert smem_bytes(512, 64, 4, "split_exchange") == 32768 + 131072 + 1024 + 1024 + 32768 + 8 * 13
-    with pytest.raises(ValueError, match="shared memory"):
-        check_config(64, 512, 640, block_kv=64, num_stages=5, v_split=2, organisation="split_exchange")
-    with pytest.raises(ValueError, match="v_split must be 2"):
-        check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=4, organisation="split_exchange")
-    with pytest.raises(ValueError, match="multiple of 64"):
-        check_config(64, 512, 640, block_kv=32, num_stages=4, v_split=2, organisation="split_exchange")
-    with pytest.raises(ValueError, match="at least 2 stages"):      # the next step's tile is read during this one
-        check_config(64, 512, 640, block_kv=64, num_stages=1, v_split=2, organisation="split_exchange")
-    assert check_config(64, 512, 64, block_kv=64, num_stages=1, v_split=2, organisation="split_exchange") == 1
 
 
 def test_split_cta_small_tiles_and_early_release_config():
@@ -315,9 +298,6 @@ def test_decode_options_rejects_bad_sizes():
     (64, 64, 512, 640, BKV32),                                     # split_cta, 32-row tiles, 4 stages
     (64, 64, 512, 640, EARLY),                                     # split_cta, early release of others' chunks
     (4, 64, 512, 256, dict(EARLY, v_split=4)),
-    (64, 64, 512, 640, dict(organisation="split_exchange", num_stages=4)),   # partial logits through DSMEM
-    (1, 128, 512, 64, dict(organisation="split_exchange")),               # one KV step: no buffer reused
-    (4, 64, 256, 256, dict(organisation="split_exchange", num_stages=3)),
 ])
 def test_kernel_lowers_for_cuda(n, h, d, rows, kw):
     """The Mosaic GPU kernel lowers for CUDA on this CPU-only machine (jax 0.10.2 and 0.11.2): the Pallas →

@@ -109,7 +109,7 @@ def _check(n, h, d, rows, mask, seed=0, **kw):
     assert mean_ratio <= 1, f"mean err / (2^-9 · mean A) = {mean_ratio:.3g}"
 
 
-ORGANISATIONS = ["split_cta", "shared_qk", "pingpong", "split_exchange"]
+ORGANISATIONS = ["split_cta", "shared_qk", "pingpong"]
 
 
 @pytest.mark.parametrize("organisation", ORGANISATIONS)
@@ -120,8 +120,7 @@ ORGANISATIONS = ["split_cta", "shared_qk", "pingpong", "split_exchange"]
 def test_kernel_matches_reference(n, h, rows, mask, organisation):
     """The real head width (d = 512, two column halves, 2 stages), one or ten KV steps, one or two head blocks, in
     every organisation (``split_cta``: two CTAs per token; ``shared_qk``: two consumer warpgroups of one CTA sharing
-    the QK product; ``pingpong``: two CTAs per token, each with two consumer warpgroups on alternate KV blocks;
-    ``split_exchange``: the two CTAs of a token as a cluster, each with half of d, partial logits through DSMEM)."""
+    the QK product; ``pingpong``: two CTAs per token, each with two consumer warpgroups on alternate KV blocks)."""
     _check(n, h, 512, rows, mask, seed=n + h + rows, organisation=organisation)
 
 
@@ -154,14 +153,10 @@ CLUSTER = dict(organisation="split_cluster")
     (512, dict(early_release=True)),                 # split_cta, other CTAs' chunks released after QK
     (512, dict(block_kv=32, num_stages=4, early_release=True)),
     (512, dict(v_split=4, early_release=True)),      # three chunks released early, one after P·V
-    (512, dict(organisation="split_exchange", num_stages=4)),   # DSMEM exchange, 4 stages of half tiles
-    (256, dict(organisation="split_exchange", num_stages=3)),
-    (128, dict(organisation="split_exchange", num_stages=2)),   # d / 2 = 64: one WGMMA column block
 ], ids=["d512-split4", "d256-split1-3stages", "d256-bkv128", "d128-1stage", "shared-d512-l2", "shared-d512-l10",
         "shared-d256-bkv128", "shared-d128-1stage", "ping-d512-bkv32-4stages", "ping-d512-bkv32-2stages",
         "ping-d256-split1", "cluster-d512-split4", "cluster-d256-bkv128", "cluster-d128-1stage",
-        "d512-bkv32-4stages", "d512-early", "d512-bkv32-4stages-early", "d512-split4-early",
-        "exchange-d512-4stages", "exchange-d256-3stages", "exchange-d128-2stages"])
+        "d512-bkv32-4stages", "d512-early", "d512-bkv32-4stages-early", "d512-split4-early"])
 def test_kernel_configs(d, kw):
     _check(8, 128, d, 640, "random", seed=d, **kw)
 

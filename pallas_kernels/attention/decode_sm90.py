@@ -14,12 +14,13 @@ Contract (the same as :func:`pallas_kernels.attention.reference.sparse_decode_at
     P is rounded to bf16 before the P·V product (fp32 accumulation); o is rounded to bf16. A query with no valid row
     gets o = 0 (all its mass is on the sink).
 
-Five organisations, chosen by ``sparse_decode_attention(..., organisation=...)``: ``"split_cta"`` (the default),
-``"split_cluster"`` and ``"shared_qk"``, all below, ``"pingpong"`` (``split_cta``'s grid with two compute
+Four organisations, chosen by ``sparse_decode_attention(..., organisation=...)``: ``"split_cta"`` (the default),
+``"split_cluster"`` and ``"shared_qk"``, all below, and ``"pingpong"`` (``split_cta``'s grid with two compute
 warpgroups taking the KV blocks in turn, so one's softmax overlaps the other's WGMMAs;
-:mod:`pallas_kernels.attention.decode_pingpong_sm90`) and ``"split_exchange"`` (the two CTAs of a token as a
-cluster, each with half of d, summing their partial logits through distributed shared memory;
-:mod:`pallas_kernels.attention.decode_exchange_sm90`).
+:mod:`pallas_kernels.attention.decode_pingpong_sm90`). Tried and removed after measuring (docs/perf/attention_h200.md):
+a QK product issued one step ahead (``qk_ahead``), KV steps prefetched into L2, and the two CTAs of a token
+exchanging partial logits through distributed shared memory (``split_exchange``, commit e02c203: exact, but
+34–40 µs against 24 at 64 queries on an H100).
 
 :func:`sparse_decode_attention_rows` is ``split_cta`` reading its rows from a pool by index (bf16 rows copied with
 ``cp.async`` into the tiles, or ``v41_fp4`` rows decoded into them; :mod:`pallas_kernels.attention.row_gather_sm90`):
@@ -209,8 +210,7 @@ SHARED_QK_THREAD_REGISTERS = 65536 // (128 * (SHARED_QK_CONSUMERS + 1)) // 8 * 8
 SHARED_QK_GATHER_REGISTERS = ((SHARED_QK_CONSUMERS + 1) * SHARED_QK_THREAD_REGISTERS
                               - SHARED_QK_CONSUMERS * SHARED_QK_COMPUTE_REGISTERS)
 SMEM_ALIGNMENT = 1024         # Pallas rounds every shared-memory scratch buffer up to 1 KiB
-# pingpong: decode_pingpong_sm90.py; split_exchange: decode_exchange_sm90.py
-ORGANISATIONS = ("split_cta", "split_cluster", "shared_qk", "pingpong", "split_exchange")
+ORGANISATIONS = ("split_cta", "split_cluster", "shared_qk", "pingpong")   # pingpong: decode_pingpong_sm90.py
 MAX_CLUSTER = 8                # the portable cluster size limit of Hopper
 LOG2E = math.log2(math.e)
 
@@ -487,9 +487,6 @@ def smem_bytes(d: int, block_kv: int, stages: int, organisation: str = "split_ct
     if organisation == "pingpong":
         from pallas_kernels.attention.decode_pingpong_sm90 import pingpong_smem_bytes
         return pingpong_smem_bytes(d, block_kv, stages)
-    if organisation == "split_exchange":
-        from pallas_kernels.attention.decode_exchange_sm90 import exchange_smem_bytes
-        return exchange_smem_bytes(d, block_kv, stages)
     raise ValueError(f"organisation={organisation!r} is not one of {ORGANISATIONS}")
 
 
@@ -512,12 +509,6 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
     if d // v_split > MAX_DH:
         raise ValueError(f"d / v_split = {d // v_split} > {MAX_DH}: the fp32 accumulator would not fit in registers "
                          f"(use v_split ≥ {-(-d // MAX_DH)})")
-    if organisation == "split_exchange" and v_split != 2:
-        raise ValueError(f"organisation='split_exchange' splits d between the 2 CTAs of a cluster: v_split must be 2, "
-                         f"got {v_split}")
-    if organisation == "split_exchange" and num_stages < 2 and rows > block_kv:
-        raise ValueError(f"num_stages={num_stages}: organisation='split_exchange' computes the next step's logits "
-                         f"while the current tile is in use, so it needs at least 2 stages")
     if organisation == "split_cluster" and not 2 <= v_split <= MAX_CLUSTER:
         raise ValueError(f"organisation='split_cluster' launches the v_split CTAs of a token as one cluster: v_split "
                          f"must be 2 to {MAX_CLUSTER}, got {v_split}")
@@ -949,9 +940,7 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
         and multicast to all of them; v_split 2–8),
         ``"shared_qk"`` (one CTA per token and head block, two consumer warpgroups sharing the QK product) or
         ``"pingpong"`` (``split_cta``'s CTAs, each with two consumer warpgroups on alternate KV blocks; an even
-        ``num_stages`` when stages are refilled) or ``"split_exchange"`` (two CTAs per token as one cluster, each
-        with its half of d and of every KV tile, partial logits exchanged through DSMEM; v_split 2, up to 4
-        stages at d = 512).
+        ``num_stages`` when stages are refilled).
       l_split: ``shared_qk`` only: CTAs per (token, head block), each over ``L / l_split`` rows, their fp32 partial
         outputs merged by XLA after the kernel (must divide ``L / block_kv``).
       early_release: ``split_cta`` only: each KV step releases the column chunks that only its QK product reads
@@ -974,9 +963,6 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
     elif organisation == "pingpong":
         from pallas_kernels.attention.decode_pingpong_sm90 import pingpong_call
         out = pingpong_call(*args, scale=scale, block_kv=block_kv, stages=stages)
-    elif organisation == "split_exchange":
-        from pallas_kernels.attention.decode_exchange_sm90 import exchange_call
-        out = exchange_call(*args, scale=scale, block_kv=block_kv, stages=stages)
     elif l_split == 1:
         out = _shared_qk_call(*args, scale=scale, block_kv=block_kv, stages=stages, l_split=1)
     else:
@@ -1094,11 +1080,11 @@ def traffic(n: int, h: int, d: int, rows: int, *, v_split: int = 2, organisation
     ``flops_useful``: the contract's products, ``2·N·H·L·d`` (QK) + ``2·N·H·L·d`` (PV) = ``4·N·H·L·d``.
     ``flops_executed``: what the tensor cores run: ``split_cta`` computes the QK product once per split,
     ``2·N·H·L·d·v_split + 2·N·H·L·d`` (``6·N·H·L·d`` = 1.5 × useful at v_split = 2), as does ``pingpong``;
-    ``shared_qk`` and ``split_exchange`` once.
+    ``shared_qk`` once.
     """
     qk = 2 * n * h * rows * d
     read = n * rows * d * 2 + n * h * d * 2 + n * rows * 4 + h * 4
     partial = 2 * l_split * n * h * (d + 2) * 4 if organisation == "shared_qk" and l_split > 1 else 0
-    qk_times = 1 if organisation in ("shared_qk", "split_exchange") else v_split
+    qk_times = 1 if organisation == "shared_qk" else v_split
     return dict(bytes_read=float(read), bytes=float(read + n * h * d * 2), flops_useful=float(2 * qk),
                 flops_executed=float(qk * qk_times + qk), partial_bytes=float(partial))
