@@ -108,8 +108,8 @@ def default_prefix(probs: Any = None) -> str:
     changes strategy between 96 and 128 rows). Both give the same tokens; speed only."""
     if _platform(probs) == "cpu":
         return "xla"
-    n = getattr(probs, "shape", (0,))[0] if getattr(probs, "ndim", 0) >= 1 else 0
-    return "bytes" if n <= BYTES_PREFIX_MAX_ROWS else "xla"
+    rows = np.shape(probs)[0] if np.ndim(probs) else 0
+    return "bytes" if rows <= BYTES_PREFIX_MAX_ROWS else "xla"
 
 
 # --- seeds ----------------------------------------------------------------------------------------------------
