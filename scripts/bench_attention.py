@@ -229,6 +229,8 @@ KERNEL_VARIANTS = {
     "pingpong bkv=32 stages=4": dict(organisation="pingpong", block_kv=32, num_stages=4),
     "pingpong bkv=64 stages=2": dict(organisation="pingpong", block_kv=64, num_stages=2),
     "pingpong bkv=32 stages=2": dict(organisation="pingpong", block_kv=32, num_stages=2),
+    "seesaw": dict(organisation="seesaw"),
+    "seesaw l_split=2": dict(organisation="seesaw", l_split=2),
 }
 SMALL_BATCH_ONLY = ("shared_qk l_split=5", "shared_qk l_split=10")   # many parts only pay off with few tokens
 MODEL_RULE = "model rule"   # what the model calls at this N (pallas_kernels.attention.tuning.decode_options)

@@ -5,6 +5,8 @@
 # decode-pace interval, always index 94 of 126, in every temperature-1 run (five runs, CUDA_MODULE_LOADING lazy or
 # eager, command buffers or not; no compilation after warm-up), while the medians were 8.0 ms sampled against
 # 9.2-9.7 ms greedy on that card (serving_h200.md, seventh session)):
+#   000000. STAGE=seesaw (an H200 for issue 9's figure; any card to find out whether it runs): organisation seesaw
+#      (FlashMLA's schedule, built on CPU in the third session of 2026-12-07, never run): interpreter, GPU cases, timings;
 #   00000. (done, third session of 2026-12-07, on an H100; attention_h200.md / serving_h200.md) L2 prefetch of the KV
 #      steps ahead of the stages lost 1-8 points at every distance (removed); organisation split_exchange (the two CTAs
 #      of a token as a cluster exchanging partial logits through DSMEM, commit e02c203) was exact but 34-40 us
@@ -111,7 +113,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to seesaw, prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -327,6 +329,17 @@ case "${STAGE:?set STAGE to prefix2, prefix, draw, stall, paced, cmdbuf, spec-di
     cd scripts && for T in 1.0 0; do timeout 150 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 \
         --batch 64 $C --temperature $T --gc freeze --out "$OUT/prefix_paced_$T" 2>&1 | quiet \
         | grep "^| 4 \|Error\|^decode pace\|^longest" | sed "s/^/[T=$T] /"; done ;;
+  seesaw)
+    # issue 9 (built on CPU in the third session of 2026-12-07, never run): organisation seesaw (FlashMLA's schedule,
+    # decode_seesaw_sm90.py). First the Mosaic GPU interpreter (jax 0.11.2 on this host's CPUs: a deadlock or a
+    # race shows here, not as a hung GPU), then the GPU cases with a time limit, then the kernel against the others
+    JAX_PLATFORMS=cpu timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention_cpu.py \
+      -k "(interpreter and (kw15 or kw16 or kw17)) or (race and (kw3 or kw4))" 2>&1 | grep "^E \|passed\|failed" | head -20
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py -k seesaw 2>&1 \
+      | grep "^E \|passed\|failed\|Timeout" | head -20
+    timeout 200 python3 scripts/bench_kernels.py attention-kernel --batches 1 64 128 --variants "split_cta early" \
+      split_cluster shared_qk "shared_qk l_split=2" seesaw "seesaw l_split=2" "model rule" --out "$OUT/attn_seesaw" \
+      2>&1 | quiet | grep "^|\|copy\|Error" ;;
   prefix2)
     # issue 8: the certified draw's integer prefix sums as bf16 byte products (second session of 2026-12-07)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_scan.py 2>&1 | grep "^E \|passed\|failed" \

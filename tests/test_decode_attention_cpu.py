@@ -40,6 +40,7 @@ PING64 = dict(organisation="pingpong", block_kv=64, num_stages=2)
 CLUSTER = dict(organisation="split_cluster")                        # split_cta's CTAs as a cluster, multicast
 BKV32 = dict(block_kv=32, num_stages=4)                             # split_cta: 96 KiB in flight, not 64
 EARLY = dict(early_release=True)                                    # split_cta: others' chunks freed after QK
+SEESAW = dict(organisation="seesaw")                              # FlashMLA's schedule, one CTA a token
 
 
 def exact_contract(q, kv, valid, sink, scale: float, *, round_probs: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -149,7 +150,7 @@ def test_wrapper_rejects_bad_shapes():
         check_config(64, 512, 640, block_kv=64, num_stages=3, v_split=2, organisation="shared_qk")
     with pytest.raises(ValueError, match="v_split must be 2"):
         check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=4, organisation="shared_qk")
-    with pytest.raises(ValueError, match="only organisation='shared_qk'"):
+    with pytest.raises(ValueError, match="only organisations 'shared_qk' and 'seesaw'"):
         check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, l_split=2)
     with pytest.raises(ValueError, match="must divide"):
         check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, organisation="shared_qk", l_split=3)
@@ -170,7 +171,7 @@ def test_pingpong_config():
         check_config(64, 512, 640, block_kv=16, num_stages=2, v_split=2, organisation="pingpong")
     with pytest.raises(ValueError, match="multiple of 64"):
         check_config(64, 512, 640, block_kv=32, num_stages=2, v_split=2, organisation="shared_qk")
-    with pytest.raises(ValueError, match="only organisation='shared_qk'"):
+    with pytest.raises(ValueError, match="only organisations 'shared_qk' and 'seesaw'"):
         check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, organisation="pingpong", l_split=2)
     # Q 64 KiB + 4 stages × 32 KiB + mask rows, sink, (m, l) 1 KiB each + fp32 merge chunk 16 KiB + bf16 output
     # chunk 8 KiB + 12 mbarriers (checked against Mosaic's own count below)
@@ -178,7 +179,8 @@ def test_pingpong_config():
 
 
 @pytest.mark.parametrize("organisation,block_kv,stages", [("shared_qk", 64, 2), ("shared_qk", 128, 2),
-                                                         ("pingpong", 32, 4), ("pingpong", 64, 2)])
+                                                         ("pingpong", 32, 4), ("pingpong", 64, 2),
+                                                         ("seesaw", 64, 2)])
 def test_smem_bytes_match_mosaic(monkeypatch, organisation, block_kv, stages):
     """:func:`smem_bytes` is exactly what Mosaic GPU allocates for the organisations that reserve no reduction
     scratch (its error message under a 1-byte bound reports the figure), so their margins under 227 KiB are real."""
@@ -192,6 +194,21 @@ def test_smem_bytes_match_mosaic(monkeypatch, organisation, block_kv, stages):
     with pytest.raises(ValueError, match=f"smem_bytes={smem_bytes(d, block_kv, stages, organisation)} "):
         jax.jit(f).trace(s((2, 64, d), jnp.bfloat16), s((2, 640, d), jnp.bfloat16), s((2, 640), jnp.bool_),
                          s((64,), jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+def test_seesaw_config():
+    """Q 64 KiB + two whole 64-row blocks 128 KiB + the small fp32 buffer (mask rows, sink, m_0, m_1) + two fp32
+    exchange buffers + 11 mbarriers: 920 B under the 232,448 B of a CTA; three stages do not fit."""
+    assert check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, organisation="seesaw", l_split=2) == 2
+    assert smem_bytes(512, 64, 2, "seesaw") == 65536 + 131072 + 2048 + 2 * 16384 + 8 * 11
+    with pytest.raises(ValueError, match="shared memory"):
+        check_config(64, 512, 640, block_kv=64, num_stages=3, v_split=2, organisation="seesaw")
+    with pytest.raises(ValueError, match="at least 2 stages"):
+        check_config(64, 512, 640, block_kv=64, num_stages=1, v_split=2, organisation="seesaw")
+    with pytest.raises(ValueError, match="64-row KV blocks"):
+        check_config(64, 512, 640, block_kv=128, num_stages=2, v_split=2, organisation="seesaw")
+    with pytest.raises(ValueError, match="v_split must be 2"):
+        check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=4, organisation="seesaw")
 
 
 def test_split_cta_small_tiles_and_early_release_config():
@@ -298,6 +315,10 @@ def test_decode_options_rejects_bad_sizes():
     (64, 64, 512, 640, BKV32),                                     # split_cta, 32-row tiles, 4 stages
     (64, 64, 512, 640, EARLY),                                     # split_cta, early release of others' chunks
     (4, 64, 512, 256, dict(EARLY, v_split=4)),
+    (64, 64, 512, 640, SEESAW),                                    # seesaw: 5 rounds of two blocks
+    (64, 64, 512, 640, dict(SEESAW, l_split=2)),                   # 5 blocks a part: an odd last block
+    (1, 128, 512, 64, SEESAW),                                     # one block: warpgroup 0's alone
+    (4, 64, 256, 192, dict(SEESAW, l_split=3)),                    # one block a part, fp32 partials out
 ])
 def test_kernel_lowers_for_cuda(n, h, d, rows, kw):
     """The Mosaic GPU kernel lowers for CUDA on this CPU-only machine (jax 0.10.2 and 0.11.2): the Pallas →
@@ -394,6 +415,9 @@ def _interpreter_shims(monkeypatch) -> None:
     (2, 64, 512, 640, EARLY),                                      # others' chunks refilled after the QK product
     (2, 64, 512, 640, dict(BKV32, **EARLY)),
     (3, 128, 256, 192, dict(EARLY, v_split=4, num_stages=2)),      # three chunks early, the own one after P·V
+    (2, 64, 512, 640, SEESAW),                                     # seesaw: 5 rounds, stages refilled
+    (3, 64, 512, 640, dict(SEESAW, l_split=2)),                    # odd last block per part, XLA combine
+    (3, 128, 256, 192, SEESAW),                                    # two head blocks, one round + a last block
 ])
 def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
     """The kernel (with the shims above) in the Mosaic GPU interpreter against the exact contract, with the GPU
@@ -422,7 +446,8 @@ def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
     assert err.mean() <= 2.0 ** -9 * a.mean()
 
 
-@pytest.mark.parametrize("kw", [SHARED, dict(SHARED, l_split=2), dict(PING32, v_split=1)])
+@pytest.mark.parametrize("kw", [SHARED, dict(SHARED, l_split=2), dict(PING32, v_split=1), SEESAW,
+                                dict(SEESAW, l_split=2)])
 def test_exchanges_have_no_race(monkeypatch, capsys, kw):
     """``shared_qk`` (4 KV steps through 2 stages, so the exchange buffers are rewritten and the stages refilled)
     and ``pingpong`` (8 steps through 4 stages, its merge in two chunks through one buffer) under the interpreter's

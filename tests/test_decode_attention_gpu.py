@@ -109,7 +109,7 @@ def _check(n, h, d, rows, mask, seed=0, **kw):
     assert mean_ratio <= 1, f"mean err / (2^-9 · mean A) = {mean_ratio:.3g}"
 
 
-ORGANISATIONS = ["split_cta", "shared_qk", "pingpong"]
+ORGANISATIONS = ["split_cta", "shared_qk", "pingpong", "seesaw"]
 
 
 @pytest.mark.parametrize("organisation", ORGANISATIONS)
@@ -120,7 +120,8 @@ ORGANISATIONS = ["split_cta", "shared_qk", "pingpong"]
 def test_kernel_matches_reference(n, h, rows, mask, organisation):
     """The real head width (d = 512, two column halves, 2 stages), one or ten KV steps, one or two head blocks, in
     every organisation (``split_cta``: two CTAs per token; ``shared_qk``: two consumer warpgroups of one CTA sharing
-    the QK product; ``pingpong``: two CTAs per token, each with two consumer warpgroups on alternate KV blocks)."""
+    the QK product; ``pingpong``: two CTAs per token, each with two consumer warpgroups on alternate KV blocks;
+    ``seesaw``: one CTA per token, two compute warpgroups on alternate blocks, each with half of the columns)."""
     _check(n, h, 512, rows, mask, seed=n + h + rows, organisation=organisation)
 
 
@@ -159,6 +160,14 @@ CLUSTER = dict(organisation="split_cluster")
         "d512-bkv32-4stages", "d512-early", "d512-bkv32-4stages-early", "d512-split4-early"])
 def test_kernel_configs(d, kw):
     _check(8, 128, d, 640, "random", seed=d, **kw)
+
+
+@pytest.mark.parametrize("l_split", [2, 5])
+@pytest.mark.parametrize("mask", ["random", "prefix", "all_false"])
+def test_seesaw_l_split(l_split, mask):
+    """``seesaw`` with L split across CTAs at the real size: five blocks a part (two rounds and an odd last block)
+    or two (one round), merged by XLA as ``shared_qk``'s parts."""
+    _check(64, 64, 512, 640, mask, seed=l_split + 7, organisation="seesaw", l_split=l_split)
 
 
 @pytest.mark.parametrize("l_split", [2, 5])

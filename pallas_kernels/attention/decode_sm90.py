@@ -14,13 +14,15 @@ Contract (the same as :func:`pallas_kernels.attention.reference.sparse_decode_at
     P is rounded to bf16 before the P·V product (fp32 accumulation); o is rounded to bf16. A query with no valid row
     gets o = 0 (all its mass is on the sink).
 
-Four organisations, chosen by ``sparse_decode_attention(..., organisation=...)``: ``"split_cta"`` (the default),
-``"split_cluster"`` and ``"shared_qk"``, all below, and ``"pingpong"`` (``split_cta``'s grid with two compute
+Five organisations, chosen by ``sparse_decode_attention(..., organisation=...)``: ``"split_cta"`` (the default),
+``"split_cluster"`` and ``"shared_qk"``, all below, ``"pingpong"`` (``split_cta``'s grid with two compute
 warpgroups taking the KV blocks in turn, so one's softmax overlaps the other's WGMMAs;
-:mod:`pallas_kernels.attention.decode_pingpong_sm90`). Tried and removed after measuring (docs/perf/attention_h200.md):
-a QK product issued one step ahead (``qk_ahead``), KV steps prefetched into L2, and the two CTAs of a token
-exchanging partial logits through distributed shared memory (``split_exchange``, commit e02c203: exact, but
-34–40 µs against 24 at 64 queries on an H100).
+:mod:`pallas_kernels.attention.decode_pingpong_sm90`) and ``"seesaw"`` (FlashMLA's schedule: one CTA per token and
+L part, two compute warpgroups each computing the QK product of alternate blocks and P·V of both on half the
+columns; :mod:`pallas_kernels.attention.decode_seesaw_sm90`, not yet run on a GPU). Tried and removed after
+measuring (docs/perf/attention_h200.md): a QK product issued one step ahead (``qk_ahead``), KV steps prefetched into
+L2, and the two CTAs of a token exchanging partial logits through distributed shared memory (``split_exchange``,
+commit e02c203: exact, but 34–40 µs against 24 at 64 queries on an H100).
 
 :func:`sparse_decode_attention_rows` is ``split_cta`` reading its rows from a pool by index (bf16 rows copied with
 ``cp.async`` into the tiles, or ``v41_fp4`` rows decoded into them; :mod:`pallas_kernels.attention.row_gather_sm90`):
@@ -210,7 +212,8 @@ SHARED_QK_THREAD_REGISTERS = 65536 // (128 * (SHARED_QK_CONSUMERS + 1)) // 8 * 8
 SHARED_QK_GATHER_REGISTERS = ((SHARED_QK_CONSUMERS + 1) * SHARED_QK_THREAD_REGISTERS
                               - SHARED_QK_CONSUMERS * SHARED_QK_COMPUTE_REGISTERS)
 SMEM_ALIGNMENT = 1024         # Pallas rounds every shared-memory scratch buffer up to 1 KiB
-ORGANISATIONS = ("split_cta", "split_cluster", "shared_qk", "pingpong")   # pingpong: decode_pingpong_sm90.py
+# pingpong: decode_pingpong_sm90.py; seesaw: decode_seesaw_sm90.py
+ORGANISATIONS = ("split_cta", "split_cluster", "shared_qk", "pingpong", "seesaw")
 MAX_CLUSTER = 8                # the portable cluster size limit of Hopper
 LOG2E = math.log2(math.e)
 
@@ -487,6 +490,9 @@ def smem_bytes(d: int, block_kv: int, stages: int, organisation: str = "split_ct
     if organisation == "pingpong":
         from pallas_kernels.attention.decode_pingpong_sm90 import pingpong_smem_bytes
         return pingpong_smem_bytes(d, block_kv, stages)
+    if organisation == "seesaw":
+        from pallas_kernels.attention.decode_seesaw_sm90 import seesaw_smem_bytes
+        return seesaw_smem_bytes(d, block_kv, stages)
     raise ValueError(f"organisation={organisation!r} is not one of {ORGANISATIONS}")
 
 
@@ -499,11 +505,16 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
         raise ValueError(f"organisation={organisation!r} is not one of {ORGANISATIONS}")
     if h % HEADS_PER_CTA:
         raise ValueError(f"number of heads H={h} must be a multiple of {HEADS_PER_CTA}")
-    if organisation == "shared_qk" and v_split != SHARED_QK_CONSUMERS:
-        raise ValueError(f"organisation='shared_qk' splits d between its {SHARED_QK_CONSUMERS} consumer warpgroups: "
-                         f"v_split must be {SHARED_QK_CONSUMERS}, got {v_split}")
-    if organisation != "shared_qk" and l_split != 1:
-        raise ValueError(f"l_split={l_split}: only organisation='shared_qk' splits L across CTAs")
+    if organisation in ("shared_qk", "seesaw") and v_split != SHARED_QK_CONSUMERS:
+        raise ValueError(f"organisation={organisation!r} splits d between its {SHARED_QK_CONSUMERS} consumer "
+                         f"warpgroups: v_split must be {SHARED_QK_CONSUMERS}, got {v_split}")
+    if organisation not in ("shared_qk", "seesaw") and l_split != 1:
+        raise ValueError(f"l_split={l_split}: only organisations 'shared_qk' and 'seesaw' split L across CTAs")
+    if organisation == "seesaw" and block_kv != 64:
+        raise ValueError(f"block_kv={block_kv}: organisation='seesaw' takes 64-row KV blocks")
+    if organisation == "seesaw" and num_stages < 2 and rows // block_kv // max(l_split, 1) > 1:
+        raise ValueError(f"num_stages={num_stages}: organisation='seesaw' reads two KV blocks a round, so it needs "
+                         f"at least 2 stages")
     if v_split < 1 or d % (64 * v_split):
         raise ValueError(f"head width d={d} must be a multiple of 64 · v_split = {64 * v_split}")
     if d // v_split > MAX_DH:
@@ -522,7 +533,7 @@ def check_config(h: int, d: int, rows: int, *, block_kv: int, num_stages: int, v
         raise ValueError(f"number of rows L={rows} must be a positive multiple of block_kv={block_kv}")
     if l_split < 1 or (rows // block_kv) % l_split:
         raise ValueError(f"l_split={l_split} must divide the number of KV blocks L / block_kv = {rows // block_kv}")
-    if organisation == "shared_qk" and l_split > 1 and (d // v_split) % block_kv:
+    if organisation in ("shared_qk", "seesaw") and l_split > 1 and (d // v_split) % block_kv:
         raise ValueError(f"l_split > 1 writes the fp32 partial output through the [64, block_kv] exchange buffer: "
                          f"d / 2 = {d // v_split} must be a multiple of block_kv={block_kv}")
     if num_stages < 1:
@@ -940,9 +951,10 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
         and multicast to all of them; v_split 2–8),
         ``"shared_qk"`` (one CTA per token and head block, two consumer warpgroups sharing the QK product) or
         ``"pingpong"`` (``split_cta``'s CTAs, each with two consumer warpgroups on alternate KV blocks; an even
-        ``num_stages`` when stages are refilled).
-      l_split: ``shared_qk`` only: CTAs per (token, head block), each over ``L / l_split`` rows, their fp32 partial
-        outputs merged by XLA after the kernel (must divide ``L / block_kv``).
+        ``num_stages`` when stages are refilled) or ``"seesaw"`` (one CTA per token and L part, FlashMLA's
+        schedule; 64-row blocks, ≥ 2 stages, ``l_split`` as ``shared_qk``).
+      l_split: ``shared_qk`` and ``seesaw`` only: CTAs per (token, head block), each over ``L / l_split`` rows,
+        their fp32 partial outputs merged by XLA after the kernel (must divide ``L / block_kv``).
       early_release: ``split_cta`` only: each KV step releases the column chunks that only its QK product reads
         (the other CTAs' output columns) as soon as that product is done, so their refill is in flight during the
         softmax and P·V; the CTA's own chunk and the mask row are released after P·V as before.
@@ -963,6 +975,12 @@ def sparse_decode_attention(q: jax.Array, kv: jax.Array, valid: jax.Array, sink:
     elif organisation == "pingpong":
         from pallas_kernels.attention.decode_pingpong_sm90 import pingpong_call
         out = pingpong_call(*args, scale=scale, block_kv=block_kv, stages=stages)
+    elif organisation == "seesaw":
+        from pallas_kernels.attention.decode_seesaw_sm90 import seesaw_call
+        out = seesaw_call(*args, scale=scale, block_kv=block_kv, stages=stages, l_split=l_split)
+        if l_split > 1:
+            acc, ml = out
+            return _combine_parts(acc.reshape(l_split, n, h, d), ml)
     elif l_split == 1:
         out = _shared_qk_call(*args, scale=scale, block_kv=block_kv, stages=stages, l_split=1)
     else:
@@ -1080,11 +1098,11 @@ def traffic(n: int, h: int, d: int, rows: int, *, v_split: int = 2, organisation
     ``flops_useful``: the contract's products, ``2·N·H·L·d`` (QK) + ``2·N·H·L·d`` (PV) = ``4·N·H·L·d``.
     ``flops_executed``: what the tensor cores run: ``split_cta`` computes the QK product once per split,
     ``2·N·H·L·d·v_split + 2·N·H·L·d`` (``6·N·H·L·d`` = 1.5 × useful at v_split = 2), as does ``pingpong``;
-    ``shared_qk`` once.
+    ``shared_qk`` and ``seesaw`` once.
     """
     qk = 2 * n * h * rows * d
     read = n * rows * d * 2 + n * h * d * 2 + n * rows * 4 + h * 4
-    partial = 2 * l_split * n * h * (d + 2) * 4 if organisation == "shared_qk" and l_split > 1 else 0
-    qk_times = 1 if organisation == "shared_qk" else v_split
+    partial = 2 * l_split * n * h * (d + 2) * 4 if organisation in ("shared_qk", "seesaw") and l_split > 1 else 0
+    qk_times = 1 if organisation in ("shared_qk", "seesaw") else v_split
     return dict(bytes_read=float(read), bytes=float(read + n * h * d * 2), flops_useful=float(2 * qk),
                 flops_executed=float(qk * qk_times + qk), partial_bytes=float(partial))
