@@ -63,6 +63,8 @@ from pallas_kernels.attention.decode_sm90 import (
     SHARED_QK_COMPUTE_REGISTERS,
     _aligned,
     _produce_kv,
+    parts_out_type,
+    store_partial,
 )
 from pallas_kernels.mgpu_compat import load_whole
 
@@ -277,12 +279,7 @@ def seesaw_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array,
             out = p0_smem if c == 0 else p1_smem
             if c == 0 or rounds:                       # with no full round p_1 was never published
                 plgpu.barrier_wait(p0_free if c == 0 else p1_free)
-            for j in range(dh // block_kv):
-                if j:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                out[...] = acc[:, j * block_kv:(j + 1) * block_kv]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out, acc_ref.at[part, tok, pl.ds(h0, hb), c, pl.ds(j * block_kv, block_kv)])
+            store_partial(acc, out, acc_ref.at[part, tok, pl.ds(h0, hb), c])
             if c == 0:                                 # m and l are the same in both warpgroups
                 small.at[m0_row][...] = m              # warpgroup 1 read m_0 before its last p_0 (waited above)
                 small.at[m1_row][...] = l_sum
@@ -317,14 +314,9 @@ def seesaw_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array,
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),           # both warpgroups done with a block
         *(plgpu.Barrier(num_arrivals=1) for _ in range(6)),                   # m0 / m1 / p0 / p1 ready, p0 / p1 free
     ]
-    if split_l:
-        out_type = (jax.ShapeDtypeStruct((l_split, *q4.shape), jnp.float32),
-                    jax.ShapeDtypeStruct((l_split, n, 2, h), jnp.float32))
-    else:
-        out_type = jax.ShapeDtypeStruct(q4.shape, jnp.bfloat16)
     kernel = plgpu.kernel(
         body,
-        out_type=out_type,
+        out_type=parts_out_type(q4, l_split),
         scratch_types=scratch,
         grid=(l_split, h // hb, n),
         grid_names=("part", "head_block", "token"),

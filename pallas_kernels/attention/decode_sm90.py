@@ -850,13 +850,7 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
             # L split: the unnormalised fp32 accumulator goes out through this consumer's exchange buffer, block_kv
             # columns at a time, once the other consumer has read the last partial logits from it.
             plgpu.barrier_wait(read_barrier)
-            out = exch_smem.at[c]
-            for j in range(dh // block_kv):
-                if j:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                out[...] = acc[:, j * block_kv:(j + 1) * block_kv]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out, acc_ref.at[part, tok, pl.ds(h0, hb), c, pl.ds(j * block_kv, block_kv)])
+            store_partial(acc, exch_smem.at[c], acc_ref.at[part, tok, pl.ds(h0, hb), c])
 
             @pl.when(c == 0)                     # m and l are the same in both consumers
             def _stats():
@@ -896,14 +890,9 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         plgpu.Barrier(num_arrivals=consumers),                                 # both partial logits written
         plgpu.Barrier(num_arrivals=consumers),                                 # both partial logits read
     ]
-    if split_l:
-        out_type = (jax.ShapeDtypeStruct((l_split, *q4.shape), jnp.float32),
-                    jax.ShapeDtypeStruct((l_split, n, 2, h), jnp.float32))
-    else:
-        out_type = jax.ShapeDtypeStruct(q4.shape, jnp.bfloat16)
     kernel = plgpu.kernel(
         body,
-        out_type=out_type,
+        out_type=parts_out_type(q4, l_split),
         scratch_types=scratch,
         grid=(l_split, h // hb, n),
         grid_names=("part", "head_block", "token"),
@@ -912,6 +901,32 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
     return kernel(q4, kv4, bias, sink, *([rows_idx] if gathered else []), *([] if window4 is None else [window4]))
+
+
+def parts_out_type(q4: jax.Array, l_split: int):
+    """Output types of a kernel over ``l_split`` parts of L (``shared_qk``, ``seesaw``): the bf16 output ``[N, H, 2,
+    dh]`` for one part; else the unnormalised fp32 accumulators ``[l_split, N, H, 2, dh]`` and the running max and
+    sum ``[l_split, N, 2, H]`` for :func:`_combine_parts`."""
+    if l_split == 1:
+        return jax.ShapeDtypeStruct(q4.shape, jnp.bfloat16)
+    n, h = q4.shape[:2]
+    return (jax.ShapeDtypeStruct((l_split, *q4.shape), jnp.float32),
+            jax.ShapeDtypeStruct((l_split, n, 2, h), jnp.float32))
+
+
+def store_partial(acc, out_smem, acc_gmem) -> None:
+    """Writes a part's unnormalised accumulator ``acc fp32 [64, dh]`` (WGMMA layout) to ``acc_gmem [64, dh]``
+    through the fp32 staging buffer ``out_smem [64, c]`` (``c`` columns at a time, each chunk's TMA store having read
+    the buffer before the next chunk overwrites it); returns with the stores in flight."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    cols = out_smem.shape[-1]
+    for j in range(acc.shape[1] // cols):
+        if j:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out_smem[...] = acc[:, j * cols:(j + 1) * cols]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, acc_gmem.at[:, pl.ds(j * cols, cols)])
 
 
 def _combine_parts(acc: jax.Array, ml: jax.Array) -> jax.Array:
