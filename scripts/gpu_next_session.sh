@@ -11,7 +11,8 @@
 #      steps ahead of the stages lost 1-8 points at every distance (removed); organisation split_exchange (the two CTAs
 #      of a token as a cluster exchanging partial logits through DSMEM, commit e02c203) was exact but 34-40 us
 #      against split_cta's 24 at 64 queries (removed); STAGE=prefix2's byte products won up to 96 rows and became the
-#      accelerator default there. On an H200: STAGE=prefix2 again (the crossover is the H100's);
+#      accelerator default there. On an H200: STAGE=prefix2 again (the crossover is the H100's), then STAGE=draw
+#      for the sampled decode pace of the V4-Flash slice with the byte default (7.16 ms with jnp.cumsum, second session);
 #   0000. STAGE=prefix2 (any card): the integer limbs' prefix sums as bf16 byte products on tensor cores
 #      (prefix="bytes", sampling/_scan.cumsum_u16; built on CPU in the second session of 2026-12-07, after CUPTI
 #      showed half of the certified draw's 0.86 ms at batch 64 is one reduce_window): exactness on the GPU, then
