@@ -333,6 +333,11 @@ def test_kernel_lowers_for_cuda(n, h, d, rows, kw):
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _organisation_id(kw: dict) -> str:
+    """A test id naming the organisation and its L split (``-k seesaw`` selects that organisation's cases)."""
+    return kw.get("organisation", "split_cta") + (f"-l{kw['l_split']}" if kw.get("l_split", 1) > 1 else "")
+
+
 def _interpreter_shims(monkeypatch) -> None:
     """Trace-time stand-ins for what jax 0.11.2's Mosaic GPU interpreter lacks (see the module docstring): every
     ``plgpu.kernel`` gets three extra shared-memory buffers, each with one slice per warpgroup (``shared_qk`` runs
@@ -418,7 +423,7 @@ def _interpreter_shims(monkeypatch) -> None:
     (2, 64, 512, 640, SEESAW),                                     # seesaw: 5 rounds, stages refilled
     (3, 64, 512, 640, dict(SEESAW, l_split=2)),                    # odd last block per part, XLA combine
     (3, 128, 256, 192, SEESAW),                                    # two head blocks, one round + a last block
-])
+], ids=lambda v: _organisation_id(v) if isinstance(v, dict) else None)
 def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
     """The kernel (with the shims above) in the Mosaic GPU interpreter against the exact contract, with the GPU
     test's tolerances (tests/test_decode_attention_gpu.py says why): ``|kernel − exact| ≤ 2^-7 · A + 2^-14 · max A``
@@ -447,7 +452,7 @@ def test_kernel_in_mosaic_gpu_interpreter(monkeypatch, n, h, d, rows, kw):
 
 
 @pytest.mark.parametrize("kw", [SHARED, dict(SHARED, l_split=2), dict(PING32, v_split=1), SEESAW,
-                                dict(SEESAW, l_split=2)])
+                                dict(SEESAW, l_split=2)], ids=lambda kw: _organisation_id(kw))
 def test_exchanges_have_no_race(monkeypatch, capsys, kw):
     """``shared_qk`` (4 KV steps through 2 stages, so the exchange buffers are rewritten and the stages refilled)
     and ``pingpong`` (8 steps through 4 stages, its merge in two chunks through one buffer) under the interpreter's
