@@ -211,6 +211,84 @@ def test_seesaw_config():
         check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=4, organisation="seesaw")
 
 
+def _seesaw_schedule(q, kv, valid, sink, scale: float, l_split: int) -> np.ndarray:
+    """The ``seesaw`` kernel's arithmetic (decode_seesaw_sm90's docstring) in float32 NumPy, round by round: block
+    ``2r`` warpgroup 0's (output columns ``[0, d/2)``), block ``2r + 1`` warpgroup 1's, an odd last block warpgroup
+    0's alone, base-2 logits, P rounded to bf16 relative to the running max at the point each P·V uses it, the parts
+    merged as ``decode_sm90._combine_parts`` does. Returns ``o`` float32 ``[N, H, d]`` (before the final bf16
+    rounding)."""
+    f32, bf16 = np.float32, ml_dtypes.bfloat16
+    q, kv, sink = (np.asarray(x, f32) for x in (q, kv, sink))
+    n, h, d = q.shape
+    dh, blk = d // 2, 64
+    log2e = f32(np.log2(np.e))
+    mask = np.where(np.asarray(valid), f32(0), f32(-np.inf))
+    per_part = kv.shape[1] // blk // l_split
+    out = np.zeros((n, h, d), f32)
+
+    def pv(p, rows):                                        # bf16(p) · V in fp32
+        return p.astype(bf16).astype(f32) @ rows
+
+    for i in range(n):
+        accs, ms, ls = [], [], []
+        for part in range(l_split):
+            m = sink * log2e
+            l_sum = np.full(h, f32(1.0 if part == 0 else 0.0))
+            o_l, o_r = np.zeros((h, dh), f32), np.zeros((h, dh), f32)
+            blocks = [kv[i, b * blk:(b + 1) * blk] for b in range(part * per_part, (part + 1) * per_part)]
+            masks = [mask[i, b * blk:(b + 1) * blk] for b in range(part * per_part, (part + 1) * per_part)]
+            logits = [(q[i] @ b.T) * f32(scale) * log2e + mk[None, :] for b, mk in zip(blocks, masks, strict=True)]
+            rounds, tail = divmod(per_part, 2)
+            for r in range(rounds):
+                j0, j1 = 2 * r, 2 * r + 1
+                s0 = logits[j0]
+                m0 = np.maximum(m, s0.max(axis=1))
+                a0 = np.exp2(m - m0)
+                p0 = np.exp2(s0 - m0[:, None])
+                o_l = o_l * a0[:, None] + pv(p0, blocks[j0][:, :dh])           # warpgroup 0
+                s1 = logits[j1]
+                m1 = np.maximum(m0, s1.max(axis=1))
+                a1 = np.exp2(m0 - m1)
+                p1 = np.exp2(s1 - m1[:, None])
+                o_l = o_l * a1[:, None] + pv(p1, blocks[j1][:, :dh])
+                o_r = o_r * (a0 * a1)[:, None] + pv(p1, blocks[j1][:, dh:])    # warpgroup 1
+                o_r = o_r + pv(p0 * a1[:, None], blocks[j0][:, dh:])
+                l_sum = (l_sum * a0 + p0.sum(axis=1)) * a1 + p1.sum(axis=1)
+                m = m1
+            if tail:
+                s0 = logits[-1]
+                m0 = np.maximum(m, s0.max(axis=1))
+                a0 = np.exp2(m - m0)
+                p0 = np.exp2(s0 - m0[:, None])
+                o_l = o_l * a0[:, None] + pv(p0, blocks[-1][:, :dh])
+                o_r = o_r * a0[:, None] + pv(p0, blocks[-1][:, dh:])
+                l_sum = l_sum * a0 + p0.sum(axis=1)
+                m = m0
+            accs.append(np.concatenate([o_l, o_r], axis=1))
+            ms.append(m)
+            ls.append(l_sum)
+        w = np.exp2(np.stack(ms) - np.max(ms, axis=0))                       # [parts, H]
+        out[i] = (w[..., None] * np.stack(accs)).sum(axis=0) / (w * np.stack(ls)).sum(axis=0)[:, None]
+    return out
+
+
+@pytest.mark.parametrize("rows,l_split", [(640, 1), (640, 2), (192, 1), (64, 1), (640, 5)])
+def test_seesaw_schedule_matches_contract(rows, l_split):
+    """The ``seesaw`` schedule's rescalings (each warpgroup's ``a_0``, ``a_1``, the odd last block, the L parts'
+    merge) give the contract within the GPU test's bound: ``|o − exact| ≤ 2^-7 · A + 2^-14 · max A``, the mean
+    within ``2^-9 · mean A``, exact zeros for the query with no valid row and the head whose sink dominates. The
+    kernel implements this arithmetic; this checks the algebra itself (with ``a_1`` left out of ``O_R``'s second
+    product, four of these five cases fail — the one-block case has no full round; checked by hand 2026-12-07)."""
+    n, h, d = 3, 64, 512
+    q, kv, valid, sink = _inputs(n, h, d, rows, seed=rows + l_split)
+    got = _seesaw_schedule(q, kv, valid, sink, d ** -0.5, l_split).astype(ml_dtypes.bfloat16).astype(np.float64)
+    want, a = exact_contract(q, kv, valid, sink, d ** -0.5)
+    assert (got[0] == 0).all() and (got[:, 1] == 0).all()
+    err = np.abs(got - want)
+    assert (err <= 2.0 ** -7 * a + 2.0 ** -14 * a.max()).all(), float((err / (2.0 ** -7 * a + 1e-30)).max())
+    assert err.mean() <= 2.0 ** -9 * a.mean()
+
+
 def test_split_cta_small_tiles_and_early_release_config():
     assert check_config(64, 512, 640, block_kv=32, num_stages=4, v_split=2) == 4
     assert check_config(64, 512, 640, block_kv=64, num_stages=2, v_split=2, early_release=True) == 2
