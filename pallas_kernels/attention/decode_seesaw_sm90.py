@@ -45,8 +45,9 @@ block's logits once, in one warpgroup, and lets the other warpgroup's softmax ru
 Status: built on CPU (lowering for CUDA under jax 0.10.2 and Mosaic's shared-memory count are tested, and the
 schedule's arithmetic, emulated round by round in NumPy, meets the contract's bound:
 ``tests/test_decode_attention_cpu.py::test_seesaw_schedule_matches_contract``); not yet run on a GPU or in jax
-0.11.2's Mosaic GPU interpreter (the same test file runs it there when that jax is installed). GPU-only assumptions: those of ``shared_qk`` (the exchange through swizzled fp32 buffers, the
-register-A WGMMA of P, ``setmaxnreg`` 232 / 40 with 384 threads).
+0.11.2's Mosaic GPU interpreter (the same test file runs it there when that jax is installed). GPU-only
+assumptions: those of ``shared_qk`` (the exchange through swizzled fp32 buffers, the register-A WGMMA of P,
+``setmaxnreg`` 232 / 40 with 384 threads).
 
 Imports of Mosaic GPU are lazy so that CPU-only machines can import this module.
 """
