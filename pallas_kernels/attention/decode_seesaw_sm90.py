@@ -65,8 +65,10 @@ from pallas_kernels.attention.decode_sm90 import (
     SHARED_QK_COMPUTE_REGISTERS,
     _aligned,
     _produce_kv,
-    parts_out_type,
+    parts_kernel,
+    store_output,
     store_partial,
+    store_stats,
 )
 from pallas_kernels.mgpu_compat import load_whole
 
@@ -268,12 +270,8 @@ def seesaw_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array,
                 m = m0
 
             if not split_l:
-                acc = acc / bcast(l_sum, acc.shape)
-                o_smem = q_smem.at[c]                  # both warpgroups' QK products are done (module docstring)
-                o_smem[...] = acc.astype(jnp.bfloat16)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[tok, pl.ds(h0, hb), c])
-                plgpu.wait_smem_to_gmem(0)
+                # both warpgroups' QK products are done (module docstring): Q's buffer is free
+                store_output(acc, l_sum, q_smem.at[c], o_ref.at[tok, pl.ds(h0, hb), c])
                 return
 
             # L split: the unnormalised accumulator goes out through this warpgroup's exchange buffer, 64 columns
@@ -282,12 +280,9 @@ def seesaw_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array,
             if c == 0 or rounds:                       # with no full round p_1 was never published
                 plgpu.barrier_wait(p0_free if c == 0 else p1_free)
             store_partial(acc, out, acc_ref.at[part, tok, pl.ds(h0, hb), c])
-            if c == 0:                                 # m and l are the same in both warpgroups
-                small.at[m0_row][...] = m              # warpgroup 1 read m_0 before its last p_0 (waited above)
-                small.at[m1_row][...] = l_sum
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(small.at[m0_row], ml_ref.at[part, tok, 0, pl.ds(h0, hb)])
-                plgpu.copy_smem_to_gmem(small.at[m1_row], ml_ref.at[part, tok, 1, pl.ds(h0, hb)])
+            if c == 0:                                 # m and l are the same in both warpgroups; warpgroup 1 read
+                # m_0 before its last p_0 (waited above), so both rows are free
+                store_stats(m, l_sum, small.at[m0_row], small.at[m1_row], ml_ref.at[part, tok, :, pl.ds(h0, hb)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 0)
@@ -316,17 +311,7 @@ def seesaw_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array,
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),           # both warpgroups done with a block
         *(plgpu.Barrier(num_arrivals=1) for _ in range(6)),                   # m0 / m1 / p0 / p1 ready, p0 / p1 free
     ]
-    kernel = plgpu.kernel(
-        body,
-        out_type=parts_out_type(q4, l_split),
-        scratch_types=scratch,
-        grid=(l_split, h // hb, n),
-        grid_names=("part", "head_block", "token"),
-        num_threads=consumers + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-    )
-    return kernel(q4, kv4, bias, sink)
+    return parts_kernel(body, scratch, q4, l_split)(q4, kv4, bias, sink)
 
 
 __all__ = ["BLOCK_KV", "CONSUMERS", "seesaw_call", "seesaw_smem_bytes"]

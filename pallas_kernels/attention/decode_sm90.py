@@ -666,12 +666,8 @@ def _split_cta_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
                 return finish_step(step, qk, carry)
 
             acc, m_i, l_i = lax.fori_loop(0, kv_steps, kv_step, (acc, m_i, l_i))
-            acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
-            o_smem = q_smem.at[0]           # every QK product has been read: Q's buffer is free
-            o_smem[...] = acc.astype(jnp.bfloat16)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[tok, pl.ds(h0, hb), split])
-            plgpu.wait_smem_to_gmem(0)
+            # every QK product has been read: Q's buffer is free
+            store_output(acc, l_i, q_smem.at[0], o_ref.at[tok, pl.ds(h0, hb), split])
 
         @pl.when(wg == 1)
         def _memory():
@@ -839,12 +835,8 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
 
             acc, m_i, l_i = lax.fori_loop(0, kv_steps, kv_step, (acc, m_i, l_i))
             if not split_l:
-                acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
-                o_smem = q_smem.at[c]            # this consumer's last QK product has been read: Q_c is free
-                o_smem[...] = acc.astype(jnp.bfloat16)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[tok, pl.ds(h0, hb), c])
-                plgpu.wait_smem_to_gmem(0)
+                # this consumer's last QK product has been read: Q_c is free
+                store_output(acc, l_i, q_smem.at[c], o_ref.at[tok, pl.ds(h0, hb), c])
                 return
 
             # L split: the unnormalised fp32 accumulator goes out through this consumer's exchange buffer, block_kv
@@ -853,12 +845,8 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
             store_partial(acc, exch_smem.at[c], acc_ref.at[part, tok, pl.ds(h0, hb), c])
 
             @pl.when(c == 0)                     # m and l are the same in both consumers
-            def _stats():
-                sink_smem.at[0][...] = m_i       # both sink copies were read before the first exchange
-                sink_smem.at[1][...] = l_i
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(sink_smem.at[0], ml_ref.at[part, tok, 0, pl.ds(h0, hb)])
-                plgpu.copy_smem_to_gmem(sink_smem.at[1], ml_ref.at[part, tok, 1, pl.ds(h0, hb)])
+            def _stats():                        # both sink copies were read before the first exchange
+                store_stats(m_i, l_i, sink_smem.at[0], sink_smem.at[1], ml_ref.at[part, tok, :, pl.ds(h0, hb)])
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -890,17 +878,50 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         plgpu.Barrier(num_arrivals=consumers),                                 # both partial logits written
         plgpu.Barrier(num_arrivals=consumers),                                 # both partial logits read
     ]
-    kernel = plgpu.kernel(
+    kernel = parts_kernel(body, scratch, q4, l_split)
+    return kernel(q4, kv4, bias, sink, *([rows_idx] if gathered else []), *([] if window4 is None else [window4]))
+
+
+def parts_kernel(body, scratch: list, q4: jax.Array, l_split: int):
+    """The Mosaic GPU kernel of an organisation with one CTA per (L part, head block, token) and two compute
+    warpgroups plus a memory warpgroup (``shared_qk``, ``seesaw``), outputs as :func:`parts_out_type`; no reduction
+    scratch (their row reductions stay inside a warp)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n, h = q4.shape[:2]
+    return plgpu.kernel(
         body,
         out_type=parts_out_type(q4, l_split),
         scratch_types=scratch,
-        grid=(l_split, h // hb, n),
+        grid=(l_split, h // HEADS_PER_CTA, n),
         grid_names=("part", "head_block", "token"),
-        num_threads=consumers + 1,
+        num_threads=SHARED_QK_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
-    return kernel(q4, kv4, bias, sink, *([rows_idx] if gathered else []), *([] if window4 is None else [window4]))
+
+
+def store_output(acc, l_sum, o_smem, o_gmem) -> None:
+    """``bf16(acc / l_sum)`` (``acc fp32 [64, c]`` WGMMA layout, ``l_sum [64]``) through ``o_smem`` (bf16, free) to
+    ``o_gmem [64, c]``; waits for the store."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    o_smem[...] = (acc / lax.broadcast_in_dim(l_sum, acc.shape, [0])).astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def store_stats(m, l_sum, m_smem, l_smem, ml_gmem) -> None:
+    """A part's running max and sum (``[64]`` each) through the free fp32 rows ``m_smem``, ``l_smem`` to ``ml_gmem
+    [2, 64]``; the stores stay in flight."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m_smem[...] = m
+    l_smem[...] = l_sum
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(m_smem, ml_gmem.at[0])
+    plgpu.copy_smem_to_gmem(l_smem, ml_gmem.at[1])
 
 
 def parts_out_type(q4: jax.Array, l_split: int):
