@@ -6,8 +6,8 @@ Same contract as :func:`pallas_kernels.attention.decode_sm90.sparse_decode_atten
 argument selects this kernel). Why it exists (docs/perf/attention_h200.md, third session of 2026-12-07): at 64
 queries the kernels that exist either repeat the QK product on 128 CTAs (``split_cta``, ``split_cluster``) or
 remove it with a synchronisation that costs more than it saves (``shared_qk``'s per-step logit exchange, a DSMEM
-exchange); FlashMLA's "seesaw" (deepseek-ai/FlashMLA ``docs/20250422-new-kernel-deep-dive.md``) computes each
-block's logits once, in one warpgroup, and lets the other warpgroup's softmax run while it does.
+exchange); FlashMLA's "seesaw" schedule (described in docs/perf/attention_h200.md) computes each block's logits
+once, in one warpgroup, and lets the other warpgroup's softmax run while it does.
 
 * Grid ``(l_split, H / 64, N)`` as ``shared_qk``; three warpgroups: compute ``0`` and ``1`` (232 registers each),
   ``2`` issues the TMA copies (:func:`~pallas_kernels.attention.decode_sm90._produce_kv`, both column chunks of
