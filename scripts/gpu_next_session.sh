@@ -7,6 +7,8 @@
 # 9.2-9.7 ms greedy on that card (serving_h200.md, seventh session)):
 #   000000. STAGE=seesaw (an H200 for issue 9's figure; any card to find out whether it runs): organisation seesaw
 #      (FlashMLA's schedule, built on CPU in the third session of 2026-12-07, never run): interpreter, GPU cases, timings;
+#      then STAGE=tests and STAGE=rows-kernel as a regression check (split_cta's and shared_qk's output stores became
+#      shared helpers the same session, checked only by lowering on CPU);
 #   00000. (done, third session of 2026-12-07, on an H100; attention_h200.md / serving_h200.md) L2 prefetch of the KV
 #      steps ahead of the stages lost 1-8 points at every distance (removed); organisation split_exchange (the two CTAs
 #      of a token as a cluster exchanging partial logits through DSMEM, commit e02c203) was exact but 34-40 us
