@@ -357,6 +357,9 @@ def test_traffic_counts():
     (2, 64, dict(organisation="shared_qk", l_split=1)),        # one block: nothing to split, no merge
     (9, 640, dict(organisation="split_cta", early_release=True)),
     (64, 640, dict(organisation="split_cta", early_release=True)),
+    (66, 640, dict(organisation="split_cta", early_release=True)),   # 132 CTAs: still one wave
+    (67, 640, dict(organisation="shared_qk", l_split=1)),            # split_cta would need a second wave
+    (384, 640, dict(organisation="shared_qk", l_split=1)),           # batch 64 verifying five drafts
 ])
 def test_decode_options_by_query_count(n, rows, want):
     """The model's choice of organisation (pallas_kernels/attention/tuning.py): a valid configuration every time

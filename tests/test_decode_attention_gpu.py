@@ -178,7 +178,7 @@ def test_shared_qk_l_split(l_split, mask):
     _check(64, 64, 512, 640, mask, seed=l_split, organisation="shared_qk", l_split=l_split)
 
 
-@pytest.mark.parametrize("b,s,per_query", [(4, 1, False), (2, 3, False), (4, 1, True), (1, 300, True)])
+@pytest.mark.parametrize("b,s,per_query", [(4, 1, False), (2, 3, False), (4, 1, True), (16, 6, True), (1, 300, True)])
 def test_model_attend_selected_kernel_matches_xla_path(b, s, per_query):
     """The model's use of the kernel (``attention.attend_selected(impl="pallas")``: window rows shared by the row's
     queries — or each query's own 128 window rows (``per_query``, what the model passes the kernel, decode and

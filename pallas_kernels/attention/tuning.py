@@ -7,11 +7,18 @@ Measured on the H200 at the real size (64 heads × 512, L = 640 rows per query; 
 * 1 query: ``split_cta`` 16.2 µs (its CTAs walk the ten KV blocks one after another) against ``shared_qk,
   l_split=10`` 6.8 µs of kernel and 10.4 µs for the whole call with the merge — one KV block per CTA.
 
-So few queries take ``shared_qk`` with L split over as many CTAs as keep the grid within one wave of SMs, and
-many queries ``split_cta`` with ``early_release`` (the other CTA's column chunks refilled during the softmax and
-P·V: 25.1 against 26.5 µs at 64 queries on an H100, 17.3 against 17.5 at 16; docs/perf/attention_h200.md, sixth
-session of 2026-12-05). :data:`SMALL_N_MAX` is the boundary; the sizes between 1 and 64 are measured by
-``scripts/bench_kernels.py attention-kernel --batches 1 4 8 16 64`` (the ``model rule`` row).
+* more than ``NUM_SMS / 2`` queries: ``split_cta``'s two CTAs per query no longer fit one wave, and ``shared_qk``
+  (one CTA per query, QK computed once) wins at every size measured — H200 at 128 queries 31.9 against 51.2 µs
+  (71% against 45% of copy); H100 at 72 / 96 / 128 / 256 / 512 queries 59 / 68 / 79 / 84 / 91% against 47 / 52 /
+  48 / 51 / 53% (at 192, 74% against ``split_cluster``'s 76%; docs/perf/attention_h200.md, fourth session of
+  2026-12-07).
+
+So few queries take ``shared_qk`` with L split over as many CTAs as keep the grid within one wave of SMs, the
+middle ``split_cta`` with ``early_release`` (the other CTA's column chunks refilled during the softmax and P·V:
+25.1 against 26.5 µs at 64 queries on an H100, 17.3 against 17.5 at 16; docs/perf/attention_h200.md, sixth session
+of 2026-12-05), and many queries ``shared_qk`` again (then ``l_split = 1``). :data:`SMALL_N_MAX` and ``NUM_SMS /
+2`` are the boundaries; the sizes are measured by ``scripts/bench_kernels.py attention-kernel --batches 1 4 8 16 64
+72 96 128 256`` (the ``model rule`` row).
 """
 
 from __future__ import annotations
@@ -24,15 +31,16 @@ SMALL_N_MAX = 8        # up to this many query rows a call: shared_qk with an L 
 
 def decode_options(n_queries: int, rows: int, block_kv: int = 64) -> dict:
     """Keyword arguments of ``sparse_decode_attention`` for ``n_queries`` query rows over ``rows`` KV rows each
-    (a multiple of ``block_kv``): ``split_cta`` above :data:`SMALL_N_MAX` queries; otherwise ``shared_qk`` with the
-    largest ``l_split`` dividing the ``rows / block_kv`` KV blocks such that ``n_queries · l_split ≤``
-    :data:`NUM_SMS` (``l_split = 1``, no merge, when only one block or no split fits)."""
+    (a multiple of ``block_kv``): ``split_cta`` with early release from :data:`SMALL_N_MAX` + 1 to ``NUM_SMS / 2``
+    queries (two CTAs a query, one wave); otherwise ``shared_qk`` with the largest ``l_split`` dividing the ``rows /
+    block_kv`` KV blocks such that ``n_queries · l_split ≤`` :data:`NUM_SMS` (``l_split = 1``, no merge, when only
+    one block or no split fits — always above ``NUM_SMS / 2`` queries)."""
     if n_queries <= 0 or rows <= 0 or rows % block_kv:
         raise ValueError(f"need n_queries > 0 and rows a positive multiple of {block_kv}, got {n_queries}, {rows}")
-    if n_queries > SMALL_N_MAX:
+    if SMALL_N_MAX < n_queries <= NUM_SMS // 2:
         return dict(organisation="split_cta", early_release=True)
     blocks = rows // block_kv
-    l_split = max(s for s in range(1, blocks + 1) if blocks % s == 0 and n_queries * s <= NUM_SMS)
+    l_split = max((s for s in range(1, blocks + 1) if blocks % s == 0 and n_queries * s <= NUM_SMS), default=1)
     return dict(organisation="shared_qk", l_split=l_split)
 
 
