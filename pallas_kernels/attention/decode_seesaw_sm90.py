@@ -42,12 +42,15 @@ once, in one warpgroup, and lets the other warpgroup's softmax run while it does
   columns at a time, once the other warpgroup has read it for the last time) and its ``(m, l)``; XLA merges them
   (``decode_sm90._combine_parts``), as for ``shared_qk``.
 
-Status: built on CPU (lowering for CUDA under jax 0.10.2 and Mosaic's shared-memory count are tested, and the
-schedule's arithmetic, emulated round by round in NumPy, meets the contract's bound:
-``tests/test_decode_attention_cpu.py::test_seesaw_schedule_matches_contract``); not yet run on a GPU or in jax
-0.11.2's Mosaic GPU interpreter (the same test file runs it there when that jax is installed). GPU-only
-assumptions: those of ``shared_qk`` (the exchange through swizzled fp32 buffers, the register-A WGMMA of P,
-``setmaxnreg`` 232 / 40 with 384 threads).
+Status (docs/perf/attention_h200.md, fourth session of 2026-12-07): exact on an H100 (GPU cases, and jax 0.11.2's
+Mosaic GPU interpreter with its race detector), but the slowest organisation — 43.1 µs at 64 queries against 23.6
+for ``split_cta`` with early release, 63.9 at 128 against ``shared_qk``'s 43.5. With bf16 rows only two 64 KiB
+stages fit beside Q, a round holds both until it ends, and so the next round's loads wait for this round's compute.
+Kept for FP8 / FP4 rows, whose stages are half or a quarter of the size. The CPU checks: lowering for CUDA, Mosaic's
+shared-memory count, and the schedule's arithmetic emulated round by round in NumPy
+(``tests/test_decode_attention_cpu.py::test_seesaw_schedule_matches_contract``). GPU-only assumptions: those of
+``shared_qk`` (the exchange through swizzled fp32 buffers, the register-A WGMMA of P, ``setmaxnreg`` 232 / 40 with
+384 threads).
 
 Imports of Mosaic GPU are lazy so that CPU-only machines can import this module.
 """
