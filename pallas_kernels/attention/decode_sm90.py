@@ -19,8 +19,8 @@ Five organisations, chosen by ``sparse_decode_attention(..., organisation=...)``
 warpgroups taking the KV blocks in turn, so one's softmax overlaps the other's WGMMAs;
 :mod:`pallas_kernels.attention.decode_pingpong_sm90`) and ``"seesaw"`` (FlashMLA's schedule: one CTA per token and
 L part, two compute warpgroups each computing the QK product of alternate blocks and P·V of both on half the
-columns; :mod:`pallas_kernels.attention.decode_seesaw_sm90`: exact on an H100 but the slowest, 43 µs at 64 queries, because
-with bf16 rows only two KV stages fit and loads alternate with compute). Tried and removed after
+columns; :mod:`pallas_kernels.attention.decode_seesaw_sm90`: exact on an H100 but the slowest, 43 µs at 64
+queries, because with bf16 rows only two KV stages fit and loads alternate with compute). Tried and removed after
 measuring (docs/perf/attention_h200.md): a QK product issued one step ahead (``qk_ahead``), KV steps prefetched into
 L2, and the two CTAs of a token exchanging partial logits through distributed shared memory (``split_exchange``,
 commit e02c203: exact, but 34–40 µs against 24 at 64 queries on an H100).
