@@ -5,7 +5,14 @@
 # decode-pace interval, always index 94 of 126, in every temperature-1 run (five runs, CUDA_MODULE_LOADING lazy or
 # eager, command buffers or not; no compilation after warm-up), while the medians were 8.0 ms sampled against
 # 9.2-9.7 ms greedy on that card (serving_h200.md, seventh session)):
-#   000000. STAGE=seesaw (an H200 for issue 9's figure; any card to find out whether it runs): organisation seesaw
+#   0000000. on an H200: the model's new rule above 66 queries (shared_qk; fourth session of 2026-12-07, measured on an
+#      H100 only: 59-91% of copy against split_cta's 47-53% from 72 to 512 queries): bench_kernels.py attention-kernel
+#      --batches 64 67 96 128 256 384 --variants "split_cta early" split_cluster shared_qk "model rule"; then
+#      STAGE=prefix2 and STAGE=draw (below). Still unmeasured: whether the gathering kernel (gather_options, split_cta
+#      above 8 queries) should follow the same rule (its shared_qk form exists);
+#   000000. (done, fourth session of 2026-12-07, on an H100: attention_h200.md) STAGE=seesaw: exact, the slowest
+#      organisation (43 us at 64 queries; two bf16 stages alternate with compute); the GPU regression 102 + 33 passed.
+#      Was: (an H200 for issue 9's figure; any card to find out whether it runs): organisation seesaw
 #      (FlashMLA's schedule, built on CPU in the third session of 2026-12-07, never run): interpreter, GPU cases, timings;
 #      then STAGE=tests and STAGE=rows-kernel as a regression check (split_cta's and shared_qk's output stores became
 #      shared helpers the same session, checked only by lowering on CPU);
