@@ -56,7 +56,7 @@ from pallas_kernels.attention.decode_sm90 import (  # noqa: E402
     traffic,
 )
 from pallas_kernels.attention.reference import sparse_decode_attention_ref  # noqa: E402
-from pallas_kernels.attention.tuning import SMALL_N_MAX, decode_options  # noqa: E402
+from pallas_kernels.attention.tuning import decode_options  # noqa: E402
 
 BLOCK = 128  # tokens per page (DeepInfer's default)
 
@@ -320,8 +320,8 @@ DEPTH_VARIANTS = {"gathered in kernel, early, 32-row steps × 3": dict(block_kv=
                   "gathered in kernel, early, 32-row steps × 4": dict(block_kv=32, num_stages=4)}
 # the FP4 producer loads, decodes and stores one step at a time; staged, the next step's rows are in flight (cp.async
 # into shared memory) while this one is decoded
-# up to tuning.SMALL_N_MAX queries the model's rule is shared_qk with an L split: XLA's gather then that kernel,
-# against its gathering form (each of the L-split CTAs fetching its part of the rows)
+# up to tuning.SMALL_N_MAX queries (and above NUM_SMS / 2) the model's rule is shared_qk: XLA's gather then that
+# kernel, against its gathering form (each CTA fetching its part of the rows)
 SMALL_N_VARIANTS = ("shared_qk rule: XLA pool[rows] + kernel", "shared_qk rule: gathered in kernel",
                     "shared_qk rule, v41_fp4: XLA gather + decode + kernel",
                     "shared_qk rule, v41_fp4: gathered + decoded in kernel")
@@ -388,8 +388,11 @@ def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int
                                                       early_release=n > 8, **kw)), (q, fp4, idx, valid, sink))
             references[label] = jax.jit(functools.partial(xla_fp4, block_kv=kw["block_kv"]))(q, fp4, idx, valid,
                                                                                                sink)
-        if n <= SMALL_N_MAX:   # few queries: the model's shared_qk rule, gathering in each of its L-split CTAs
-            small = decode_options(n, rows)
+        small = decode_options(n, rows)
+        if small["organisation"] == "shared_qk":
+            # the model's shared_qk rule (few queries, L split; or above NUM_SMS / 2 queries, one CTA a query),
+            # gathering in each CTA, in one stage (two stages do not fit beside the gathering form's index rows at
+            # d = 512: 234,048 of 232,448 B)
             calls[SMALL_N_VARIANTS[0]] = (jax.jit(lambda q, p, i, v, s, small=small: sparse_decode_attention(
                 q, p[i], v, s, scale=scale, **small)), (q, pool, idx, valid, sink))
             calls[SMALL_N_VARIANTS[1]] = (jax.jit(functools.partial(sparse_decode_attention_rows, scale=scale,
