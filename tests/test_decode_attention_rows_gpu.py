@@ -114,14 +114,15 @@ def test_gathered_kernel_all_masked_and_large_pool():
     _check_rows(4, 64, 512, 640, "random", pool_rows=1 << 21, seed=5)
 
 
-@pytest.mark.parametrize("b,s", [(4, 1), (64, 1), (2, 3)])
+@pytest.mark.parametrize("b,s", [(4, 1), (64, 1), (2, 3), (16, 6)])
 def test_model_pooled_path_equals_kernel_on_gathered_rows(b, s):
     """The model's use of the gathering kernel (``attention.attend_selected_pooled``: each query's own 128 window
     rows + its 512 selected rows read from a pool by index, −1-free indices with a mask of unselected entries)
     against the kernel on the rows laid out as ``attend_selected(impl="pallas")`` lays them out (window, then
-    ``pool[rows]``), in the organisation the pooled path uses (``split_cta``; early release and 32-row steps above
-    8 queries) — the same computation on the same rows, so bit-equal (masked rows contribute exact zeros whatever
-    their values) — at V4-Flash's width (64 heads × 512); query (0, 0) sees nothing (exact zeros)."""
+    ``pool[rows]``), in the organisation the pooled path uses (``tuning.gather_options``: ``split_cta`` with early
+    release and, on an H100, 32-row steps above 8 queries; ``shared_qk`` above 66) — the same computation on the
+    same rows, so bit-equal (masked rows contribute exact zeros whatever their values) — at V4-Flash's width (64
+    heads × 512); query (0, 0) sees nothing (exact zeros)."""
     from dinfer_jax.models.attention import attend_selected_pooled
 
     gpu_device()
@@ -140,11 +141,11 @@ def test_model_pooled_path_equals_kernel_on_gathered_rows(b, s):
     n = b * s
     keys = jnp.concatenate([kv, pool[rows]], axis=2).reshape(n, sw + k, d)
     valid = jnp.concatenate([win, sel], axis=2).reshape(n, sw + k)
-    # the model's rule for bf16 pools (tuning.gather_options): early release above 8 queries, 32-row steps on an H100;
-    # the kernel on gathered rows sums the softmax in the same 32- or 64-row blocks
+    # the model's rule for bf16 pools (tuning.gather_options); the kernel on gathered rows in the same organisation
+    # sums the softmax in the same 32- or 64-row blocks
     from pallas_kernels.attention.tuning import gather_options
-    want = sparse_decode_attention(q.reshape(n, h, d), keys, valid, sink, scale=d ** -0.5, organisation="split_cta",
-                                   early_release=n > 8, block_kv=gather_options(n, "bf16").get("block_kv", 64))
+    want = sparse_decode_attention(q.reshape(n, h, d), keys, valid, sink, scale=d ** -0.5,
+                                   **gather_options(n, "bf16"))
     want = np.asarray(want.astype(jnp.float32)).reshape(b, s, h, d)
     assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max():.3g}"
     assert np.all(got[0, 0] == 0)

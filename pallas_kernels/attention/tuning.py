@@ -59,6 +59,12 @@ def gather_options(n_queries: int, stored: str = "bf16", device_kind: str | None
     * up to :data:`SMALL_N_MAX` queries, 64-row steps in two stages (at one query every 32-row form was slower:
       26.0 against 23.7 µs).
 
+    * above ``NUM_SMS / 2`` queries, bf16 rows: ``shared_qk``'s gathering form, one CTA a query in one stage (two do
+      not fit beside the index rows at d = 512), as for the kernel on gathered rows (:func:`decode_options`): on an
+      H100 57.0 against 58.4 µs at 96 queries and 155.8 against 207.2 µs at 384 (66% against 50% of copy; the H200
+      unmeasured; docs/perf/attention_h200.md, fourth session of 2026-12-07). ``v41_fp4`` rows keep ``split_cta``
+      (that form unmeasured there).
+
     ``shared_qk``'s gathering form (``organisation="shared_qk"``) measured the same as XLA's gather + that kernel at
     one query (H100 12.6 against 12.3 µs, H200 12.4 against 11.9), so the model keeps the latter for few queries
     (``pooled_kernel_pays``)."""
@@ -68,6 +74,8 @@ def gather_options(n_queries: int, stored: str = "bf16", device_kind: str | None
         raise ValueError(f"stored must be 'bf16' or 'v41_fp4', got {stored!r}")
     if n_queries <= SMALL_N_MAX:
         return dict(early_release=False)
+    if stored == "bf16" and n_queries > NUM_SMS // 2:
+        return dict(organisation="shared_qk", num_stages=1)
     if device_kind is None:
         device_kind = jax.devices()[0].device_kind
     if stored == "bf16" and "H100" in device_kind:
