@@ -5,11 +5,11 @@
 # decode-pace interval, always index 94 of 126, in every temperature-1 run (five runs, CUDA_MODULE_LOADING lazy or
 # eager, command buffers or not; no compilation after warm-up), while the medians were 8.0 ms sampled against
 # 9.2-9.7 ms greedy on that card (serving_h200.md, seventh session)):
-#   0000000. on an H200: the model's new rule above 66 queries (shared_qk; fourth session of 2026-12-07, measured on an
-#      H100 only: 59-91% of copy against split_cta's 47-53% from 72 to 512 queries): bench_kernels.py attention-kernel
-#      --batches 64 67 96 128 256 384 --variants "split_cta early" split_cluster shared_qk "model rule"; then
-#      STAGE=prefix2 and STAGE=draw (below). Still unmeasured: whether the gathering kernel (gather_options, split_cta
-#      above 8 queries) should follow the same rule (its shared_qk form exists);
+#   0000000. STAGE=rule (any card; an H200 for its figures): the model's new rules above 66 queries (fourth session
+#      of 2026-12-07, measured on an H100 only: the kernel 59-91% of copy with shared_qk against split_cta's 47-53%;
+#      the gathering kernel's shared_qk form for bf16 pools 66% against 50% at 384 queries) — the model-path GPU test
+#      with its new 96-query case (never run), both rules at 64-384 queries, and the v41_fp4 gathering forms there
+#      (whether v41_fp4 pools should follow); then on an H200 STAGE=prefix2 and STAGE=draw (below);
 #   000000. (done, fourth session of 2026-12-07, on an H100: attention_h200.md) STAGE=seesaw: exact, the slowest
 #      organisation (43 us at 64 queries; two bf16 stages alternate with compute); the GPU regression 102 + 33 passed.
 #      Was: (an H200 for issue 9's figure; any card to find out whether it runs): organisation seesaw
@@ -123,7 +123,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to seesaw, prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to rule, seesaw, prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -339,6 +339,18 @@ case "${STAGE:?set STAGE to seesaw, prefix2, prefix, draw, stall, paced, cmdbuf,
     cd scripts && for T in 1.0 0; do timeout 150 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 \
         --batch 64 $C --temperature $T --gc freeze --out "$OUT/prefix_paced_$T" 2>&1 | quiet \
         | grep "^| 4 \|Error\|^decode pace\|^longest" | sed "s/^/[T=$T] /"; done ;;
+  rule)
+    # the rules above NUM_SMS / 2 queries (pallas_kernels/attention/tuning.py; fourth session of 2026-12-07)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_rows_gpu.py -k model_pooled \
+      2>&1 | grep "^E \|passed\|failed" | head -10
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_attention_gpu.py -k model_attend \
+      2>&1 | grep "^E \|passed\|failed" | head -10
+    timeout 150 python3 scripts/bench_kernels.py attention-kernel --batches 64 67 96 128 256 384 --variants \
+      "split_cta early" split_cluster shared_qk "model rule" --out "$OUT/attn_rule" 2>&1 | quiet | grep "^|\|copy"
+    timeout 140 python3 scripts/bench_kernels.py attention-rows --batches 96 384 --row-variants \
+      "gathered in kernel, early release" "gathered in kernel, early, 32-row steps × 3" "shared_qk rule: gathered in kernel" \
+      "v41_fp4: gathered + decoded in kernel" "shared_qk rule, v41_fp4: gathered + decoded in kernel" \
+      --out "$OUT/rows_rule" 2>&1 | quiet | grep "^|\|copy\|Error" ;;
   seesaw)
     # issue 9 (built on CPU in the third session of 2026-12-07, never run): organisation seesaw (FlashMLA's schedule,
     # decode_seesaw_sm90.py). First the Mosaic GPU interpreter (jax 0.11.2 on this host's CPUs: a deadlock or a
