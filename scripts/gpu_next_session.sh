@@ -9,7 +9,9 @@
 #      of 2026-12-07, measured on an H100 only: the kernel 59-91% of copy with shared_qk against split_cta's 47-53%;
 #      the gathering kernel's shared_qk form for bf16 pools 66% against 50% at 384 queries) — the model-path GPU test
 #      with its new 96-query case (never run), both rules at 64-384 queries, and the v41_fp4 gathering forms there
-#      (whether v41_fp4 pools should follow); then on an H200 STAGE=prefix2 and STAGE=draw (below);
+#      (whether v41_fp4 pools should follow); then bench_kernels.py prefill-attention (prefill chunks through the
+#      kernel now take shared_qk: their 1.25x over XLA was measured with split_cta) and, if it gained, STAGE=prefill-kernel
+#      (whether "auto" should hand prefill chunks to the kernel); then on an H200 STAGE=prefix2 and STAGE=draw (below);
 #   000000. (done, fourth session of 2026-12-07, on an H100: attention_h200.md) STAGE=seesaw: exact, the slowest
 #      organisation (43 us at 64 queries; two bf16 stages alternate with compute); the GPU regression 102 + 33 passed.
 #      Was: (an H200 for issue 9's figure; any card to find out whether it runs): organisation seesaw
