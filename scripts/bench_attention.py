@@ -320,8 +320,8 @@ DEPTH_VARIANTS = {"gathered in kernel, early, 32-row steps × 3": dict(block_kv=
                   "gathered in kernel, early, 32-row steps × 4": dict(block_kv=32, num_stages=4)}
 # the FP4 producer loads, decodes and stores one step at a time; staged, the next step's rows are in flight (cp.async
 # into shared memory) while this one is decoded
-# up to tuning.SMALL_N_MAX queries (and above NUM_SMS / 2) the model's rule is shared_qk: XLA's gather then that
-# kernel, against its gathering form (each CTA fetching its part of the rows)
+# up to tuning.SMALL_N_MAX queries (and above tuning.SPLIT_CTA_MAX) the model's rule is shared_qk: XLA's gather then
+# that kernel, against its gathering form (each CTA fetching its part of the rows)
 SMALL_N_VARIANTS = ("shared_qk rule: XLA pool[rows] + kernel", "shared_qk rule: gathered in kernel",
                     "shared_qk rule, v41_fp4: XLA gather + decode + kernel",
                     "shared_qk rule, v41_fp4: gathered + decoded in kernel")
@@ -388,25 +388,25 @@ def bench_gathered(batches, device_times, copy_bw: float, *, h: int = 64, d: int
                                                       early_release=n > 8, **kw)), (q, fp4, idx, valid, sink))
             references[label] = jax.jit(functools.partial(xla_fp4, block_kv=kw["block_kv"]))(q, fp4, idx, valid,
                                                                                                sink)
-        small = decode_options(n, rows)
-        if small["organisation"] == "shared_qk":
-            # the model's shared_qk rule (few queries, L split; or above NUM_SMS / 2 queries, one CTA a query),
+        rule = decode_options(n, rows)
+        if rule["organisation"] == "shared_qk":
+            # the model's shared_qk rule (few queries, L split; or above SPLIT_CTA_MAX queries, one CTA a query),
             # gathering in each CTA, in one stage (two stages do not fit beside the gathering form's index rows at
             # d = 512: 234,048 of 232,448 B)
-            calls[SMALL_N_VARIANTS[0]] = (jax.jit(lambda q, p, i, v, s, small=small: sparse_decode_attention(
-                q, p[i], v, s, scale=scale, **small)), (q, pool, idx, valid, sink))
+            calls[SMALL_N_VARIANTS[0]] = (jax.jit(lambda q, p, i, v, s, rule=rule: sparse_decode_attention(
+                q, p[i], v, s, scale=scale, **rule)), (q, pool, idx, valid, sink))
             calls[SMALL_N_VARIANTS[1]] = (jax.jit(functools.partial(sparse_decode_attention_rows, scale=scale,
-                                                                    num_stages=1, **small)),
+                                                                    num_stages=1, **rule)),
                                           (q, pool, idx, valid, sink))
             references[SMALL_N_VARIANTS[0]] = references[SMALL_N_VARIANTS[1]] = sparse_decode_attention(
-                q, kv, valid, sink, scale=scale, **small)
-            calls[SMALL_N_VARIANTS[2]] = (jax.jit(functools.partial(xla_fp4, options=small)),
+                q, kv, valid, sink, scale=scale, **rule)
+            calls[SMALL_N_VARIANTS[2]] = (jax.jit(functools.partial(xla_fp4, options=rule)),
                                           (q, fp4, idx, valid, sink))
             calls[SMALL_N_VARIANTS[3]] = (jax.jit(functools.partial(sparse_decode_attention_rows, scale=scale,
-                                                                    num_stages=1, **small)),
+                                                                    num_stages=1, **rule)),
                                           (q, fp4, idx, valid, sink))
             references[SMALL_N_VARIANTS[2]] = references[SMALL_N_VARIANTS[3]] = jax.jit(
-                functools.partial(xla_fp4, options=small))(q, fp4, idx, valid, sink)
+                functools.partial(xla_fp4, options=rule))(q, fp4, idx, valid, sink)
         t = traffic(n, h, d, rows)
         # the stored bytes of the rows: 1 KiB (bf16) or 288 B (v41_fp4) a row, + queries, mask, sink, output
         fp4_bytes = t["bytes"] - n * rows * d * 2 + n * rows * fp4.shape[1]

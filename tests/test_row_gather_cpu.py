@@ -309,16 +309,16 @@ def test_model_pooled_path_lowers_for_cuda(pool_dtype, window):
 def test_model_gather_options_are_valid_kernel_configs(n):
     """The model's rule for the gathering kernel (``tuning.gather_options``) gives options the kernel accepts at every
     query count: early release (which needs v_split ≥ 2 and split_cta) from ``SMALL_N_MAX`` + 1 queries, except bf16
-    pools above ``NUM_SMS / 2`` queries, which take ``shared_qk`` (one CTA a query, one stage)."""
-    from pallas_kernels.attention.tuning import NUM_SMS, SMALL_N_MAX, gather_options
+    pools above ``SPLIT_CTA_MAX`` queries, which take ``shared_qk`` (one CTA a query, one stage)."""
+    from pallas_kernels.attention.tuning import SMALL_N_MAX, SPLIT_CTA_MAX, gather_options
 
     for stored, pool_dtype in (("bf16", jnp.bfloat16), ("v41_fp4", jnp.uint8)):
         for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
             options = gather_options(n, stored, kind)
-            many = stored == "bf16" and n > NUM_SMS // 2
+            many = stored == "bf16" and n > SPLIT_CTA_MAX
             assert options.get("organisation", "split_cta") == ("shared_qk" if many else "split_cta")
             assert options.get("early_release", False) == (n > SMALL_N_MAX and not many)
-            # 32-row steps only where measured faster: bf16 pools from SMALL_N_MAX + 1 to NUM_SMS / 2 queries on an
+            # 32-row steps only where measured faster: bf16 pools from SMALL_N_MAX + 1 to SPLIT_CTA_MAX queries on an
             # H100
             assert options.get("block_kv", 64) == (32 if stored == "bf16" and n > SMALL_N_MAX and not many
                                                    and "H100" in kind else 64)

@@ -314,7 +314,7 @@ def seesaw_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Array,
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),           # both warpgroups done with a block
         *(plgpu.Barrier(num_arrivals=1) for _ in range(6)),                   # m0 / m1 / p0 / p1 ready, p0 / p1 free
     ]
-    return parts_kernel(body, scratch, q4, l_split)(q4, kv4, bias, sink)
+    return parts_kernel(body, scratch, q4, l_split, consumers)(q4, kv4, bias, sink)
 
 
 __all__ = ["BLOCK_KV", "CONSUMERS", "seesaw_call", "seesaw_smem_bytes"]

@@ -879,14 +879,14 @@ def _shared_qk_call(q4: jax.Array, kv4: jax.Array, bias: jax.Array, sink: jax.Ar
         plgpu.Barrier(num_arrivals=consumers),                                 # both partial logits written
         plgpu.Barrier(num_arrivals=consumers),                                 # both partial logits read
     ]
-    kernel = parts_kernel(body, scratch, q4, l_split)
+    kernel = parts_kernel(body, scratch, q4, l_split, consumers)
     return kernel(q4, kv4, bias, sink, *([rows_idx] if gathered else []), *([] if window4 is None else [window4]))
 
 
-def parts_kernel(body, scratch: list, q4: jax.Array, l_split: int):
-    """The Mosaic GPU kernel of an organisation with one CTA per (L part, head block, token) and two compute
-    warpgroups plus a memory warpgroup (``shared_qk``, ``seesaw``), outputs as :func:`parts_out_type`; no reduction
-    scratch (their row reductions stay inside a warp)."""
+def parts_kernel(body, scratch: list, q4: jax.Array, l_split: int, consumers: int):
+    """The Mosaic GPU kernel of an organisation with one CTA per (L part, head block, token) and ``consumers``
+    compute warpgroups plus a memory warpgroup (``shared_qk``, ``seesaw``), outputs as :func:`parts_out_type`; no
+    reduction scratch (their row reductions stay inside a warp)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     n, h = q4.shape[:2]
@@ -896,7 +896,7 @@ def parts_kernel(body, scratch: list, q4: jax.Array, l_split: int):
         scratch_types=scratch,
         grid=(l_split, h // HEADS_PER_CTA, n),
         grid_names=("part", "head_block", "token"),
-        num_threads=SHARED_QK_CONSUMERS + 1,
+        num_threads=consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )

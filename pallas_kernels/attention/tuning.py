@@ -27,17 +27,19 @@ import jax
 
 NUM_SMS = 132          # H200
 SMALL_N_MAX = 8        # up to this many query rows a call: shared_qk with an L split (module docstring)
+SPLIT_CTA_MAX = NUM_SMS // 2   # split_cta's two CTAs a query fit one wave up to this many; shared_qk above
 
 
 def decode_options(n_queries: int, rows: int, block_kv: int = 64) -> dict:
     """Keyword arguments of ``sparse_decode_attention`` for ``n_queries`` query rows over ``rows`` KV rows each
-    (a multiple of ``block_kv``): ``split_cta`` with early release from :data:`SMALL_N_MAX` + 1 to ``NUM_SMS / 2``
-    queries (two CTAs a query, one wave); otherwise ``shared_qk`` with the largest ``l_split`` dividing the ``rows /
-    block_kv`` KV blocks such that ``n_queries · l_split ≤`` :data:`NUM_SMS` (``l_split = 1``, no merge, when only
-    one block or no split fits — always above ``NUM_SMS / 2`` queries)."""
+    (a multiple of ``block_kv``): ``split_cta`` with early release from :data:`SMALL_N_MAX` + 1 to
+    :data:`SPLIT_CTA_MAX` queries (two CTAs a query, one wave); otherwise ``shared_qk`` with the largest
+    ``l_split`` dividing the ``rows / block_kv`` KV blocks such that ``n_queries · l_split ≤`` :data:`NUM_SMS`
+    (``l_split = 1``, no merge, when only one block or no split fits — always above :data:`SPLIT_CTA_MAX`
+    queries)."""
     if n_queries <= 0 or rows <= 0 or rows % block_kv:
         raise ValueError(f"need n_queries > 0 and rows a positive multiple of {block_kv}, got {n_queries}, {rows}")
-    if SMALL_N_MAX < n_queries <= NUM_SMS // 2:
+    if SMALL_N_MAX < n_queries <= SPLIT_CTA_MAX:
         return dict(organisation="split_cta", early_release=True)
     blocks = rows // block_kv
     l_split = max((s for s in range(1, blocks + 1) if blocks % s == 0 and n_queries * s <= NUM_SMS), default=1)
@@ -57,13 +59,12 @@ def gather_options(n_queries: int, stored: str = "bf16", device_kind: str | None
       two stages on both (H100 37.8 µs, H200 36.6; 32-row steps 52.4 / 51.1, staged one step ahead 49.3 / 48.3 —
       the decode, not the copies, bounds those);
     * up to :data:`SMALL_N_MAX` queries, 64-row steps in two stages (at one query every 32-row form was slower:
-      26.0 against 23.7 µs).
-
-    * above ``NUM_SMS / 2`` queries, bf16 rows: ``shared_qk``'s gathering form, one CTA a query in one stage (two do
-      not fit beside the index rows at d = 512), as for the kernel on gathered rows (:func:`decode_options`): on an
-      H100 57.0 against 58.4 µs at 96 queries and 155.8 against 207.2 µs at 384 (66% against 50% of copy; the H200
-      unmeasured; docs/perf/attention_h200.md, fourth session of 2026-12-07). ``v41_fp4`` rows keep ``split_cta``
-      (that form unmeasured there).
+      26.0 against 23.7 µs);
+    * above :data:`SPLIT_CTA_MAX` queries, bf16 rows: ``shared_qk``'s gathering form, one CTA a query in one stage
+      (two do not fit beside the index rows at d = 512), as for the kernel on gathered rows
+      (:func:`decode_options`): on an H100 57.0 against 58.4 µs at 96 queries and 155.8 against 207.2 µs at 384
+      (66% against 50% of copy; the H200 unmeasured; docs/perf/attention_h200.md, fourth session of 2026-12-07).
+      ``v41_fp4`` rows keep ``split_cta`` (that form unmeasured there).
 
     ``shared_qk``'s gathering form (``organisation="shared_qk"``) measured the same as XLA's gather + that kernel at
     one query (H100 12.6 against 12.3 µs, H200 12.4 against 11.9), so the model keeps the latter for few queries
@@ -74,7 +75,7 @@ def gather_options(n_queries: int, stored: str = "bf16", device_kind: str | None
         raise ValueError(f"stored must be 'bf16' or 'v41_fp4', got {stored!r}")
     if n_queries <= SMALL_N_MAX:
         return dict(early_release=False)
-    if stored == "bf16" and n_queries > NUM_SMS // 2:
+    if stored == "bf16" and n_queries > SPLIT_CTA_MAX:
         return dict(organisation="shared_qk", num_stages=1)
     if device_kind is None:
         device_kind = jax.devices()[0].device_kind
@@ -83,4 +84,4 @@ def gather_options(n_queries: int, stored: str = "bf16", device_kind: str | None
     return dict(early_release=True)
 
 
-__all__ = ["NUM_SMS", "SMALL_N_MAX", "decode_options", "gather_options"]
+__all__ = ["NUM_SMS", "SMALL_N_MAX", "SPLIT_CTA_MAX", "decode_options", "gather_options"]
