@@ -9,14 +9,16 @@ read by the host included), per batch:
 * ``auto, all certified``: flat rows (standard normal logits, what a random-weight model gives), no fallback —
   with ``jnp.cumsum`` prefix sums (the default), with fp32 block products (``prefix="blocked"``, ``sampling/_scan``;
   slower on an H200, docs/perf/serving_h200.md, second session of 2026-12-07) and with bf16 byte products for the
-  integer limbs (``prefix="bytes"``);
+  integer limbs (``prefix="bytes"``), and with block totals locating the one block whose prefix sums are formed
+  (``prefix="two_level"``, ``_fastcdf._locate_two_level``);
 * ``auto + scan`` / ``auto + binade``: the same rows with row 0 replaced by one the certificate cannot prove
   (``tests/helpers.uncertifiable_rows`` at full width), so the fallback runs, through each exact path (the binade
   fallback compacts the uncertified rows and processes 8 at a time: ``_binadecdf.binade_rows``);
 * ``exact scan`` / ``binade``: every row through that exact path (flat rows: ~18 binades each).
 
 ``same``: every variant returned the same tokens. ``--kernels`` (GPU only) adds, per batch and prefix form (``xla``,
-``bytes``), the device time of the certified draw by kernel (CUPTI, median of 10 calls) against its wall time.
+``bytes``, ``two_level``), the device time of the certified draw by kernel (CUPTI, median of 10 calls) against its
+wall time.
 ``python scripts/bench_draw.py [--batches 1 64] [--kernels] [--out DIR]``;
 ``--smoke`` runs a small vocabulary on any backend (a check that the script runs, not a measurement).
 """
@@ -65,6 +67,7 @@ VARIANTS = {  # label: (uncertified row present, random_sampling keywords)
     "auto, all certified": (False, dict(method="auto")),
     "auto, all certified, block products": (False, dict(method="auto", prefix="blocked")),
     "auto, all certified, byte products": (False, dict(method="auto", prefix="bytes")),
+    "auto, all certified, two-level search": (False, dict(method="auto", prefix="two_level")),
     "auto + scan": (True, dict(method="auto", fallback="scan")),
     "auto + binade": (True, dict(method="auto", fallback="binade")),
     "exact scan": (False, dict(method="exact")),
@@ -138,7 +141,7 @@ def main() -> None:
     md = (f"draw exact paths, V = {vocab}, {jax.devices()[0].device_kind}, jax {jax.__version__}; wall ms of the "
           f"jitted call (mean of 5)\n\n{table(rows)}\n")
     if args.kernels:
-        md += "\n" + kernel_breakdown(batches, vocab, prefixes=("xla", "bytes"))
+        md += "\n" + kernel_breakdown(batches, vocab, prefixes=("xla", "bytes", "two_level"))
     print(md)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

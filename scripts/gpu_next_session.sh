@@ -125,7 +125,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to rule, seesaw, prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to rule, twolevel, seesaw, prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -364,6 +364,15 @@ case "${STAGE:?set STAGE to rule, seesaw, prefix2, prefix, draw, stall, paced, c
     timeout 200 python3 scripts/bench_kernels.py attention-kernel --batches 1 64 128 --variants "split_cta early" \
       split_cluster shared_qk "shared_qk l_split=2" seesaw "seesaw l_split=2" "model rule" --out "$OUT/attn_seesaw" \
       2>&1 | quiet | grep "^|\|copy\|Error" ;;
+  twolevel)
+    # the certified draw locating its block by block totals (prefix="two_level", fifth session of 2026-12-07):
+    # exactness on the GPU, then its device time by kernel against xla / bytes at 1-256 rows
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_scan.py 2>&1 | grep "^E \|passed\|failed" \
+      | head -10
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampling_gpu.py 2>&1 \
+      | grep "^E \|passed\|failed" | head -10
+    cd scripts && timeout 250 python3 -c "import bench_draw as b; print(b.kernel_breakdown([1, 16, 64, 96, 128, 256], \
+      129280, top=4, prefixes=('xla', 'bytes', 'two_level')))" 2>&1 | quiet | grep "^batch\|^|" | tee "$OUT/twolevel.md" ;;
   prefix2)
     # issue 8: the certified draw's integer prefix sums as bf16 byte products (second session of 2026-12-07)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_scan.py 2>&1 | grep "^E \|passed\|failed" \

@@ -87,6 +87,9 @@ def test_certified_search_gives_the_same_answers_with_block_products() -> None:
     np.testing.assert_array_equal(idx_b, idx_x)
     np.testing.assert_array_equal(cert_y, cert_x)     # the byte form's bound is jnp.cumsum's: the same bits
     np.testing.assert_array_equal(idx_y, idx_x)
+    idx_t, cert_t = (np.asarray(a) for a in search(bits, k, "two_level"))
+    assert cert_t.all()                               # a looser bound, still certifying every row here
+    np.testing.assert_array_equal(idx_t, idx_x)
     # and the answer is the first index whose float64 prefix sum exceeds u * total (no near-boundary rows here)
     u = (np.asarray(k.hi, np.float64) * 2.0**32 + np.asarray(k.lo, np.float64)) * 2.0**-53
     cdf = np.cumsum(probs.astype(np.float64), axis=1)
@@ -97,3 +100,58 @@ def test_unknown_prefix_form_is_refused() -> None:
     with pytest.raises(ValueError, match="prefix must be one of"):
         certified_search(jnp.zeros((1, 4), jnp.uint32), uniform_u53(seeds_to_u64(np.zeros(1, np.uint64)),
                                                                       jnp.zeros(1, jnp.int32), 0), "cub")
+
+
+def _k_for(u: np.ndarray):
+    """53-bit uniform integers k (u = k * 2**-53) as the search's U64."""
+    from dinfer_jax.sampling._u64 import U64
+
+    k = np.minimum(np.floor(u * 2.0**53), 2.0**53 - 1).astype(np.uint64)
+    return U64(jnp.asarray((k >> np.uint64(32)).astype(np.uint32)), jnp.asarray((k & np.uint64(0xFFFFFFFF))
+                                                                                  .astype(np.uint32)))
+
+
+@pytest.mark.parametrize("v", [129280, 1000, 257, 256, 200])
+def test_two_level_search_finds_answers_at_block_edges(v: int) -> None:
+    """``prefix="two_level"`` locates a block by its totals, then searches inside it: targets placed midway into
+    the first and last column of blocks (and of the row) must give the sequential float64 answer (numpy's
+    ``cumsum`` adds left to right, as torch's reference does) and be certified; targets on a prefix sum itself
+    (where the certificate must decline or be right) may only be certified with the sequential answer. Rows with
+    zero runs (filtered vocabulary) and peaked rows both."""
+    from dinfer_jax.sampling._fastcdf import SEARCH_BLOCK
+
+    rng = np.random.default_rng(v)
+    blk = min(SEARCH_BLOCK, v)
+    edges = sorted({j for b in range(0, v, blk) for j in (b, b + blk - 1) if j < v} | {0, v - 1})
+    edges = [j for j in edges if j > 0][:24] + [0]
+    n = len(edges)
+    logits = rng.standard_normal((n, v)) * np.linspace(0.5, 6, n)[:, None]
+    probs = np.exp(logits - logits.max(1, keepdims=True)).astype(np.float32)
+    probs[::3, rng.random(v) < 0.7] = 0.0
+    rows = np.arange(n)
+    probs[rows, edges] = np.maximum(probs[rows, edges], 0.25)  # every target column carries mass
+    cdf = np.cumsum(probs.astype(np.float64), axis=1)
+    lo = np.where(np.asarray(edges) > 0, cdf[rows, np.maximum(np.asarray(edges) - 1, 0)], 0.0)
+    mid = (lo + cdf[rows, edges]) / 2 / cdf[:, -1]
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(probs), jnp.uint32)
+    search = jax.jit(certified_search, static_argnums=2)
+
+    def sequential(u):
+        t = u * cdf[:, -1]
+        return (cdf > t[:, None]).argmax(1)
+
+    k = _k_for(mid)
+    u = (np.asarray(k.hi, np.float64) * 2.0**32 + np.asarray(k.lo, np.float64)) * 2.0**-53
+    idx, cert = (np.asarray(a) for a in search(bits, k, "two_level"))
+    assert cert.all()
+    np.testing.assert_array_equal(idx, edges)
+    np.testing.assert_array_equal(idx, sequential(u))
+    np.testing.assert_array_equal(idx, np.asarray(search(bits, k, "xla")[0]))
+
+    k = _k_for(lo / cdf[:, -1])  # on (or a rounding away from) the prefix sum before each target
+    u = (np.asarray(k.hi, np.float64) * 2.0**32 + np.asarray(k.lo, np.float64)) * 2.0**-53
+    idx, cert = (np.asarray(a) for a in search(bits, k, "two_level"))
+    np.testing.assert_array_equal(idx[cert], sequential(u)[cert])
+    idx_x, cert_x = (np.asarray(a) for a in search(bits, k, "xla"))
+    both = cert & cert_x
+    np.testing.assert_array_equal(idx[both], idx_x[both])

@@ -152,8 +152,8 @@ def _i64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-@pytest.mark.parametrize("method,prefix", [("auto", "xla"), ("auto", "blocked"), ("auto", "bytes"), ("exact", "xla"),
-                                           ("binade", "xla")])
+@pytest.mark.parametrize("method,prefix", [("auto", "xla"), ("auto", "blocked"), ("auto", "bytes"),
+                                           ("auto", "two_level"), ("exact", "xla"), ("binade", "xla")])
 def test_random_sampling_matches_ref_small_vocab(refs, method: str, prefix: str) -> None:
     """2048 rows x V=1024 of mixed distributions, both RNG cases: identical tokens to the reference (``auto``'s
     certified search with either form of its prefix sums)."""
@@ -177,6 +177,7 @@ def test_random_sampling_matches_ref_full_vocab(refs) -> None:
     ref0 = _ref_tokens(refs, probs, seeds, pos, False)
     np.testing.assert_array_equal(np.asarray(random_sampling(probs, seeds, pos, False)), ref0)
     np.testing.assert_array_equal(np.asarray(random_sampling(probs, seeds, pos, False, prefix="blocked")), ref0)
+    np.testing.assert_array_equal(np.asarray(random_sampling(probs, seeds, pos, False, prefix="two_level")), ref0)
     np.testing.assert_array_equal(np.asarray(random_sampling(probs, seeds, pos, False, method="exact")), ref0)
     np.testing.assert_array_equal(np.asarray(random_sampling(probs, seeds, pos, False, method="binade")), ref0)
 
@@ -715,13 +716,13 @@ def test_sampler_program_options_apply_on_gpus_only() -> None:
 
 
 def test_default_prefix_by_backend_and_rows(monkeypatch) -> None:
-    """The certified search's prefix-sum form (speed only): ``jnp.cumsum`` on CPU at any batch; on accelerators byte
-    products up to ``BYTES_PREFIX_MAX_ROWS`` rows and ``jnp.cumsum`` above (the H100 crossover,
+    """The certified search's prefix-sum form (speed only): the two-level search on CPU at any batch; on accelerators
+    byte products up to ``BYTES_PREFIX_MAX_ROWS`` rows and ``jnp.cumsum`` above (the H100 crossover,
     ``default_prefix``'s docstring)."""
     import dinfer_jax.sampling.random as random_module
 
     rows = random_module.BYTES_PREFIX_MAX_ROWS
-    assert random_module.default_prefix(np.zeros((64, 8), np.float32)) == "xla"
+    assert random_module.default_prefix(np.zeros((64, 8), np.float32)) == "two_level"
     monkeypatch.setattr(random_module, "_platform", lambda probs: "gpu")
     assert [random_module.default_prefix(np.zeros((n, 8), np.float32)) for n in (1, rows, rows + 1, 256)] == [
         "bytes", "bytes", "xla", "xla"]

@@ -100,14 +100,17 @@ BYTES_PREFIX_MAX_ROWS = 96
 
 
 def default_prefix(probs: Any = None) -> str:
-    """The certified search's prefix sums for ``probs [N, V]``: ``"xla"`` (``jnp.cumsum``) on CPU and for more than
-    :data:`BYTES_PREFIX_MAX_ROWS` rows, ``"bytes"`` (``_scan.cumsum_u16``: tensor-core products) for fewer rows on
-    accelerators. Measured on an H100 (jax 0.11.2, V = 129,280, the jitted certified draw's device time by CUPTI,
-    docs/perf/serving_h200.md, third session of 2026-12-07): bytes / xla 0.20 / 0.25 ms at 16 rows, 0.41 / 0.57 at
-    32, 0.81 / 1.15 at 64, 1.20 / 1.80 at 96, but 1.59 / 1.21 at 128 and 3.18 / 2.66 at 256 (XLA's reduce_window
-    changes strategy between 96 and 128 rows). Both give the same tokens; speed only."""
+    """The certified search's prefix sums for ``probs [N, V]``: ``"two_level"`` (block totals locate the one block
+    whose prefix sums are formed) on CPU, where it is 3.7-5.5x faster than ``jnp.cumsum`` over the whole row (V =
+    129,280, 2-core host, jax 0.10.2: 1.6 against 8.7 ms at one row, 180 against 668 ms at 64; docs/perf/
+    serving_h200.md, fifth session of 2026-12-07). On accelerators ``"bytes"`` (``_scan.cumsum_u16``: tensor-core
+    products) for up to :data:`BYTES_PREFIX_MAX_ROWS` rows and ``"xla"`` (``jnp.cumsum``) above, measured on an
+    H100 (jax 0.11.2, the jitted certified draw's device time by CUPTI, serving_h200.md, third session of
+    2026-12-07): bytes / xla 0.20 / 0.25 ms at 16 rows, 0.41 / 0.57 at 32, 0.81 / 1.15 at 64, 1.20 / 1.80 at 96, but
+    1.59 / 1.21 at 128 and 3.18 / 2.66 at 256 (XLA's reduce_window changes strategy between 96 and 128 rows). Every
+    form gives the same tokens; speed only."""
     if _platform(probs) == "cpu":
-        return "xla"
+        return "two_level"
     rows = np.shape(probs)[0] if np.ndim(probs) else 0
     return "bytes" if rows <= BYTES_PREFIX_MAX_ROWS else "xla"
 
@@ -327,7 +330,8 @@ def random_sampling(
             only, never the result); default :func:`default_fallback`.
         prefix: static; the certified search's prefix sums, ``"xla"`` (``jnp.cumsum``), ``"blocked"`` (fp32 block
             products, ``_scan``: slower on an H200 at batch 1-256, docs/perf/serving_h200.md, second session of
-            2026-12-07) or ``"bytes"`` (bf16 byte products for the integer limbs); speed only, never the result;
+            2026-12-07), ``"bytes"`` (bf16 byte products for the integer limbs) or ``"two_level"`` (block totals
+            locate the one block whose prefix sums are formed); speed only, never the result;
             default :func:`default_prefix` (by backend and number of rows).
 
     Returns:
