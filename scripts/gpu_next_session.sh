@@ -5,7 +5,13 @@
 # decode-pace interval, always index 94 of 126, in every temperature-1 run (five runs, CUDA_MODULE_LOADING lazy or
 # eager, command buffers or not; no compilation after warm-up), while the medians were 8.0 ms sampled against
 # 9.2-9.7 ms greedy on that card (serving_h200.md, seventh session)):
-#   0000000. STAGE=rule (any card; an H200 for its figures): the model's new rules above 66 queries (fourth session
+#   00000000. STAGE=cmdbuf (any card, twice if the budget allows): the fifth session of 2026-12-07 found the V4-Flash
+#      slice's batch-64 decode pace host-bound on an H100 (the model program's launch 5.0-6.5 ms of a 7.4-8.9 ms pace,
+#      0.8 ms a step waiting for the device) and the sampled step now as fast as greedy (prefix="two_level"): command
+#      buffers for the model's loops and conditionals, greedy and sampled; then STAGE=twolevel on an H200 (the draw's
+#      device time there) and the rest of the rule stage's benches at 256 / 384 queries (cut by its time limit);
+#   0000000. (done, fifth session of 2026-12-07, on an H100: the model_pooled GPU test 4 passed, kernel rule 64-128
+#      queries, gathering forms at 96 / 384, prefill-attention 1.50x over XLA with shared_qk) STAGE=rule (any card; an H200 for its figures): the model's new rules above 66 queries (fourth session
 #      of 2026-12-07, measured on an H100 only: the kernel 59-91% of copy with shared_qk against split_cta's 47-53%;
 #      the gathering kernel's shared_qk form for bf16 pools 66% against 50% at 384 queries) — the model-path GPU test
 #      with its new 96-query case (never run), both rules at 64-384 queries, and the v41_fp4 gathering forms there
@@ -316,12 +322,14 @@ case "${STAGE:?set STAGE to rule, twolevel, seesaw, prefix2, prefix, draw, stall
     timeout 240 python3 scripts/bench_compile.py --preset deepseek-v4-flash --layers 2 8 --dtype bfloat16 \
       --weights native --batch 4 --q 64 --engine-defaults --step-only 2>&1 | quiet | grep "^|\|ratio\|preset\|Error" ;;
   cmdbuf)
-    # issue 9 / 8: every program with conditionals and loops recorded into command buffers (the layer scans become
-    # CUDA-graph while nodes), against the defaults: the V4-Flash 4-layer slice's greedy batch-64 decode (48% of its
-    # roofline on the H200), one run each in one call
-    cd scripts && for F in "" "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"; do XLA_FLAGS="$F" timeout 170 \
-      python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C --out "$OUT/cmdbuf${F:+_on}" 2>&1 \
-      | quiet | grep "^| 4 \|Error" | sed "s/^/[${F:-defaults}] /"; done ;;
+    # issue 9 / 8: the decode pace is host-bound on the H100 (fifth session of 2026-12-07: launch of the model
+    # program 5.0-6.5 ms of an 7.4-8.9 ms pace, 0.8 ms waiting for the device): every program with conditionals
+    # and loops recorded into command buffers against the defaults, greedy and sampled (the draw is now ~0.2 ms at
+    # batch 64 with prefix="two_level"), one process each, interleaved so a drifting machine shows
+    cd scripts && for T in 0 1.0; do for F in "" "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"; do \
+      XLA_FLAGS="$F" timeout 145 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C \
+      --temperature $T --out "$OUT/cmdbuf_t$T${F:+_on}" 2>&1 | quiet | grep "^| 4 \|Error" \
+      | sed "s/^/[t=$T ${F:-defaults}] /"; done; done ;;
   stall)
     # issue 8: the one ~233 ms decode-pace interval of every sampled run (seventh session of 2026-12-06): Python's
     # collector (frozen here; collections in the timed window reported) or device work (the timed run again in a
@@ -371,7 +379,7 @@ case "${STAGE:?set STAGE to rule, twolevel, seesaw, prefix2, prefix, draw, stall
       | head -10
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampling_gpu.py 2>&1 \
       | grep "^E \|passed\|failed" | head -10
-    cd scripts && timeout 250 python3 -c "import bench_draw as b; print(b.kernel_breakdown([1, 16, 64, 96, 128, 256], \
+    cd scripts && timeout 250 python3 -c "import bench_draw as b; print(b.kernel_breakdown([1, 16, 64, 128, 384], \
       129280, top=4, prefixes=('xla', 'bytes', 'two_level')))" 2>&1 | quiet | grep "^batch\|^|" | tee "$OUT/twolevel.md" ;;
   prefix2)
     # issue 8: the certified draw's integer prefix sums as bf16 byte products (second session of 2026-12-07)

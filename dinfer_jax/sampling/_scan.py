@@ -12,7 +12,8 @@ whole certified draw (1.84 against 1.66 ms at batch 64; 0.90 against 0.57 ms at 
 limbs): each value split into two bytes, integers below 256 that bf16 holds exactly, the block products taken in
 bf16 with fp32 accumulation (every partial sum an integer below 2**15, exact in fp32), the block totals summed by
 ``jnp.cumsum`` (a ``[..., V / 128]`` array). Exact on the GPU and faster than ``jnp.cumsum`` up to 96 rows on an
-H100 (``random.default_prefix``; docs/perf/serving_h200.md, third session of 2026-12-07).
+H100 (docs/perf/serving_h200.md, third session of 2026-12-07), it was the accelerators' default until the two-level
+search (``_fastcdf._locate_two_level``), which forms no whole-row prefix sum, took 5x less (fifth session).
 
 Exactness:
 

@@ -94,25 +94,17 @@ def default_fallback(probs: Any = None) -> str:
     return "scan" if _platform(probs) == "cpu" else "binade"
 
 
-BYTES_PREFIX_MAX_ROWS = 96
-"""Up to this many rows a call, accelerators take the certified search's integer prefix sums as bf16 byte products
-(``prefix="bytes"``); above it, ``jnp.cumsum`` (:func:`default_prefix`)."""
-
-
 def default_prefix(probs: Any = None) -> str:
-    """The certified search's prefix sums for ``probs [N, V]``: ``"two_level"`` (block totals locate the one block
-    whose prefix sums are formed) on CPU, where it is 3.7-5.5x faster than ``jnp.cumsum`` over the whole row (V =
-    129,280, 2-core host, jax 0.10.2: 1.6 against 8.7 ms at one row, 180 against 668 ms at 64; docs/perf/
-    serving_h200.md, fifth session of 2026-12-07). On accelerators ``"bytes"`` (``_scan.cumsum_u16``: tensor-core
-    products) for up to :data:`BYTES_PREFIX_MAX_ROWS` rows and ``"xla"`` (``jnp.cumsum``) above, measured on an
-    H100 (jax 0.11.2, the jitted certified draw's device time by CUPTI, serving_h200.md, third session of
-    2026-12-07): bytes / xla 0.20 / 0.25 ms at 16 rows, 0.41 / 0.57 at 32, 0.81 / 1.15 at 64, 1.20 / 1.80 at 96, but
-    1.59 / 1.21 at 128 and 3.18 / 2.66 at 256 (XLA's reduce_window changes strategy between 96 and 128 rows). Every
-    form gives the same tokens; speed only."""
-    if _platform(probs) == "cpu":
-        return "two_level"
-    rows = np.shape(probs)[0] if np.ndim(probs) else 0
-    return "bytes" if rows <= BYTES_PREFIX_MAX_ROWS else "xla"
+    """The certified search's prefix sums for ``probs [N, V]``: ``"two_level"`` on every backend — block totals
+    locate the one block whose prefix sums are formed, instead of a prefix sum of the whole row. Measured at V =
+    129,280 (docs/perf/serving_h200.md, fifth session of 2026-12-07): on an H100 (jax 0.11.2, the jitted certified
+    draw's device time by CUPTI) 0.034 / 0.060 / 0.166 / 0.305 / 0.809 ms at 1 / 16 / 64 / 128 / 384 rows, against
+    0.046 / 0.248 / 1.161 / 1.219 / 4.068 for ``jnp.cumsum`` (``"xla"``) and 0.049 / 0.203 / 0.820 / 1.607 / 4.812
+    for the bf16 byte products (``"bytes"``); on a 2-core CPU (jax 0.10.2, wall) 1.6 against 8.7 ms at one row and
+    180 against 668 ms at 64. Every form gives the same tokens; speed only. ``probs`` is accepted for callers that
+    pass it (the choice depended on the backend and rows before)."""
+    del probs
+    return "two_level"
 
 
 # --- seeds ----------------------------------------------------------------------------------------------------
