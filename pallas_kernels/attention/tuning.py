@@ -64,7 +64,8 @@ def gather_options(n_queries: int, stored: str = "bf16", device_kind: str | None
       (two do not fit beside the index rows at d = 512), as for the kernel on gathered rows
       (:func:`decode_options`): on an H100 57.0 against 58.4 µs at 96 queries and 155.8 against 207.2 µs at 384
       (66% against 50% of copy; the H200 unmeasured; docs/perf/attention_h200.md, fourth session of 2026-12-07).
-      ``v41_fp4`` rows keep ``split_cta`` (that form unmeasured there).
+      ``v41_fp4`` rows keep ``split_cta``: ``shared_qk``'s gathering form is slower for them (H100: 91.8 against
+      76.0 µs at 96 queries, 287 against 266 at 384; fifth session of 2026-12-07).
 
     ``shared_qk``'s gathering form (``organisation="shared_qk"``) measured the same as XLA's gather + that kernel at
     one query (H100 12.6 against 12.3 µs, H200 12.4 against 11.9), so the model keeps the latter for few queries
