@@ -285,7 +285,7 @@ def certified_search(bits: jnp.ndarray, k: U64, prefix: str = "xla") -> tuple[jn
     """
     if prefix not in PREFIX_SUMS:
         raise ValueError(f"prefix must be one of {PREFIX_SUMS}, got {prefix!r}")
-    n, v = bits.shape
+    v = bits.shape[1]
     w = limb_width(v)
     nl = -(-R_BITS // w)  # limbs per F_i
     f32 = jnp.float32

@@ -32,13 +32,14 @@ the scan, with its own seed and position), so tokens do not depend on batch size
 
 Speed: the exact scan is sequential in the vocabulary (``V`` emulated adds per row, vectorised over rows), so
 ``method="auto"`` (default) first runs a vocabulary-parallel search (``_fastcdf.certified_search``: exact integer
-fixed-point prefix sums plus rigorous bounds on torch's fp64 rounding error) that *proves* per row that its answer
-is torch's; only rows it cannot prove (a target within ~V * 2**-53 of a CDF boundary: ~1e-6 of rows at V = 129280)
-are recomputed exactly, under a ``lax.cond``: by the sequential scan on CPU, and on accelerators by
-``_binadecdf.binade_rows`` (bit-identical; one vocabulary-parallel pass per binade of the running sum, over the
-uncertified rows only, 8 at a time; the scan's ~16K dependent steps cost 100-250 ms there). Measured on one H200,
-256 x 129280: auto 2.0-2.9 ms; the exact scan 131 ms (block 8), binade passes over every row 45 ms (64 rows: 129 /
-13 ms). On CPU (2 cores), 64 x 129280: ~0.16-0.25 s the scan, ~1.9 s the binade passes.
+fixed-point prefix sums — by default only those of the one block of columns holding the answer — plus rigorous
+bounds on torch's fp64 rounding error) that *proves* per row that its answer is torch's; only rows it cannot prove
+(a target within ~V * 2**-53 of a CDF boundary: ~1e-6 of rows at V = 129280) are recomputed exactly, under a
+``lax.cond``: by the sequential scan on CPU, and on accelerators by ``_binadecdf.binade_rows`` (bit-identical; one
+vocabulary-parallel pass per binade of the running sum, over the uncertified rows only, 8 at a time; the scan's ~16K
+dependent steps cost 100-250 ms there). Measured on one H200, 256 x 129280: auto 2.0-2.9 ms; the exact scan 131 ms
+(block 8), binade passes over every row 45 ms (64 rows: 129 / 13 ms). On CPU (2 cores), 64 x 129280: ~0.16-0.25 s
+the scan, ~1.9 s the binade passes.
 """
 
 from __future__ import annotations
@@ -324,7 +325,7 @@ def random_sampling(
             products, ``_scan``: slower on an H200 at batch 1-256, docs/perf/serving_h200.md, second session of
             2026-12-07), ``"bytes"`` (bf16 byte products for the integer limbs) or ``"two_level"`` (block totals
             locate the one block whose prefix sums are formed); speed only, never the result;
-            default :func:`default_prefix` (by backend and number of rows).
+            default :func:`default_prefix`.
 
     Returns:
         [N] int32 sampled column indices (0 for an all-zero row, like the reference).
