@@ -9,8 +9,9 @@
 #      slice's batch-64 decode pace host-bound on an H100 (the model program's launch 5.0-6.5 ms of a 7.4-8.9 ms pace,
 #      0.8 ms a step waiting for the device) and the sampled step now as fast as greedy (prefix="two_level"): command
 #      buffers for the model's loops and conditionals, greedy and sampled; then STAGE=spec-dispatch (the speculative
-#      step at temperature 1 was 30.7 against 20.8 ms greedy on an H100, sixth session of 2026-12-06: its two draws over
-#      384 rows took ~4.1 ms each with jnp.cumsum and should take ~0.8 now); then STAGE=twolevel on an H200 (the draw's
+#      step at temperature 1 was 30.7 against 20.8 ms greedy on an H100, sixth session of 2026-12-06: its verification
+#      draws twice over 64 x 5 rows and its drafter over 64 rows per draft, ~10 ms of draws with jnp.cumsum by the
+#      draw table of the fifth session of 2026-12-07, ~2 ms with two_level); then STAGE=twolevel on an H200 (the draw's
 #      device time there) and the rest of the rule stage's benches at 256 / 384 queries (cut by its time limit);
 #   0000000. (done, fifth session of 2026-12-07, on an H100: the model_pooled GPU test 4 passed, kernel rule 64-128
 #      queries, gathering forms at 96 / 384, prefill-attention 1.50x over XLA with shared_qk) STAGE=rule (any card; an H200 for its figures): the model's new rules above 66 queries (fourth session
