@@ -7,10 +7,10 @@ sum). What is timed (wall milliseconds of the jitted call, mean of 5 after a war
 read by the host included), per batch:
 
 * ``auto, all certified``: flat rows (standard normal logits, what a random-weight model gives), no fallback —
-  with ``jnp.cumsum`` prefix sums (the default), with fp32 block products (``prefix="blocked"``, ``sampling/_scan``;
-  slower on an H200, docs/perf/serving_h200.md, second session of 2026-12-07) and with bf16 byte products for the
-  integer limbs (``prefix="bytes"``), and with block totals locating the one block whose prefix sums are formed
-  (``prefix="two_level"``, ``_fastcdf._locate_two_level``);
+  with the default prefix sums (block totals locating the one block whose prefix sums are formed,
+  ``prefix="two_level"``, ``_fastcdf._locate_two_level``), with ``jnp.cumsum`` over the whole row (``"xla"``), with
+  fp32 block products (``prefix="blocked"``, ``sampling/_scan``; slower on an H200, docs/perf/serving_h200.md,
+  second session of 2026-12-07) and with bf16 byte products for the integer limbs (``prefix="bytes"``);
 * ``auto + scan`` / ``auto + binade``: the same rows with row 0 replaced by one the certificate cannot prove
   (``tests/helpers.uncertifiable_rows`` at full width), so the fallback runs, through each exact path (the binade
   fallback compacts the uncertified rows and processes 8 at a time: ``_binadecdf.binade_rows``);
@@ -64,10 +64,10 @@ def inputs(batch: int, vocab: int, uncertified: bool):
 
 
 VARIANTS = {  # label: (uncertified row present, random_sampling keywords)
-    "auto, all certified": (False, dict(method="auto")),
+    "auto, all certified (default: two-level search)": (False, dict(method="auto")),
+    "auto, all certified, jnp.cumsum": (False, dict(method="auto", prefix="xla")),
     "auto, all certified, block products": (False, dict(method="auto", prefix="blocked")),
     "auto, all certified, byte products": (False, dict(method="auto", prefix="bytes")),
-    "auto, all certified, two-level search": (False, dict(method="auto", prefix="two_level")),
     "auto + scan": (True, dict(method="auto", fallback="scan")),
     "auto + binade": (True, dict(method="auto", fallback="binade")),
     "exact scan": (False, dict(method="exact")),
