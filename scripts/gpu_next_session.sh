@@ -1,10 +1,7 @@
 #!/bin/bash
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
-# with $OUT set and the llguidance wheel carried (.wheels). Order for the next session (after the seventh of
-# 2026-12-06, whose H100 calls ran STAGE=paced twice and found the sampled runs' mean inflated by ONE ~233 ms
-# decode-pace interval, always index 94 of 126, in every temperature-1 run (five runs, CUDA_MODULE_LOADING lazy or
-# eager, command buffers or not; no compilation after warm-up), while the medians were 8.0 ms sampled against
-# 9.2-9.7 ms greedy on that card (serving_h200.md, seventh session)):
+# with $OUT set and the llguidance wheel carried (.wheels). The plan, newest first (items marked done keep what they
+# found; the stages themselves follow the plan):
 #   00000000. STAGE=cmdbuf (any card, twice if the budget allows): the fifth session of 2026-12-07 found the V4-Flash
 #      slice's batch-64 decode pace host-bound on an H100 (the model program's launch 5.0-6.5 ms of a 7.4-8.9 ms pace,
 #      0.8 ms a step waiting for the device) and the sampled step now as fast as greedy (prefix="two_level"): command
@@ -14,7 +11,9 @@
 #      draw table of the fifth session of 2026-12-07, ~2 ms with two_level); then STAGE=twolevel on an H200 (the draw's
 #      device time there) and the rest of the rule stage's benches at 256 / 384 queries (cut by its time limit);
 #   0000000. (done, fifth session of 2026-12-07, on an H100: the model_pooled GPU test 4 passed, kernel rule 64-128
-#      queries, gathering forms at 96 / 384, prefill-attention 1.50x over XLA with shared_qk) STAGE=rule (any card; an H200 for its figures): the model's new rules above 66 queries (fourth session
+#      queries, gathering forms at 96 / 384, prefill-attention 1.50x over XLA with shared_qk; "auto" keeps XLA for
+#      prefill: the serving slice's prefill was not faster through the kernel) STAGE=rule (any card; an H200 for its
+#      figures): the model's new rules above 66 queries (fourth session
 #      of 2026-12-07, measured on an H100 only: the kernel 59-91% of copy with shared_qk against split_cta's 47-53%;
 #      the gathering kernel's shared_qk form for bf16 pools 66% against 50% at 384 queries) — the model-path GPU test
 #      with its new 96-query case (never run), both rules at 64-384 queries, and the v41_fp4 gathering forms there
