@@ -104,11 +104,7 @@ def test_unknown_prefix_form_is_refused() -> None:
 
 def _k_for(u: np.ndarray):
     """53-bit uniform integers k (u = k * 2**-53) as the search's U64."""
-    from dinfer_jax.sampling._u64 import U64
-
-    k = np.minimum(np.floor(u * 2.0**53), 2.0**53 - 1).astype(np.uint64)
-    return U64(jnp.asarray((k >> np.uint64(32)).astype(np.uint32)), jnp.asarray((k & np.uint64(0xFFFFFFFF))
-                                                                                  .astype(np.uint32)))
+    return seeds_to_u64(np.minimum(np.floor(u * 2.0**53), 2.0**53 - 1).astype(np.uint64))
 
 
 @pytest.mark.parametrize("v", [129280, 1000, 257, 256, 200])
