@@ -325,13 +325,17 @@ case "${STAGE:?set STAGE to rule, twolevel, seesaw, prefix2, prefix, draw, stall
       --weights native --batch 4 --q 64 --engine-defaults --step-only 2>&1 | quiet | grep "^|\|ratio\|preset\|Error" ;;
   cmdbuf)
     # issue 9 / 8: the decode pace is host-bound on the H100 (fifth session of 2026-12-07: launch of the model
-    # program 5.0-6.5 ms of an 7.4-8.9 ms pace, 0.8 ms waiting for the device): every program with conditionals
-    # and loops recorded into command buffers against the defaults, greedy and sampled (the draw is now ~0.2 ms at
-    # batch 64 with prefix="two_level"), one process each, interleaved so a drifting machine shows
-    cd scripts && for T in 0 1.0; do for F in "" "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"; do \
-      XLA_FLAGS="$F" timeout 145 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C \
-      --temperature $T --out "$OUT/cmdbuf_t$T${F:+_on}" 2>&1 | quiet | grep "^| 4 \|Error" \
-      | sed "s/^/[t=$T ${F:-defaults}] /"; done; done ;;
+    # program 5.0-6.5 ms of an 7.4-8.9 ms pace, 0.8 ms waiting for the device): the decode programs compiled with
+    # conditionals and loops in command buffers (as the engine would set them: LLM decode_compiler_options, GEMM
+    # autotuning off kept) against the defaults, greedy and sampled (the draw is ~0.2 ms at batch 64 with
+    # prefix="two_level"), one process each, interleaved so a drifting machine shows; T (default "0 1.0") and RUN_S
+    # (default 145) narrow it
+    CB="--decode-compiler-option xla_gpu_autotune_level=0 --decode-compiler-option \
+xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+    cd scripts && for T in ${T:-0 1.0}; do for D in "" "$CB"; do L=${D:+cmdbuf}; \
+      timeout ${RUN_S:-145} python3 bench_serving.py --preset deepseek-v4-flash --layers 4 --batch 64 $C \
+      --temperature $T $D --out "$OUT/cmdbuf_t$T${D:+_on}" 2>&1 | quiet | grep "^| 4 \|Error" \
+      | sed "s/^/[t=$T ${L:-defaults}] /"; done; done ;;
   stall)
     # issue 8: the one ~233 ms decode-pace interval of every sampled run (seventh session of 2026-12-06): Python's
     # collector (frozen here; collections in the timed window reported) or device work (the timed run again in a
