@@ -2,7 +2,12 @@
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
 # with $OUT set and the llguidance wheel carried (.wheels). The plan, newest first (items marked done keep what they
 # found; the stages themselves follow the plan):
-#   00000000. STAGE=cmdbuf (any card, twice if the budget allows): the fifth session of 2026-12-07 found the V4-Flash
+#   000000000. STAGE=step-kernels (an H200): the sixth session of 2026-12-07 found command buffers buy nothing on
+#      the H200 (6.63 / 6.64 ms against 6.46 / 6.94 greedy / sampled) and the batch-64 step device-bound (42-45% of
+#      roofline): the per-kernel device time of one decode step, greedy and sampled, to find the ~2.5 ms that are
+#      neither experts nor FP8 linears (issue 9's >= 50% needs ~0.6 ms of it);
+#   00000000. (done, sixth session of 2026-12-07, on an H200: no gain, serving_h200.md; spec-dispatch 24.1 against
+#      19.5 ms greedy; twolevel: tests passed, draw 0.14 ms at 64 rows; the rule at 256 / 384 queries) STAGE=cmdbuf (any card, twice if the budget allows): the fifth session of 2026-12-07 found the V4-Flash
 #      slice's batch-64 decode pace host-bound on an H100 (the model program's launch 5.0-6.5 ms of a 7.4-8.9 ms pace,
 #      0.8 ms a step waiting for the device) and the sampled step now as fast as greedy (prefix="two_level"): command
 #      buffers for the model's loops and conditionals, greedy and sampled; then STAGE=spec-dispatch (the speculative
@@ -133,7 +138,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to rule, twolevel, seesaw, prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to step-kernels, rule, twolevel, seesaw, prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -323,6 +328,13 @@ case "${STAGE:?set STAGE to rule, twolevel, seesaw, prefix2, prefix, draw, stall
       --weights native --batch 64 --q 1 --engine-defaults --step-only 2>&1 | quiet | grep "^|\|ratio\|preset\|Error"
     timeout 240 python3 scripts/bench_compile.py --preset deepseek-v4-flash --layers 2 8 --dtype bfloat16 \
       --weights native --batch 4 --q 64 --engine-defaults --step-only 2>&1 | quiet | grep "^|\|ratio\|preset\|Error" ;;
+  step-kernels)
+    # issue 9: where the batch-64 decode step's device time goes (the step is device-bound: sixth session of
+    # 2026-12-07): --breakdown's per-kernel table of one decode step, greedy then sampled, whole in $OUT
+    cd scripts && for T in 0 1.0; do timeout 200 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 \
+      --batch 64 $C --temperature $T --breakdown --out "$OUT/kernels_t$T" 2>&1 | quiet > "$OUT/kernels_t$T.txt"; \
+      grep "^| 4 \|Error\|device time by kernel" "$OUT/kernels_t$T.txt" | sed "s/^/[t=$T] /"; \
+      grep -A 25 "^decode.*device time by kernel" "$OUT/kernels_t$T.txt" | head -26; done ;;
   cmdbuf)
     # issue 9 / 8: the decode pace is host-bound on the H100 (fifth session of 2026-12-07: launch of the model
     # program 5.0-6.5 ms of an 7.4-8.9 ms pace, 0.8 ms waiting for the device): the decode programs compiled with
