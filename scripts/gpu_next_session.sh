@@ -7,7 +7,8 @@
 #      roofline): the per-kernel device time of one decode step, greedy and sampled, to find the ~2.5 ms that are
 #      neither experts nor FP8 linears (issue 9's >= 50% needs ~0.6 ms of it);
 #   00000000. (done, sixth session of 2026-12-07, on an H200: no gain, serving_h200.md; spec-dispatch 24.1 against
-#      19.5 ms greedy; twolevel: tests passed, draw 0.14 ms at 64 rows; the rule at 256 / 384 queries) STAGE=cmdbuf (any card, twice if the budget allows): the fifth session of 2026-12-07 found the V4-Flash
+#      19.5 ms greedy; twolevel: tests passed, draw 0.14 ms at 64 rows; the rule at 256 / 384 queries)
+#      STAGE=cmdbuf (any card, twice if the budget allows): the fifth session of 2026-12-07 found the V4-Flash
 #      slice's batch-64 decode pace host-bound on an H100 (the model program's launch 5.0-6.5 ms of a 7.4-8.9 ms pace,
 #      0.8 ms a step waiting for the device) and the sampled step now as fast as greedy (prefix="two_level"): command
 #      buffers for the model's loops and conditionals, greedy and sampled; then STAGE=spec-dispatch (the speculative
@@ -336,8 +337,9 @@ case "${STAGE:?set STAGE to step-kernels, rule, twolevel, seesaw, prefix2, prefi
       grep "^| 4 \|Error\|device time by kernel" "$OUT/kernels_t$T.txt" | sed "s/^/[t=$T] /"; \
       grep -A 25 "^decode.*device time by kernel" "$OUT/kernels_t$T.txt" | head -26; done ;;
   cmdbuf)
-    # issue 9 / 8: the decode pace is host-bound on the H100 (fifth session of 2026-12-07: launch of the model
-    # program 5.0-6.5 ms of an 7.4-8.9 ms pace, 0.8 ms waiting for the device): the decode programs compiled with
+    # issue 9 / 8: the decode pace looked host-bound on the H100 (fifth session of 2026-12-07: launch of the model
+    # program 5.0-6.5 ms of an 7.4-8.9 ms pace, 0.8 ms waiting for the device; on the H200 in the sixth session
+    # command buffers bought nothing: the launch waits on a busy device): the decode programs compiled with
     # conditionals and loops in command buffers (as the engine would set them: LLM decode_compiler_options, GEMM
     # autotuning off kept) against the defaults, greedy and sampled (the draw is ~0.2 ms at batch 64 with
     # prefix="two_level"), one process each, interleaved so a drifting machine shows; T (default "0 1.0") and RUN_S
@@ -393,10 +395,11 @@ xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITION
   twolevel)
     # the certified draw locating its block by block totals (prefix="two_level", fifth session of 2026-12-07):
     # exactness on the GPU, then its device time by kernel against xla / bytes at 1-256 rows
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_scan.py 2>&1 | grep "^E \|passed\|failed" \
+    # (the test lines also go to $OUT: the bench's tables push them out of a call's output tail)
+    { timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_scan.py 2>&1 | grep "^E \|passed\|failed" \
       | head -10
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampling_gpu.py 2>&1 \
-      | grep "^E \|passed\|failed" | head -10
+      | grep "^E \|passed\|failed" | head -10; } | tee "$OUT/twolevel_tests.txt"
     cd scripts && timeout 250 python3 -c "import bench_draw as b; print(b.kernel_breakdown([1, 16, 64, 128, 384], \
       129280, top=4, prefixes=('xla', 'bytes', 'two_level')))" 2>&1 | quiet | grep "^batch\|^|" | tee "$OUT/twolevel.md" ;;
   prefix2)
