@@ -19,8 +19,8 @@ Prints a Markdown table (and writes it under ``--out``).
 
 V4.1 slices keep their Engram layers with ``--engram-vocab`` (random FP8 tables of that hash vocabulary) and compare
 table placements with ``--engram-tables device host host-direct`` (issue 13: host tables within 5% of device
-tables; ``--breakdown`` adds the device's busy share of a decode step, and the kernels of a decode step and of
-one prefill):
+tables; ``--breakdown`` adds the device's busy share of a decode step, the kernels of a decode step (with their
+launches per step) and of one prefill):
 
     python scripts/bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
         --engram-tables device host host-no-thread host-direct --lean-buckets --out /tmp/serving
@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -109,27 +110,49 @@ def kernel_times(fn) -> dict[str, float] | None:
     return None if launches is None else {name: ms for name, (ms, _) in launches.items()}
 
 
-def decode_breakdown(llm, prompts, steps: int, **sampling: float) -> tuple[list[tuple[str, float]], float]:
-    """Per-kernel device ms of one decode step and the wall ms of one decode step in the same CUPTI window: kernel
-    times and wall time of ``generate`` with ``1 + steps`` tokens minus those with 1 token (the prefills and first
-    token), divided by ``steps``, with the run's ``sampling`` parameters (``temperature``, ``top_p``, ``top_k``;
-    default greedy). Kernels sorted, largest first; ``([], nan)`` where CUPTI is unavailable.
+class StepKernels(NamedTuple):
+    """One decode step's kernels as the device ran them (:func:`decode_breakdown`)."""
 
-    Their ratio is the device's busy share of a decode step as the device saw it — a stall *inside* a step (a host
-    computation the program waits for) shows here, where the engine's own idle estimate, taken between steps,
-    cannot see it. Kernels on concurrent streams would add up past the wall; XLA ran these steps on one stream."""
+    parts: list[tuple[str, float]]     # (kernel name, device ms per step), largest first
+    launches: dict[str, float]         # kernel name -> launches per step
+    wall_ms: float                     # wall ms per step in the profiled window (NaN without CUPTI)
+
+
+def decode_breakdown(llm, prompts, steps: int, **sampling: float) -> StepKernels:
+    """Per-kernel device ms and launches of one decode step and the wall ms of one decode step in the same CUPTI
+    window: kernel times, launch counts and wall time of ``generate`` with ``1 + steps`` tokens minus those with 1
+    token (the prefills and first token), divided by ``steps``, with the run's ``sampling`` parameters
+    (``temperature``, ``top_p``, ``top_k``; default greedy). Kernels sorted, largest first; empty parts and NaN
+    where CUPTI is unavailable.
+
+    The kernel sum over the wall is the device's busy share of a decode step as the device saw it — a stall *inside*
+    a step (a host computation the program waits for) shows here, where the engine's own idle estimate, taken
+    between steps, cannot see it. Kernels on concurrent streams would add up past the wall; XLA ran these steps on
+    one stream."""
     from dinfer_jax.sampling.params import SamplingParams as SP
 
     def gen(n):
         return lambda: llm.generate(prompts, SP(**{"temperature": 0.0, **sampling}, max_tokens=n, ignore_eos=True),
                                     use_tqdm=False)
 
-    (short, short_s), (full, full_s) = timed(kernel_times, gen(1)), timed(kernel_times, gen(1 + steps))
+    (short, short_s), (full, full_s) = timed(kernel_launches, gen(1)), timed(kernel_launches, gen(1 + steps))
     if short is None or full is None:
-        return [], float("nan")
-    per_step = {k: (v - short.get(k, 0.0)) / steps for k, v in full.items()}
-    kernels = sorted(((k, v) for k, v in per_step.items() if v > 1e-4), key=lambda kv: -kv[1])
-    return kernels, 1e3 * (full_s - short_s) / steps
+        return StepKernels([], {}, float("nan"))
+    per_step = {k: ((ms - short.get(k, (0.0, 0))[0]) / steps, (n - short.get(k, (0.0, 0))[1]) / steps)
+                for k, (ms, n) in full.items()}
+    kernels = sorted(((k, ms) for k, (ms, _) in per_step.items() if ms > 1e-4), key=lambda kv: -kv[1])
+    return StepKernels(kernels, {k: n for k, (_, n) in per_step.items() if n > 0}, 1e3 * (full_s - short_s) / steps)
+
+
+def launch_summary(parts: list[tuple[str, float]], launches: dict[str, float],
+                   short_us: float = 10.0) -> dict[str, float]:
+    """Launches per step and how much of the step's kernel time is spent in kernels whose average launch is shorter
+    than ``short_us`` microseconds (many small fusions cost their fixed per-launch time each)."""
+    short = [(ms, launches.get(k, 0.0)) for k, ms in parts
+             if launches.get(k, 0.0) > 0 and 1e3 * ms / launches[k] < short_us]
+    return dict(launches_per_step=float(sum(launches.get(k, 0.0) for k, _ in parts)),
+                short_launches_per_step=float(sum(n for _, n in short)),
+                short_kernel_ms_per_step=float(sum(ms for ms, _ in short)))
 
 
 def prefill_breakdown(llm, prompt: list[int]) -> tuple[list[tuple[str, float]], float]:
@@ -144,11 +167,15 @@ def prefill_breakdown(llm, prompt: list[int]) -> tuple[list[tuple[str, float]], 
     return sorted(((k, v) for k, v in times.items() if v > 1e-3), key=lambda kv: -kv[1]), 1e3 * wall_s
 
 
-def print_kernels(what: str, parts: list[tuple[str, float]], wall_ms: float, top: int = 40) -> None:
+def print_kernels(what: str, parts: list[tuple[str, float]], wall_ms: float, top: int = 40,
+                  launches: dict[str, float] | None = None) -> None:
+    """The kernels' table: device ms, share of the kernel sum and, where ``launches`` (per step) are given, launches
+    per step of each kernel name."""
     total = sum(v for _, v in parts)
     print(f"{what}, device time by kernel (sum {total:.2f} ms of {wall_ms:.2f} ms wall in the profiled window):")
     for name, v in parts[:top]:
-        print(f"  {v:8.3f} ms  {100 * v / max(total, 1e-9):5.1f}%  {name[:110]}")
+        n = f"  {launches.get(name, 0.0):6.1f}x" if launches is not None else ""
+        print(f"  {v:8.3f} ms  {100 * v / max(total, 1e-9):5.1f}%{n}  {name[:110]}")
 
 
 def timed(fn, *args):
@@ -319,13 +346,21 @@ def run_one(preset: str, layers: int, args, bw: float, placement: str = "device"
             for name, ms, n in row["timed_run_most_launched"]:
                 print(f"  {ms:9.2f} ms  {n:7d} launches  {name[:100]}", flush=True)
     if args.breakdown:
-        parts, window_step_ms = decode_breakdown(llm, prompts, args.max_tokens, temperature=args.temperature,
-                                                 top_p=args.top_p, top_k=args.top_k)
+        step_kernels = decode_breakdown(llm, prompts, args.max_tokens, temperature=args.temperature,
+                                        top_p=args.top_p, top_k=args.top_k)
+        parts, window_step_ms = step_kernels.parts, step_kernels.wall_ms
         row["decode_kernels_ms"] = parts
+        row["decode_kernel_launches"] = step_kernels.launches
         total = sum(v for _, v in parts)
         row.update(kernel_ms_per_step=total, window_step_ms=window_step_ms,
-                   device_busy=total / window_step_ms if parts else float("nan"))
-        print_kernels(f"decode step ({step_ms:.2f} ms unprofiled)", parts, window_step_ms)
+                   device_busy=total / window_step_ms if parts else float("nan"),
+                   **launch_summary(parts, step_kernels.launches))
+        print_kernels(f"decode step ({step_ms:.2f} ms unprofiled)", parts, window_step_ms,
+                      launches=step_kernels.launches)
+        if parts:
+            print(f"decode step launches: {row['launches_per_step']:.0f} a step; kernels averaging < 10 us: "
+                  f"{row['short_launches_per_step']:.0f} launches, {row['short_kernel_ms_per_step']:.2f} ms of "
+                  f"{total:.2f} ms", flush=True)
         pparts, prefill_wall_ms = prefill_breakdown(llm, long_prompt)
         row.update(prefill_kernels_ms=pparts, prefill_kernel_ms=sum(v for _, v in pparts),
                    prefill_window_ms=prefill_wall_ms)

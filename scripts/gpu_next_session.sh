@@ -331,10 +331,11 @@ case "${STAGE:?set STAGE to step-kernels, rule, twolevel, seesaw, prefix2, prefi
       --weights native --batch 4 --q 64 --engine-defaults --step-only 2>&1 | quiet | grep "^|\|ratio\|preset\|Error" ;;
   step-kernels)
     # issue 9: where the batch-64 decode step's device time goes (the step is device-bound: sixth session of
-    # 2026-12-07): --breakdown's per-kernel table of one decode step, greedy then sampled, whole in $OUT
+    # 2026-12-07): --breakdown's per-kernel table of one decode step with launches per step (how much of the step
+    # is many short kernels), greedy then sampled, whole in $OUT
     cd scripts && for T in 0 1.0; do timeout 200 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 \
       --batch 64 $C --temperature $T --breakdown --out "$OUT/kernels_t$T" 2>&1 | quiet > "$OUT/kernels_t$T.txt"; \
-      grep "^| 4 \|Error\|device time by kernel" "$OUT/kernels_t$T.txt" | sed "s/^/[t=$T] /"; \
+      grep "^| 4 \|Error\|^decode step launches" "$OUT/kernels_t$T.txt" | sed "s/^/[t=$T] /"; \
       grep -A 25 "^decode.*device time by kernel" "$OUT/kernels_t$T.txt" | head -26; done ;;
   cmdbuf)
     # issue 9 / 8: the decode pace looked host-bound on the H100 (fifth session of 2026-12-07: launch of the model
