@@ -5,7 +5,9 @@
 #   000000000. STAGE=step-kernels (an H200): the sixth session of 2026-12-07 found command buffers buy nothing on
 #      the H200 (6.63 / 6.64 ms against 6.46 / 6.94 greedy / sampled) and the batch-64 step device-bound (42-45% of
 #      roofline): the per-kernel device time of one decode step, greedy and sampled, to find the ~2.5 ms that are
-#      neither experts nor FP8 linears (issue 9's >= 50% needs ~0.6 ms of it);
+#      neither experts nor FP8 linears (issue 9's >= 50% needs ~0.6 ms of it); then STAGE=spec-kernels (the
+#      speculative step at temperature 1 was 24.1 against 19.5 ms greedy on the H200, though its draws are ~1.3 ms:
+#      which kernels make the other ~3 ms);
 #   00000000. (done, sixth session of 2026-12-07, on an H200: no gain, serving_h200.md; spec-dispatch 24.1 against
 #      19.5 ms greedy; twolevel: tests passed, draw 0.14 ms at 64 rows; the rule at 256 / 384 queries)
 #      STAGE=cmdbuf (any card, twice if the budget allows): the fifth session of 2026-12-07 found the V4-Flash
@@ -139,7 +141,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to step-kernels, rule, twolevel, seesaw, prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to step-kernels, spec-kernels, rule, twolevel, seesaw, prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -329,6 +331,12 @@ case "${STAGE:?set STAGE to step-kernels, rule, twolevel, seesaw, prefix2, prefi
       --weights native --batch 64 --q 1 --engine-defaults --step-only 2>&1 | quiet | grep "^|\|ratio\|preset\|Error"
     timeout 240 python3 scripts/bench_compile.py --preset deepseek-v4-flash --layers 2 8 --dtype bfloat16 \
       --weights native --batch 4 --q 64 --engine-defaults --step-only 2>&1 | quiet | grep "^|\|ratio\|preset\|Error" ;;
+  spec-kernels)
+    # issue 11: the k = 4 speculative step's kernels at temperature 1 against greedy (sixth session of 2026-12-07:
+    # 24.1 against 19.5 ms on the H200, ~1.3 ms of it the two-level draws)
+    timeout 400 python3 scripts/probe_spec_step.py --preset deepseek-v4-flash --layers 4 --batch 64 --kernels 2>&1 \
+      | quiet > "$OUT/spec_kernels.txt"; grep "^|\|^wall\|^jax\|Error\|^grown\|^largest" "$OUT/spec_kernels.txt" \
+      | head -40 ;;
   step-kernels)
     # issue 9: where the batch-64 decode step's device time goes (the step is device-bound: sixth session of
     # 2026-12-07): --breakdown's per-kernel table of one decode step with launches per step (how much of the step

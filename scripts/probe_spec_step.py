@@ -10,6 +10,7 @@ Speculation pays when ``E[tokens per row per step] / (speculative step / plain s
 
     python3 scripts/probe_spec_step.py [--batch 10] [--pages 16]
     JAX_PLATFORMS=cuda,cpu python3 scripts/probe_spec_step.py --preset deepseek-v4-flash --layers 4 --batch 64
+    JAX_PLATFORMS=cuda,cpu python3 scripts/probe_spec_step.py --preset deepseek-v4-flash --layers 4 --batch 64 --kernels
 """
 
 from __future__ import annotations
@@ -93,6 +94,58 @@ def dispatch_table(model, method: str, buckets, kw: dict, B: int, P: int, what: 
         del spec, probe
 
 
+def kernels_table(model, method: str, buckets, kw: dict, B: int, P: int, what: str, top: int = 25,
+                  reps: int = 10) -> None:
+    """Where the k = 4 speculative step's time goes at temperature 1 against greedy: each kernel's device ms and
+    launches per call (CUPTI over ``reps`` back-to-back calls of the engine's own program,
+    ``bench_serving.kernel_launches``), the kernels whose time grows most with sampling first, then the largest at
+    temperature 1."""
+    from bench_serving import kernel_launches  # scripts/ is on sys.path when run as a script
+
+    from dinfer_jax.sampling import SamplingParams
+
+    spec = LLM(model, buckets=buckets, speculative=method, num_speculative_tokens=4, **kw).runner
+    inp, feed = empty_inputs(B, 5, P)
+    per_temp: dict[float, dict[str, tuple[float, float]]] = {}
+    walls: dict[float, float] = {}
+    for temp in (0.0, 1.0):
+        samp = spec._sampling([SamplingParams(temperature=temp)] * B, list(range(B)), [100] * B, B)
+
+        def call(samp=samp) -> jax.Array:
+            return spec._call_spec(inp, feed, samp, (B, 5, P), True, *spec._spec_extra(B))[0]
+
+        walls[temp] = per_call_ms(call, reps=reps)
+
+        def run(call=call) -> None:
+            out = None
+            for _ in range(reps):
+                out = call()
+            jax.block_until_ready(out)
+
+        launches = kernel_launches(run)
+        if launches is None:
+            return
+        per_temp[temp] = {k: (ms / reps, n / reps) for k, (ms, n) in launches.items()}
+    t0, t1 = per_temp[0.0], per_temp[1.0]
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {what}, batch {B}, {P} pages, k = 4")
+    print(f"wall ms per call: greedy {walls[0.0]:.2f}, temperature 1 {walls[1.0]:.2f}; kernel ms per call: greedy "
+          f"{sum(v[0] for v in t0.values()):.2f} ({sum(v[1] for v in t0.values()):.0f} launches), temperature 1 "
+          f"{sum(v[0] for v in t1.values()):.2f} ({sum(v[1] for v in t1.values()):.0f} launches)")
+
+    def row(name: str) -> str:
+        (a, _), (b, n) = t0.get(name, (0.0, 0.0)), t1.get(name, (0.0, 0.0))
+        return f"| `{name[:90]}` | {a:.3f} | {b:.3f} | {b - a:+.3f} | {n:.1f} |"
+
+    head = "| kernel | greedy ms | temperature 1 ms | difference | launches (t = 1) |\n|---|---:|---:|---:|---:|"
+    names = set(t0) | set(t1)
+    print("grown most with sampling:\n" + head)
+    for name in sorted(names, key=lambda k: -(t1.get(k, (0.0, 0.0))[0] - t0.get(k, (0.0, 0.0))[0]))[:top]:
+        print(row(name))
+    print("largest at temperature 1:\n" + head)
+    for name in sorted(t1, key=lambda k: -t1[k][0])[:top]:
+        print(row(name))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=10)
@@ -106,6 +159,9 @@ def main() -> None:
                     help="instead: whether the k = 4 speculative step blocks the host that dispatches it (its "
                          "verification and drafts sample under data-dependent conditionals), with the decode "
                          "programs' default XLA options and with runner.GPU_SAMPLER_OPTIONS added")
+    ap.add_argument("--kernels", action="store_true",
+                    help="instead: the k = 4 speculative step's kernels by device time at temperature 1 against "
+                         "greedy (CUPTI; GPUs only)")
     args = ap.parse_args()
     B, P = args.batch, args.pages
     model, method, extra, what = "default", "dspark", {}, "default model"
@@ -128,6 +184,8 @@ def main() -> None:
     kw = dict(max_num_seqs=B, max_model_len=256, progress=False, warmup=False, kv_cache_memory_bytes=1 << 30, **extra)
     if args.dispatch:
         return dispatch_table(model, method, buckets(5), kw, B, P, what)
+    if args.kernels:
+        return kernels_table(model, method, buckets(5), kw, B, P, what)
     plain = LLM(model, buckets=buckets(1), **kw).runner
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {what}, batch {B}, {P} pages")
     print("| program | shape | ms per call | vs plain [B, 1] step + sampler |\n|---|---|---:|---:|")
