@@ -138,8 +138,8 @@ def decode_breakdown(llm, prompts, steps: int, **sampling: float) -> StepKernels
     (short, short_s), (full, full_s) = timed(kernel_launches, gen(1)), timed(kernel_launches, gen(1 + steps))
     if short is None or full is None:
         return StepKernels([], {}, float("nan"))
-    per_step = {k: ((ms - short.get(k, (0.0, 0))[0]) / steps, (n - short.get(k, (0.0, 0))[1]) / steps)
-                for k, (ms, n) in full.items()}
+    per_step = {k: ((ms - s_ms) / steps, (n - s_n) / steps)
+                for k, (ms, n) in full.items() for s_ms, s_n in [short.get(k, (0.0, 0))]}
     kernels = sorted(((k, ms) for k, (ms, _) in per_step.items() if ms > 1e-4), key=lambda kv: -kv[1])
     return StepKernels(kernels, {k: n for k, (_, n) in per_step.items() if n > 0}, 1e3 * (full_s - short_s) / steps)
 

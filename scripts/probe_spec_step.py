@@ -54,6 +54,16 @@ def drafting_slice(base, n: int):
     return first_layers(base, n).replace(n_mtp_layers=base.n_mtp_layers, mtp_compress_ratios=base.mtp_compress_ratios)
 
 
+def k4_step(spec, B: int, P: int, temperature: float) -> Callable[[], jax.Array]:
+    """One call of the engine's k = 4 speculative decode program on all-padding ``[B, 5]`` rows with ``P`` pages,
+    every row sampled at ``temperature`` (returns the step's tokens)."""
+    from dinfer_jax.sampling import SamplingParams
+
+    inp, feed = empty_inputs(B, 5, P)
+    samp = spec._sampling([SamplingParams(temperature=temperature)] * B, list(range(B)), [100] * B, B)
+    return lambda: spec._call_spec(inp, feed, samp, (B, 5, P), True, *spec._spec_extra(B))[0]
+
+
 def dispatch_table(model, method: str, buckets, kw: dict, B: int, P: int, what: str) -> None:
     """The k = 4 speculative step's dispatch against completion (``probe_cond_sync.time_dispatch``, median of 10)
     with the engine's own options, then with the decode programs' default options plus
@@ -64,7 +74,6 @@ def dispatch_table(model, method: str, buckets, kw: dict, B: int, P: int, what: 
 
     from dinfer_jax.engine.llm import step_program_options
     from dinfer_jax.engine.runner import GPU_SAMPLER_OPTIONS
-    from dinfer_jax.sampling import SamplingParams
 
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {what}, batch {B}, {P} pages")
     print("| decode options | sampling | ms per call | returns after ms | done after ms | tokens |\n"
@@ -75,15 +84,8 @@ def dispatch_table(model, method: str, buckets, kw: dict, B: int, P: int, what: 
         options = {"decode_compiler_options": {**base, **extra}} if extra else {}
         probe = LLM(model, buckets=buckets, speculative=method, num_speculative_tokens=4, **options, **kw)
         base = base or step_program_options(None, None, probe.model.linear_impl)[1]
-        spec = probe.runner
-        inp, feed = empty_inputs(B, 5, P)
         for temp in (0.0, 1.0):
-            params = [SamplingParams(temperature=temp)] * B
-            samp = spec._sampling(params, list(range(B)), [100] * B, B)
-
-            def call(spec=spec, inp=inp, feed=feed, samp=samp) -> jax.Array:
-                return spec._call_spec(inp, feed, samp, (B, 5, P), True, *spec._spec_extra(B))[0]
-
+            call = k4_step(probe.runner, B, P, temp)
             ret, done = time_dispatch(call, reps=10)
             toks = np.asarray(call())
             key = f"t={temp}"
@@ -91,7 +93,7 @@ def dispatch_table(model, method: str, buckets, kw: dict, B: int, P: int, what: 
             reference.setdefault(key, toks)
             print(f"| {label} | temperature {temp} | {per_call_ms(call, reps=10):.2f} | {ret:.2f} | {done:.2f} | "
                   f"{same} |", flush=True)
-        del spec, probe
+        del probe, call
 
 
 def kernels_table(model, method: str, buckets, kw: dict, B: int, P: int, what: str, top: int = 25,
@@ -102,18 +104,11 @@ def kernels_table(model, method: str, buckets, kw: dict, B: int, P: int, what: s
     temperature 1."""
     from bench_serving import kernel_launches  # scripts/ is on sys.path when run as a script
 
-    from dinfer_jax.sampling import SamplingParams
-
     spec = LLM(model, buckets=buckets, speculative=method, num_speculative_tokens=4, **kw).runner
-    inp, feed = empty_inputs(B, 5, P)
     per_temp: dict[float, dict[str, tuple[float, float]]] = {}
     walls: dict[float, float] = {}
     for temp in (0.0, 1.0):
-        samp = spec._sampling([SamplingParams(temperature=temp)] * B, list(range(B)), [100] * B, B)
-
-        def call(samp=samp) -> jax.Array:
-            return spec._call_spec(inp, feed, samp, (B, 5, P), True, *spec._spec_extra(B))[0]
-
+        call = k4_step(spec, B, P, temp)
         walls[temp] = per_call_ms(call, reps=reps)
 
         def run(call=call) -> None:
