@@ -340,11 +340,15 @@ case "${STAGE:?set STAGE to step-kernels, spec-kernels, rule, twolevel, seesaw, 
   step-kernels)
     # issue 9: where the batch-64 decode step's device time goes (the step is device-bound: sixth session of
     # 2026-12-07): --breakdown's per-kernel table of one decode step with launches per step (how much of the step
-    # is many short kernels), greedy then sampled, whole in $OUT
-    cd scripts && for T in 0 1.0; do timeout 200 python3 bench_serving.py --preset deepseek-v4-flash --layers 4 \
-      --batch 64 $C --temperature $T --breakdown --out "$OUT/kernels_t$T" 2>&1 | quiet > "$OUT/kernels_t$T.txt"; \
+    # is many short kernels), greedy then sampled, whole in $OUT; the greedy run dumps XLA's optimized HLO so
+    # scripts/hlo_kernel_map.py can name the jax operation and source line of each kernel ($OUT/kernel_map_t*.md)
+    cd scripts && for T in 0 1.0; do rm -rf /tmp/hlo_dump; timeout 230 env XLA_FLAGS="--xla_dump_to=/tmp/hlo_dump \
+      --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*_device_.*" python3 bench_serving.py \
+      --preset deepseek-v4-flash --layers 4 --batch 64 $C --temperature $T --breakdown --out "$OUT/kernels_t$T" 2>&1 \
+      | quiet > "$OUT/kernels_t$T.txt"; \
       grep "^| 4 \|Error\|^decode step launches" "$OUT/kernels_t$T.txt" | sed "s/^/[t=$T] /"; \
-      grep -A 25 "^decode.*device time by kernel" "$OUT/kernels_t$T.txt" | head -26; done ;;
+      python3 hlo_kernel_map.py /tmp/hlo_dump "$OUT/kernels_t$T/bench_serving.json" --top 120 \
+      > "$OUT/kernel_map_t$T.md" 2>&1; head -45 "$OUT/kernel_map_t$T.md" | cut -c1-230; done ;;
   cmdbuf)
     # issue 9 / 8: the decode pace looked host-bound on the H100 (fifth session of 2026-12-07: launch of the model
     # program 5.0-6.5 ms of an 7.4-8.9 ms pace, 0.8 ms waiting for the device; on the H200 in the sixth session
