@@ -347,7 +347,7 @@ case "${STAGE:?set STAGE to step-kernels, spec-kernels, rule, twolevel, seesaw, 
       --preset deepseek-v4-flash --layers 4 --batch 64 $C --temperature $T --breakdown --out "$OUT/kernels_t$T" 2>&1 \
       | quiet > "$OUT/kernels_t$T.txt"; \
       grep "^| 4 \|Error\|^decode step launches" "$OUT/kernels_t$T.txt" | sed "s/^/[t=$T] /"; \
-      python3 hlo_kernel_map.py /tmp/hlo_dump "$OUT/kernels_t$T/bench_serving.json" --top 120 \
+      python3 hlo_kernel_map.py /tmp/hlo_dump "$OUT/kernels_t$T/bench_serving.json" --top 120 --holds "s32[64,1]" \
       > "$OUT/kernel_map_t$T.md" 2>&1; head -45 "$OUT/kernel_map_t$T.md" | cut -c1-230; done ;;
   cmdbuf)
     # issue 9 / 8: the decode pace looked host-bound on the H100 (fifth session of 2026-12-07: launch of the model

@@ -20,7 +20,8 @@ import pathlib
 import re
 from typing import NamedTuple
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+(?:\{[^}]*\})?)\s+(fusion|custom-call|\w[\w\-]*)\(")
+# "%name = <shape or (tuple of shapes)> <opcode>(": a tuple shape holds spaces, so it is matched up to its ")"
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s+(fusion|custom-call|\w[\w\-]*)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
@@ -139,11 +140,15 @@ def main() -> None:
     ap.add_argument("dump_dir", type=pathlib.Path)
     ap.add_argument("kernels", type=pathlib.Path, help="bench_serving.json (--out) or a --breakdown output")
     ap.add_argument("--top", type=int, default=60)
+    ap.add_argument("--holds", default="", help="only modules whose text holds this string, e.g. s32[64,1]")
     args = ap.parse_args()
     kernels = read_kernels(args.kernels)
     if not kernels:
         raise SystemExit(f"no decode kernel table in {args.kernels}")
-    modules = {p: read_module(p) for p in sorted(args.dump_dir.rglob("*after_optimizations.txt"))}
+    paths = sorted(args.dump_dir.rglob("*after_optimizations.txt"))
+    if args.holds:   # e.g. "s32[64,1]": the decode program's [batch, 1] token input, which no prefill program has
+        paths = [p for p in paths if args.holds in p.read_text(errors="replace")]
+    modules = {p: read_module(p) for p in paths}
     if not modules:
         raise SystemExit(f"no *after_optimizations.txt modules under {args.dump_dir}")
     names = [k for k, _, _ in kernels]
@@ -157,8 +162,10 @@ def main() -> None:
     print("|---|---:|---:|---:|---|---|---|---|")
     for k, ms, n in kernels[:args.top]:
         ins = module.get(k)
-        if ins is None:   # e.g. the sampler program's kernels: the first other module naming it
-            ins = next((m[k] for m in modules.values() if k in m), None)
+        if ins is None:   # e.g. the sampler program's kernels: the first other module naming it, marked
+            other = next((p for p, m in modules.items() if k in m), None)
+            if other is not None:
+                ins = modules[other][k]._replace(detail=f"{modules[other][k].detail} ({other.name.split('.')[1]})")
         us = 1e3 * ms / n if n == n and n > 0 else float("nan")
         if ins is None:
             print(f"| {k[:60]} | {ms:.3f} | {n:.1f} | {us:.1f} | (not in module) | | | |")

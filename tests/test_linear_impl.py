@@ -123,3 +123,30 @@ def test_auto_is_the_kernel_on_a_gpu_for_the_one_device_engine(monkeypatch):
     assert resolve_linear_impl("auto") == "pallas"
     assert resolve_linear_impl("auto", batch_invariant=True) == "xla"
     assert resolve_linear_impl("auto", one_device=False) == "xla"
+
+
+def test_grouped_output_projection_reads_fp8_wo_a_through_the_kernel():
+    """V4-Flash's grouped output projection (``wo_a``: 8 groups of ``[1024, 4096]`` FP8) at a batch-64 decode step:
+    with the kernel on, ``wo_a`` goes through the kernel's grouped form and ``wo_b`` through the plain one (two
+    Mosaic GPU calls) and no ``[8192, 4096]`` dequantised copy of ``wo_a`` is built; with XLA's linears, none.
+    (Numerics: tests/test_linear_kernel_gpu.py, per group against the reference.)"""
+    from dinfer_jax.models.attention import RopeTable, output_projection
+    from dinfer_jax.models.config import load_config
+
+    cfg = load_config("deepseek-v4-flash")
+    h, d, g, r = cfg.num_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
+    p = {"wo_a": fp8_weight(g * r, h * d // g), "wo_b": fp8_weight(cfg.hidden_size, g * r)}
+    o = S((64, 1, h, d), jnp.bfloat16)
+    half = S((1, cfg.rope_head_dim // 2), jnp.float32)
+
+    def text(impl: str) -> str:
+        def f(p, o, cos, sin):
+            with linear_impl(impl):
+                return output_projection(p, o, cfg=cfg, rope=RopeTable(cos, sin))
+        return cuda_text(f, p, o, half, half)
+
+    kernel, xla = text("pallas"), text("xla")
+    assert kernel.count("stablehlo.custom_call @mosaic_gpu") == 2
+    assert xla.count("stablehlo.custom_call @mosaic_gpu") == 0
+    dense_wo_a = f"tensor<{g * r}x{h * d // g}xbf16>"
+    assert dense_wo_a in xla and dense_wo_a not in kernel

@@ -133,3 +133,28 @@ def test_config_refuses_scale_rows_longer_than_one_copy():
         LinearConfig(64, 64, 128, 1).check(1024, 16384)
     LinearConfig(64, 64, 128, 2).check(1024, 16384)
 
+
+
+@pytest.mark.parametrize("tokens,groups,r,k", [(64, 8, 1024, 4096), (1, 8, 1024, 4096), (16, 4, 512, 2048)])
+def test_grouped_kernel_lowers_for_cuda(tokens, groups, r, k):
+    """The grouped form (V4's output projection ``wo_a``: 8 groups of ``[1024, 4096]``) lowers for CUDA."""
+    from pallas_kernels.linear.kernel_sm90 import fp8_grouped_linear_sm90
+    from pallas_kernels.linear.tuning import config_for
+
+    s = jax.ShapeDtypeStruct
+    n = groups * r
+    traced = fp8_grouped_linear_sm90.trace(s((tokens, groups, k), jnp.bfloat16), s((n, k), jnp.float8_e4m3fn),
+                                           s((n // 128, k // 128), jnp.float8_e8m0fnu),
+                                           config=config_for(tokens, n, k), block=(128, 128))
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_grouped_kernel_refuses_groups_that_split_a_scale_block():
+    from pallas_kernels.linear.kernel_sm90 import fp8_grouped_linear_sm90
+    from pallas_kernels.linear.tuning import config_for
+
+    s = jax.ShapeDtypeStruct
+    with pytest.raises(ValueError, match="groups of whole"):
+        fp8_grouped_linear_sm90.trace(s((4, 3, 256), jnp.bfloat16), s((192, 256), jnp.float8_e4m3fn),
+                                      s((2, 2), jnp.float8_e8m0fnu), config=config_for(4, 192, 256),
+                                      block=(128, 128))

@@ -17,7 +17,7 @@ import pytest
 
 from helpers import gpu_device
 from pallas_kernels.linear import reference as ref
-from pallas_kernels.linear.kernel_sm90 import LinearConfig, fp8_linear_sm90
+from pallas_kernels.linear.kernel_sm90 import LinearConfig, fp8_grouped_linear_sm90, fp8_linear_sm90
 from pallas_kernels.linear.tuning import config_for
 
 pytestmark = pytest.mark.gpu
@@ -55,6 +55,28 @@ def test_fp8_linear_matches_reference(tokens, n, k, block, cfg):
     scale_ = np.abs(want).max()
     err = np.abs(got - want)
     assert err.max() / scale_ < 1e-4 and err.mean() / scale_ < 1e-5, (err.max() / scale_, err.mean() / scale_)
+
+
+@pytest.mark.parametrize("tokens,groups,r,k", [(64, 8, 1024, 4096), (1, 8, 1024, 4096), (16, 4, 512, 2048)])
+def test_fp8_grouped_linear_matches_reference_per_group(tokens, groups, r, k):
+    """The grouped form (V4's ``wo_a``: 8 groups of ``[1024, 4096]``): group ``g`` of the output is the reference
+    product of group ``g``'s activations and weight rows; same tolerance as above."""
+    dev, block = gpu_device(), (128, 128)
+    rng = np.random.default_rng(tokens + groups + r + k)
+    codes, scale = _weight(rng, groups * r, k, block)
+    x = rng.standard_normal((tokens, groups, k)).astype(np.float32).astype(ml_dtypes.bfloat16)
+    cfg = config_for(tokens, groups * r, k)
+    got = np.asarray(fp8_grouped_linear_sm90(*(jax.device_put(jnp.asarray(a), dev) for a in (x, codes, scale)),
+                                             config=cfg, block=block))
+    assert got.shape == (tokens, groups, r)
+    cpu = jax.devices("cpu")[0]
+    sb = r // block[0]
+    for g in range(groups):
+        args = [jax.device_put(jnp.asarray(a), cpu)
+                for a in (x[:, g], codes[g * r:(g + 1) * r], scale[g * sb:(g + 1) * sb])]
+        want = np.asarray(jax.jit(ref.fp8_linear, static_argnums=3)(*args, block))
+        err = np.abs(got[:, g] - want) / np.abs(want).max()
+        assert err.max() < 1e-4 and err.mean() < 1e-5, (g, err.max(), err.mean())
 
 
 def test_reused_kernel_lowering_gives_the_same_bits():

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from dinfer_jax.models.attention_invariant import index_dots_invariant
 from dinfer_jax.models.config import ModelConfig
 from dinfer_jax.models.invariant import active_tile, token_tiled
+from dinfer_jax.models.linear_impl import grouped_kernel_config, kernel_grouped_linear
 from dinfer_jax.models.ops import (
     F32,
     apply_rope_tail,
@@ -469,11 +470,15 @@ def output_projection(p: Mapping[str, Any], o: jax.Array, *, cfg: ModelConfig, r
     G, R = cfg.o_groups, cfg.o_lora_rank
     dt = o.dtype
     o = apply_rope_tail(o, rope.cos[..., None, :], rope.sin[..., None, :], inverse=True)
-    wo_a = as_dense(p["wo_a"], dt).reshape(G, R, H * d // G)
-
-    def grouped(o: jax.Array) -> jax.Array:
-        return matmul("...gi,gri->...gr", o, wo_a).astype(dt)
-
     o = o.reshape(B, S, G, H * d // G)
-    z = token_tiled(grouped, o, lead=2) if active_tile() else grouped(o)
+    config = None if active_tile() else grouped_kernel_config(o, p["wo_a"])
+    if config is not None:   # FP8 wo_a read as stored (a dequantised copy costs 3x its bytes a step)
+        z = kernel_grouped_linear(o, p["wo_a"], config).astype(dt)
+    else:
+        wo_a = as_dense(p["wo_a"], dt).reshape(G, R, H * d // G)
+
+        def grouped(o: jax.Array) -> jax.Array:
+            return matmul("...gi,gri->...gr", o, wo_a).astype(dt)
+
+        z = token_tiled(grouped, o, lead=2) if active_tile() else grouped(o)
     return linear(z.reshape(B, S, G * R), p["wo_b"])

@@ -85,5 +85,30 @@ def kernel_linear(x: jax.Array, w: QuantizedWeight, config) -> jax.Array:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-__all__ = ["LINEAR_IMPLS", "check_linear_impl", "kernel_config", "kernel_linear", "linear_impl",
+def grouped_kernel_config(x: jax.Array, w: QuantizedWeight):
+    """The kernel's configuration for the grouped product ``x [..., G, K]`` with ``w [G·R, K]`` (group ``g``'s
+    ``[R, K]`` weight in rows ``g·R …``) when the kernel is on and takes it — as :func:`kernel_config` for the
+    stacked weight, and each group a whole number of scale blocks and weight tiles — else None."""
+    if x.ndim < 2 or not isinstance(w, QuantizedWeight):
+        return None
+    cfg = kernel_config(x[..., 0, :], w)
+    groups, n = x.shape[-2], w.shape[0]
+    if cfg is None or n % groups or (n // groups) % w.block[0] or (n // groups) % cfg.block_n:
+        return None
+    return cfg
+
+
+def kernel_grouped_linear(x: jax.Array, w: QuantizedWeight, config) -> jax.Array:
+    """``y[..., g, :] = x[..., g, :] · W_gᵀ`` → fp32 ``[..., G, R]`` through the kernel's grouped form with
+    ``config`` (from :func:`grouped_kernel_config`)."""
+    from pallas_kernels.linear.kernel_sm90 import fp8_grouped_linear_sm90
+    from pallas_kernels.lowering_reuse import kernel_call
+
+    y = kernel_call(fp8_grouped_linear_sm90, x.reshape(-1, *x.shape[-2:]), w.data, w.scale, config=config,
+                    block=w.block)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+__all__ = ["LINEAR_IMPLS", "check_linear_impl", "grouped_kernel_config", "kernel_config", "kernel_grouped_linear",
+           "kernel_linear", "linear_impl",
            "resolve_linear_impl"]

@@ -110,20 +110,33 @@ def _check(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple[int, i
     return m, n, k
 
 
-def fp8_linear_t(x_t: jax.Array, codes_i8: jax.Array, scale_bits: jax.Array, *, config: LinearConfig) -> jax.Array:
+def fp8_linear_t(x_t: jax.Array, codes_i8: jax.Array, scale_bits: jax.Array, *, config: LinearConfig,
+                 group_rows: int = 0) -> jax.Array:
     """The kernel on transposed operands: ``x_t`` bf16 ``[K, Mp]`` (``Mp`` a multiple of ``block_m``),
     ``codes_i8`` int8 ``[N, K]`` (the e4m3 bytes), ``scale_bits`` uint8 from :func:`kernel_scales` → fp32
-    partial sums ``[split_k, N, Mp]``."""
+    partial sums ``[split_k, N, Mp]``.
+
+    ``group_rows = R > 0``: a grouped product — the weight is ``G = N / R`` stacked ``[R, K]`` matrices and
+    ``x_t`` is ``[G·K, Mp]``, group ``g``'s activations in rows ``g·K …``; output rows ``g·R …`` are group ``g``'s
+    (the attention's grouped output projection, one call instead of a dequantised copy of the weight). A weight
+    row block reads the activation rows of its group; nothing else changes."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.moe.kernel_sm90 import _scale_rows, _swizzle_transforms
 
     cfg = config
-    k, rows = x_t.shape
-    n = codes_i8.shape[0]
+    kx, rows = x_t.shape
+    n, k = codes_i8.shape
     bm, bn, bk, sk = cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k
+    groups = n // group_rows if group_rows else 1
+    if group_rows and (n % group_rows or group_rows % bn):
+        raise ValueError(f"group_rows={group_rows} must divide the {n} weight rows and be a multiple of "
+                         f"block_n={bn}")
+    if kx != groups * k:
+        raise ValueError(f"activation rows {kx} != {groups} group(s) x reduction width {k}")
     if rows % bm:
         raise ValueError(f"token columns {rows} are not a multiple of block_m={bm}")
+    k_blocks = k // bk                # x_t row blocks per group
     steps = k // (bk * sk)            # pipeline steps per K split
     kg = _scale_cols(k, sk)           # scale bytes per row of a K split (padded)
     if scale_bits.shape != (sk, n, kg):
@@ -137,6 +150,7 @@ def fp8_linear_t(x_t: jax.Array, codes_i8: jax.Array, scale_bits: jax.Array, *, 
         @plgpu.nd_loop((rows // bm, n // bn, sk), collective_axes="sm")
         def _item(loop_info):
             ti, ni, si = loop_info.index
+            group_base = jax.lax.div(ni, group_rows // bn) * k_blocks if group_rows else 0
             plgpu.copy_gmem_to_smem(s_gmem.at[si, pl.ds(ni * bn, bn)], s_smem, s_barrier)
             plgpu.barrier_wait(s_barrier)
 
@@ -153,8 +167,8 @@ def fp8_linear_t(x_t: jax.Array, codes_i8: jax.Array, scale_bits: jax.Array, *, 
                 pipeline = plgpu.emit_pipeline(
                     lambda idx, x_smem, w_smem: step(idx, x_smem, w_smem, acc),
                     grid=(steps,),
-                    in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (si * steps + kk, ti), transforms=x_tr,
-                                              delay_release=1),
+                    in_specs=[plgpu.BlockSpec((bk, bm), lambda kk: (group_base + si * steps + kk, ti),
+                                              transforms=x_tr, delay_release=1),
                               plgpu.BlockSpec((bn, bk), lambda kk: (ni, si * steps + kk), transforms=w_tr,
                                               delay_release=1)],
                     max_concurrent_steps=cfg.stages,
@@ -200,4 +214,25 @@ def fp8_linear_sm90(x: jax.Array, codes: jax.Array, scale: jax.Array, *, config:
     return parts.sum(axis=0)[:, :m].T
 
 
-__all__ = ["LinearConfig", "fp8_linear_sm90", "fp8_linear_t", "kernel_scales"]
+@functools.partial(jax.jit, static_argnames=("config", "block"))
+def fp8_grouped_linear_sm90(x: jax.Array, codes: jax.Array, scale: jax.Array, *, config: LinearConfig,
+                            block: tuple[int, int] = (BLOCK, BLOCK)) -> jax.Array:
+    """Per-group products ``y[m, g] = x[m, g] · W_gᵀ``: ``x [M, G, K]``, ``W`` given as e4m3 ``codes [G·R, K]``
+    (group ``g``'s ``[R, K]`` matrix in rows ``g·R …``) and UE8M0 ``scale`` over the stacked ``[G·R, K]`` →
+    fp32 ``[M, G, R]``; per group the contract of :func:`pallas_kernels.linear.reference.fp8_linear`. ``R`` must
+    be a multiple of ``config.block_n`` and of the scale block's rows (a tile never mixes two groups)."""
+    m, g, k = x.shape
+    n = codes.shape[0]
+    if n % g or (n // g) % block[0]:
+        raise ValueError(f"{n} weight rows do not split into {g} groups of whole {block[0]}-row scale blocks")
+    _check(x[:, 0], codes, scale, block, config)
+    bm = config.block_m
+    rows = -(-m // bm) * bm
+    x_t = jnp.pad(x.astype(jnp.bfloat16), ((0, rows - m), (0, 0), (0, 0))).reshape(rows, g * k).T
+    codes_i8 = jax.lax.bitcast_convert_type(codes, jnp.int8)
+    parts = fp8_linear_t(x_t, codes_i8, kernel_scales(scale, n, k, block, config.split_k), config=config,
+                         group_rows=n // g)
+    return parts.sum(axis=0)[:, :m].T.reshape(m, g, n // g)
+
+
+__all__ = ["LinearConfig", "fp8_grouped_linear_sm90", "fp8_linear_sm90", "fp8_linear_t", "kernel_scales"]

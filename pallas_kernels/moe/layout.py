@@ -66,7 +66,9 @@ def grouped_layout(expert_ids: jax.Array, num_experts: int, block_m: int) -> Gro
     tiles = rows // block_m
     tile_start = jnp.arange(tiles, dtype=jnp.int32) * block_m
     ends = jnp.cumsum(padded)
-    g = jnp.searchsorted(ends, tile_start, side="right").astype(jnp.int32)
+    # compare_all: one fused comparison of every tile start with every end; the default binary search is a while
+    # loop whose ~9 rounds launch two tiny GPU kernels each, per MoE layer (docs/perf/serving_h200.md)
+    g = jnp.searchsorted(ends, tile_start, side="right", method="compare_all").astype(jnp.int32)
     tile_group = jnp.where(tile_start < ends[-1], g, -1)
     return GroupedLayout(row=row.reshape(n, k), tile_group=tile_group, group_sizes=counts,
                          num_tiles=(ends[-1] // block_m).astype(jnp.int32))
