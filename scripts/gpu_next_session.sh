@@ -2,7 +2,17 @@
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
 # with $OUT set and the llguidance wheel carried (.wheels). The plan, newest first (items marked done keep what they
 # found; the stages themselves follow the plan):
-#   000000000. STAGE=step-kernels (an H200): the sixth session of 2026-12-07 found command buffers buy nothing on
+#   0000000000. STAGE=verify-step (any card first, then an H200 for issue 9's figure): the seventh session of
+#      2026-12-07 mapped the decode step's kernels to model code (hlo_kernel_map.py, on an H100: serving_h200.md)
+#      and changed three things on the CPU only: wo_a through the FP8 kernel's new grouped form (was a per-step
+#      bf16 dequantisation, 0.32 ms of 6.67), the top-5 logprobs as two short top-k passes (XLA's TopK kernel took
+#      0.13 ms), the expert layout's searchsorted as one comparison (75 tiny launches). The GPU tests of the
+#      grouped kernel and of top_n, then the step's kernel map against the table in serving_h200.md, with the
+#      grouped kernel switched on (DINFER_JAX_GROUPED_FP8_KERNEL=1; off by default until its GPU test has passed:
+#      if it passes, make it the default in dinfer_jax/models/linear_impl.py and drop the switch). Next after
+#      it: the FP8 kernel's scale bytes laid out at load (0.06 ms, 29 launches a step), the split-K fp32 weights
+#      stored split (0.11 ms of per-step concatenates and transposes), the mHC streams' transposes (0.15 ms);
+#   000000000. (done, seventh session of 2026-12-07, on an H100: serving_h200.md) STAGE=step-kernels (an H200): the sixth session of 2026-12-07 found command buffers buy nothing on
 #      the H200 (6.63 / 6.64 ms against 6.46 / 6.94 greedy / sampled) and the batch-64 step device-bound (42-45% of
 #      roofline): the per-kernel device time of one decode step, greedy and sampled, to find the ~2.5 ms that are
 #      neither experts nor FP8 linears (issue 9's >= 50% needs ~0.6 ms of it); then STAGE=spec-kernels (the
@@ -141,7 +151,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to step-kernels, spec-kernels, rule, twolevel, seesaw, prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to verify-step, step-kernels, spec-kernels, rule, twolevel, seesaw, prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -337,12 +347,17 @@ case "${STAGE:?set STAGE to step-kernels, spec-kernels, rule, twolevel, seesaw, 
     timeout 400 python3 scripts/probe_spec_step.py --preset deepseek-v4-flash --layers 4 --batch 64 --kernels 2>&1 \
       | quiet > "$OUT/spec_kernels.txt"; grep "^|\|^wall\|^jax\|Error\|^grown\|^largest" "$OUT/spec_kernels.txt" \
       | head -40 ;;
+  verify-step)
+    # the seventh session's changes on the GPU (see the plan above): their tests, then the greedy step's kernel map
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_linear_kernel_gpu.py \
+      tests/test_sampling_gpu.py 2>&1 | quiet > "$OUT/tests.txt"; grep "^E \|passed\|failed\|top-5" "$OUT/tests.txt"
+    DINFER_JAX_GROUPED_FP8_KERNEL=1 T="0" STAGE=step-kernels bash "$0" ;;
   step-kernels)
     # issue 9: where the batch-64 decode step's device time goes (the step is device-bound: sixth session of
     # 2026-12-07): --breakdown's per-kernel table of one decode step with launches per step (how much of the step
     # is many short kernels), greedy then sampled, whole in $OUT; the greedy run dumps XLA's optimized HLO so
     # scripts/hlo_kernel_map.py can name the jax operation and source line of each kernel ($OUT/kernel_map_t*.md)
-    cd scripts && for T in 0 1.0; do rm -rf /tmp/hlo_dump; timeout 230 env XLA_FLAGS="--xla_dump_to=/tmp/hlo_dump \
+    cd scripts && for T in ${T:-0 1.0}; do rm -rf /tmp/hlo_dump; timeout 230 env XLA_FLAGS="--xla_dump_to=/tmp/hlo_dump \
       --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*_device_.*" python3 bench_serving.py \
       --preset deepseek-v4-flash --layers 4 --batch 64 $C --temperature $T --breakdown --out "$OUT/kernels_t$T" 2>&1 \
       | quiet > "$OUT/kernels_t$T.txt"; \

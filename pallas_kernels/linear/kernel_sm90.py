@@ -23,7 +23,10 @@ V4.1: 32 × 32). The kernel reads the scales per row and 32 inputs (:func:`kerne
 from the blocks by XLA in the wrapper, 1/32 of the weight's bytes; a load-time layout would save that pass).
 Output fp32 ``[M, N]``.
 
-Status: lowered for CUDA in the CPU tests; not yet run on a GPU (``tests/test_linear_kernel_gpu.py`` is the check).
+Status: the plain form runs on the H100/H200 (``tests/test_linear_kernel_gpu.py``; ``docs/perf/linear_kernel_h200.md``).
+The grouped form (:func:`fp8_grouped_linear_sm90`, added 2026-12-07) is lowered for CUDA in the CPU tests and has
+not yet run on a GPU; the model takes it only when ``DINFER_JAX_GROUPED_FP8_KERNEL=1``
+(:mod:`dinfer_jax.models.linear_impl`).
 """
 
 from __future__ import annotations
