@@ -10,8 +10,10 @@
 #      grouped kernel and of top_n, then the step's kernel map against the table in serving_h200.md, with the
 #      grouped kernel switched on (DINFER_JAX_GROUPED_FP8_KERNEL=1; off by default until its GPU test has passed:
 #      if it passes, make it the default in dinfer_jax/models/linear_impl.py and drop the switch). Next after
-#      it: the FP8 kernel's scale bytes laid out at load (0.06 ms, 29 launches a step), the split-K fp32 weights
-#      stored split (0.11 ms of per-step concatenates and transposes), the mHC streams' transposes (0.15 ms);
+#      it: the expert kernels' glue (~0.1 ms per MoE layer: the padded [4096, 4224] gather, the combine's strided
+#      column gather of the down kernel's fp32 output, the layout) into the kernels' producer and epilogue; the
+#      FP8 kernel's scale bytes laid out at load (0.06 ms, 29 launches a step); the split-K fp32 weights stored
+#      split (0.11 ms of per-step concatenates and transposes);
 #   000000000. (done, seventh session of 2026-12-07, on an H100: serving_h200.md) STAGE=step-kernels (an H200): the sixth session of 2026-12-07 found command buffers buy nothing on
 #      the H200 (6.63 / 6.64 ms against 6.46 / 6.94 greedy / sampled) and the batch-64 step device-bound (42-45% of
 #      roofline): the per-kernel device time of one decode step, greedy and sampled, to find the ~2.5 ms that are
