@@ -29,14 +29,11 @@ _TABLE_ROW = re.compile(r"^(\d+) (.*)$")
 _FIELD = re.compile(r"(\w+)=(\d+)")
 _KIND = re.compile(r"kind=(k\w+)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
-# a row of bench_serving.print_kernels' table: "  <ms> ms  <share>%  <launches>x  <kernel name>"
-_ROW = re.compile(r"^\s+([\d.]+) ms\s+[\d.]+%(?:\s+([\d.]+)x)?\s+(\S+)")
 
 
 class Instr(NamedTuple):
     """One instruction of an optimized HLO module that can become a kernel."""
 
-    opcode: str        # "fusion", "custom-call", …
     detail: str        # fusion kind or custom-call target
     shape: str         # output shape as printed
     op_name: str       # jax operation (name stack), "" when XLA kept none
@@ -93,40 +90,25 @@ def read_module(path: pathlib.Path) -> dict[str, Instr]:
         m = _INSTR.match(line)
         if not m or m.group(3) not in ("fusion", "custom-call"):
             continue
-        name, shape, opcode = m.groups()
+        name, shape, _ = m.groups()
         op = _OP_NAME.search(line)
         src, frame = _SOURCE.search(line), _FRAME_ID.search(line)
         detail = (_KIND.search(line) or _TARGET.search(line))
         source = (f"{pathlib.Path(src.group(1)).name}:{src.group(2)}" if src
                   else frames.get(int(frame.group(1)), "") if frame else "")
-        out[kernel_name(name)] = Instr(opcode, detail.group(1) if detail else "", shape, op.group(1) if op else "",
+        out[kernel_name(name)] = Instr(detail.group(1) if detail else "", shape, op.group(1) if op else "",
                                        source)
     return out
 
 
 def read_kernels(path: pathlib.Path) -> list[tuple[str, float, float]]:
-    """(kernel, ms per step, launches per step) of the decode step, largest first: from ``bench_serving.json``
-    (``--out``; every kernel) or from the first decode table of a ``--breakdown`` output (its top rows)."""
-    if path.suffix == ".json":
-        row = next(r for r in json.loads(path.read_text()) if r.get("decode_kernels_ms"))
-        launches = row.get("decode_kernel_launches") or {}
-        return [(k, float(ms), float(launches.get(k, "nan"))) for k, ms in row["decode_kernels_ms"]]
-    rows: list[tuple[str, float, float]] = []
-    started = False
-    for line in path.read_text(errors="replace").splitlines():
-        if "device time by kernel" in line:
-            if started:
-                break
-            started = line.lower().startswith("decode")
-            continue
-        if started:
-            m = _ROW.match(line)
-            if not m:
-                if rows:
-                    break
-                continue
-            rows.append((m.group(3), float(m.group(1)), float(m.group(2) or "nan")))
-    return rows
+    """(kernel, ms per step, launches per step) of the decode step, largest first, from ``bench_serving.json``
+    (``--out`` of a ``--breakdown`` run)."""
+    row = next((r for r in json.loads(path.read_text()) if r.get("decode_kernels_ms")), None)
+    if row is None:
+        raise SystemExit(f"no decode kernels in {path} (run bench_serving.py with --breakdown and --out)")
+    launches = row.get("decode_kernel_launches") or {}
+    return [(k, float(ms), float(launches.get(k, "nan"))) for k, ms in row["decode_kernels_ms"]]
 
 
 def short_op(op_name: str, keep: int = 4) -> str:
@@ -138,25 +120,22 @@ def short_op(op_name: str, keep: int = 4) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dump_dir", type=pathlib.Path)
-    ap.add_argument("kernels", type=pathlib.Path, help="bench_serving.json (--out) or a --breakdown output")
+    ap.add_argument("kernels", type=pathlib.Path, help="bench_serving.json of a --breakdown run (--out)")
     ap.add_argument("--top", type=int, default=60)
     ap.add_argument("--holds", default="", help="only modules whose text holds this string, e.g. s32[64,1]")
     args = ap.parse_args()
     kernels = read_kernels(args.kernels)
-    if not kernels:
-        raise SystemExit(f"no decode kernel table in {args.kernels}")
     paths = sorted(args.dump_dir.rglob("*after_optimizations.txt"))
     if args.holds:   # e.g. "s32[64,1]": the decode program's [batch, 1] token input, which no prefill program has
         paths = [p for p in paths if args.holds in p.read_text(errors="replace")]
     modules = {p: read_module(p) for p in paths}
     if not modules:
         raise SystemExit(f"no *after_optimizations.txt modules under {args.dump_dir}")
-    names = [k for k, _, _ in kernels]
     best = max(modules, key=lambda p: (sum(ms for k, ms, _ in kernels if k in modules[p]), -len(modules[p])))
     module = modules[best]
     covered = sum(ms for k, ms, _ in kernels if k in module)
     total = sum(ms for _, ms, _ in kernels)
-    print(f"module {best.name}: {len(module)} kernels; the step's table {len(names)} kernels, {total:.3f} ms, "
+    print(f"module {best.name}: {len(module)} kernels; the step's table {len(kernels)} kernels, {total:.3f} ms, "
           f"{covered:.3f} ms of it named in this module")
     print("| kernel | ms/step | launches | us/launch | kind | shape | jax op | source |")
     print("|---|---:|---:|---:|---|---|---|---|")
