@@ -5,6 +5,7 @@
 ``python scripts/bench_kernels.py prefill-attention [--chunks S START ...] [--out DIR]``,
 ``python scripts/bench_kernels.py indexer [--contexts N ...] [--batches N ...] [--out DIR]``,
 ``python scripts/bench_kernels.py linear [--tokens N ...] [--out DIR]``,
+``python scripts/bench_kernels.py linear-sweep [--tokens N ...] [--out DIR]``,
 ``python scripts/bench_kernels.py topk [--out DIR]``,
 ``python scripts/bench_kernels.py sampler [--out DIR]``.
 
@@ -18,7 +19,9 @@
 (``scripts/bench_indexer.py`` says what is measured).
 
 ``linear``: the FP8 linear kernel (``pallas_kernels/linear``) against the model's XLA path at the V4 / V4.1 linear
-shapes (``scripts/bench_linear.py`` says what is measured).
+shapes (``scripts/bench_linear.py`` says what is measured). ``linear-sweep``: the kernel's block sizes, pipeline
+depth, CTAs per SM and K split at the V4 decode shapes, each timed over weight copies that do not fit in L2
+(``bench_linear.sweep_linear``).
 
 ``attention``: decode attention over paged compressed rows, masked vs gathered top-k, and the indexer
 (``scripts/bench_attention.py`` says what is measured).
@@ -289,7 +292,7 @@ def table(rows: list[dict], ceil: dict[str, float]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=["moe", "attention", "attention-kernel", "attention-rows", "prefill-attention",
-                                    "indexer", "indexer-sweep", "linear", "topk", "sampler"])
+                                    "indexer", "indexer-sweep", "linear", "linear-sweep", "topk", "sampler"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192], help="token counts to run")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="token counts at which to sweep block sizes")
     p.add_argument("--no-baseline", action="store_true", help="skip the XLA ragged_dot baseline")
@@ -388,6 +391,13 @@ def main() -> None:
                                            wall_time, on_row=saver("bench_sampler", bench_sampler.table, echo=True),
                                            filters=args.sampler_filters)
         print(bench_sampler.table(rows))
+        return
+    if args.what == "linear-sweep":
+        import bench_linear
+
+        rows = bench_linear.sweep_linear(args.tokens, device_times, ceil["copy_GBps"] * 1e9,
+                                         on_row=saver("linear_sweep", bench_linear.sweep_table))
+        print(bench_linear.sweep_table(rows))
         return
     if args.what == "linear":
         import bench_linear

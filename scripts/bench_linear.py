@@ -105,3 +105,138 @@ def table(rows: list[dict]) -> str:
                      f"{r['kernel_compile_s']:.1f} / {r['xla_compile_s']:.1f} | "
                      f"{r['err_max']:.1e} / {r['err_mean']:.1e} |")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Block-size sweep at decode shapes (``python scripts/bench_kernels.py linear-sweep --tokens 64``)
+#
+# Why: at 64 tokens the kernel reached only 24-34% of copy on the H200 with the block table's one configuration
+# per shape (docs/perf/linear_kernel_h200.md), and the FP8 linears are 0.43-0.53 ms of a V4-Flash slice's batch-64
+# decode step (docs/perf/serving_h200.md). Each configuration is timed the way a decode step uses it: one call per
+# weight, over enough distinct copies of the weight (>= 200 MB) that none is still in L2 when it is read again.
+
+# the model's V4 decode calls, largest first (wo_a runs grouped: attention.output_projection)
+SWEEP_SHAPES = [("v4 wq_b", 32768, 1024, (128, 128)), ("v4 wo_b", 4096, 8192, (128, 128)),
+                ("v4 wo_a grouped 8", 8192, 4096, (128, 128)), ("v4 shared w1", 2048, 4096, (128, 128)),
+                ("v4 shared w2", 4096, 2048, (128, 128)), ("v4 wq_a", 1024, 4096, (128, 128)),
+                ("v4 wkv", 512, 4096, (128, 128))]
+SWEEP_BYTES = 200e6
+
+
+def _phase1(tokens: int, n: int, k: int) -> list:
+    """Tile sizes, pipeline depth and CTAs per SM at the block table's K split."""
+    from pallas_kernels.linear.kernel_sm90 import LinearConfig
+    from pallas_kernels.linear.tuning import config_for
+
+    base = config_for(tokens, n, k)
+    out = [base]
+    for bn in (64, 128):
+        for bk, stages in ((128, 2), (128, 3), (128, 4), (128, 6), (64, 8)):
+            for ctas in (1, 2):
+                out.append(LinearConfig(base.block_m, bn, bk, base.split_k, stages, ctas))
+    return out
+
+
+def _phase2(best, n: int, k: int) -> list:
+    """The best phase-1 configuration at other K splits (powers of two, 1-32)."""
+    from pallas_kernels.linear.kernel_sm90 import LinearConfig
+
+    return [LinearConfig(best.block_m, best.block_n, best.block_k, s, best.stages, best.ctas_per_sm)
+            for s in (1, 2, 4, 8, 16, 32) if s != best.split_k]
+
+
+def _valid(cfg, n: int, k: int) -> bool:
+    from pallas_kernels.linear.tuning import SMEM_LIMIT
+
+    try:
+        cfg.check(n, k)
+    except ValueError:
+        return False
+    # two CTAs share the SM's 228 KiB, each with 1 KiB reserved
+    return cfg.smem_bytes(k) <= (SMEM_LIMIT if cfg.ctas_per_sm == 1 else 113 * 1024)
+
+
+def _cfg_label(cfg) -> str:
+    extra = f" x{cfg.ctas_per_sm}" if cfg.ctas_per_sm > 1 else ""
+    return f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} split{cfg.split_k} s{cfg.stages}{extra}"
+
+
+def _time_config(cfg, case: dict, device_times, copy_bw: float) -> dict:
+    """One configuration on one (shape, tokens) case: device time per call (kernel, scale bytes, split-K sum) and
+    of the kernel alone, averaged over the case's weight copies."""
+    from pallas_kernels.linear.kernel_sm90 import fp8_grouped_linear_sm90, fp8_linear_sm90
+    from pallas_kernels.lowering_reuse import kernel_call, reuse_kernel_lowerings
+
+    fn = fp8_grouped_linear_sm90 if case["grouped"] else fp8_linear_sm90
+    block, copies = case["block"], case["copies"]
+
+    def calls(x, ws):
+        with reuse_kernel_lowerings("cuda"):
+            return [kernel_call(fn, x, c, s, config=cfg, block=block) for c, s in ws]
+
+    row = dict(shape=case["name"], n=case["n"], k=case["k"], tokens=case["tokens"], config=_cfg_label(cfg),
+               rule=cfg == case["rule"], copies=copies)
+    try:
+        total, per_name = device_times(jax.jit(calls), case["x"], case["ws"])
+        row["ms"] = total / copies
+        row["kernel_ms"] = sum(v for key, v in per_name.items() if "fp8_linear" in key) / copies
+        row["GBps"] = case["wbytes"] / (row["ms"] * 1e-3) / 1e9
+        row["copy_GBps"] = copy_bw / 1e9
+    except Exception as e:  # noqa: BLE001 - one failing configuration must not lose the sweep
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(row, flush=True)
+    return row
+
+
+def sweep_linear(tokens_list: list[int], device_times, copy_bw: float, on_row=lambda rows: None) -> list[dict]:
+    """Every configuration of :func:`_phase1`, then :func:`_phase2` around the fastest, per V4 decode shape."""
+    from pallas_kernels.linear.tuning import config_for
+
+    rows: list[dict] = []
+    for name, n, k, block in SWEEP_SHAPES:
+        grouped = "grouped" in name
+        codes, scale, _ = _weight(jax.random.key(n + k), n, k, block)
+        wbytes = codes.nbytes + scale.nbytes
+        copies = int(min(64, max(2, -(-SWEEP_BYTES // wbytes))))
+        ws = [(jnp.array(codes, copy=True), jnp.array(scale, copy=True)) for _ in range(copies)]
+        for t in tokens_list:
+            case = dict(name=name, n=n, k=k, block=block, grouped=grouped, tokens=t, wbytes=wbytes, copies=copies,
+                        ws=ws, rule=config_for(t, n, k),
+                        x=jax.random.normal(jax.random.key(t), (t, 8, k) if grouped else (t, k), jnp.bfloat16))
+            timed = []
+            for cfg in dict.fromkeys(_phase1(t, n, k)):
+                if _valid(cfg, n, k):
+                    rows.append(_time_config(cfg, case, device_times, copy_bw))
+                    on_row(rows)
+                    if "ms" in rows[-1]:
+                        timed.append((rows[-1]["ms"], cfg))
+            if timed:
+                for cfg in _phase2(min(timed, key=lambda p: p[0])[1], n, k):
+                    if _valid(cfg, n, k):
+                        rows.append(_time_config(cfg, case, device_times, copy_bw))
+                        on_row(rows)
+    return rows
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """One row per configuration, the block table's marked `rule`, the fastest per (shape, tokens) in bold."""
+    best: dict[tuple, float] = {}
+    for r in rows:
+        if "ms" in r:
+            key = (r["shape"], r["tokens"])
+            best[key] = min(best.get(key, float("inf")), r["ms"])
+    lines = ["| weight | N × K | tokens | config | ms / call | kernel ms | GB/s (% copy) | vs rule |",
+             "|---|---|---:|---|---:|---:|---:|---:|"]
+    rule_ms = {(r["shape"], r["tokens"]): r["ms"] for r in rows if r.get("rule") and "ms" in r}
+    for r in rows:
+        head = f"| {r['shape']} | {r['n']} × {r['k']} | {r['tokens']} |"
+        label = r["config"] + (" (rule)" if r.get("rule") else "")
+        if "error" in r:
+            lines.append(f"{head} {label} | FAILED: {r['error'][:80]} | | | |")
+            continue
+        key = (r["shape"], r["tokens"])
+        ms = f"**{r['ms']:.4f}**" if r["ms"] == best[key] else f"{r['ms']:.4f}"
+        vs = f"{rule_ms[key] / r['ms']:.2f}x" if key in rule_ms else "-"
+        lines.append(f"{head} {label} | {ms} | {r['kernel_ms']:.4f} | {r['GBps']:.0f} "
+                     f"({100 * r['GBps'] / r['copy_GBps']:.0f}%) | {vs} |")
+    return "\n".join(lines)

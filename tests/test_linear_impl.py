@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dinfer_jax.models.linear_impl import GROUPED_ENV, grouped_kernel_enabled, linear_impl
+from dinfer_jax.models.linear_impl import linear_impl
 from dinfer_jax.models.ops import linear
 from dinfer_jax.models.qweights import QuantizedWeight
 
@@ -125,11 +125,10 @@ def test_auto_is_the_kernel_on_a_gpu_for_the_one_device_engine(monkeypatch):
     assert resolve_linear_impl("auto", one_device=False) == "xla"
 
 
-def test_grouped_output_projection_reads_fp8_wo_a_through_the_kernel(monkeypatch):
+def test_grouped_output_projection_reads_fp8_wo_a_through_the_kernel():
     """V4-Flash's grouped output projection (``wo_a``: 8 groups of ``[1024, 4096]`` FP8) at a batch-64 decode step:
     with the kernel on, ``wo_a`` goes through the kernel's grouped form and ``wo_b`` through the plain one (two
     Mosaic GPU calls) and no ``[8192, 4096]`` dequantised copy of ``wo_a`` is built; with XLA's linears, none.
-    The grouped form is taken only with ``DINFER_JAX_GROUPED_FP8_KERNEL=1`` until it has run on a GPU.
     (Numerics: tests/test_linear_kernel_gpu.py, per group against the reference.)"""
     from dinfer_jax.models.attention import RopeTable, output_projection
     from dinfer_jax.models.config import load_config
@@ -146,16 +145,8 @@ def test_grouped_output_projection_reads_fp8_wo_a_through_the_kernel(monkeypatch
                 return output_projection(p, o, cfg=cfg, rope=RopeTable(cos, sin))
         return cuda_text(f, p, o, half, half)
 
-    assert text("pallas").count("stablehlo.custom_call @mosaic_gpu") == 1   # off by default: wo_b only
-    monkeypatch.setenv(GROUPED_ENV, "1")
     kernel, xla = text("pallas"), text("xla")
     assert kernel.count("stablehlo.custom_call @mosaic_gpu") == 2
     assert xla.count("stablehlo.custom_call @mosaic_gpu") == 0
     dense_wo_a = f"tensor<{g * r}x{h * d // g}xbf16>"
     assert dense_wo_a in xla and dense_wo_a not in kernel
-
-
-def test_grouped_kernel_switch_refuses_other_values(monkeypatch):
-    monkeypatch.setenv(GROUPED_ENV, "yes")
-    with pytest.raises(ValueError, match="DINFER_JAX_GROUPED_FP8_KERNEL='yes'"):
-        grouped_kernel_enabled()

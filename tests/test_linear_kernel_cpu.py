@@ -125,6 +125,24 @@ def test_kernel_lowers_for_cuda(tokens, n, k, block):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_two_ctas_per_sm_lower_for_cuda(grouped):
+    """``ctas_per_sm=2`` (two persistent CTAs per SM, for the decode sweep of scripts/bench_linear.py) lowers."""
+    from pallas_kernels.linear.kernel_sm90 import LinearConfig, fp8_grouped_linear_sm90, fp8_linear_sm90
+
+    s = jax.ShapeDtypeStruct
+    cfg = LinearConfig(64, 64, 128, 2, 3, ctas_per_sm=2)
+    if grouped:
+        traced = fp8_grouped_linear_sm90.trace(s((64, 8, 4096), jnp.bfloat16), s((8192, 4096), jnp.float8_e4m3fn),
+                                               s((64, 32), jnp.float8_e8m0fnu), config=cfg, block=(128, 128))
+    else:
+        traced = fp8_linear_sm90.trace(s((64, 4096), jnp.bfloat16), s((1024, 4096), jnp.float8_e4m3fn),
+                                       s((8, 32), jnp.float8_e8m0fnu), config=cfg, block=(128, 128))
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ValueError, match="ctas_per_sm=3"):
+        LinearConfig(64, 64, 128, 2, 3, ctas_per_sm=3).check(1024, 4096)
+
+
 def test_config_refuses_scale_rows_longer_than_one_copy():
     from pallas_kernels.linear.kernel_sm90 import LinearConfig
 

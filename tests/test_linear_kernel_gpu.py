@@ -37,6 +37,8 @@ CASES = [  # (tokens, n, k, block, config or None = the block table's)
     (64, 1280, 5120, (32, 32), None), (200, 4096, 1280, (32, 32), None), (1024, 2048, 4096, (128, 128), None),
     (64, 1024, 4096, (128, 128), LinearConfig(64, 128, 64, 2, 3)),
     (8, 512, 1024, (128, 128), LinearConfig(16, 64, 128, 1, 2)),
+    (64, 1024, 4096, (128, 128), LinearConfig(64, 64, 128, 2, 3, ctas_per_sm=2)),
+    (64, 4096, 8192, (128, 128), LinearConfig(64, 128, 128, 4, 2, ctas_per_sm=2)),
 ]
 
 

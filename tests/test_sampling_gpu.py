@@ -147,25 +147,3 @@ def test_engine_sampler_program_takes_its_fallbacks_in_command_buffers() -> None
             ref = plain(logits, st, mask, max_rows=n, batch_invariant=0)
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-
-
-def test_top_n_on_the_gpu_is_lax_top_k() -> None:
-    """The chunked top-n of the logprobs (``sampling.top_n``) against ``lax.top_k`` on the GPU and on the CPU,
-    bit for bit, at the engine's shape (64 rows of 129,280, n = 5) with many ties and filtered (-inf) entries;
-    prints both GPU timings."""
-    from dinfer_jax.sampling.top_n import top_n
-
-    dev = _accelerator()
-    rng = np.random.default_rng(5)
-    x = np.log(rng.random((64, 129280))).astype(np.float32)
-    x[:, ::3] = np.round(x[:, ::3])                 # ties
-    x[rng.random(x.shape) < 0.3] = -np.inf
-    xd = jax.device_put(jnp.asarray(x), dev)
-    ours, theirs = jax.jit(lambda a: top_n(a, 5)), jax.jit(lambda a: jax.lax.top_k(a, 5))
-    got, want = ours(xd), theirs(xd)
-    cpu = jax.lax.top_k(jax.device_put(jnp.asarray(x), jax.devices("cpu")[0]), 5)
-    for g, w, c in zip(got, want, cpu, strict=True):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
-    print(f"top-5 of [64, 129280]: chunked {1e3 * _time(ours, xd):.3f} ms, lax.top_k {1e3 * _time(theirs, xd):.3f} ms "
-          "(wall per call, dispatch included)")

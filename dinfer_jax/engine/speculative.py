@@ -36,7 +36,6 @@ from dinfer_jax.models.step_state import CacheConfig, LayerCache, StepInput, sin
 from dinfer_jax.sampling import SampleLogprobs, fused_sample
 from dinfer_jax.sampling.params import SAMPLING_EPS
 from dinfer_jax.sampling.sampler import _canonical_zero, processed_logprobs
-from dinfer_jax.sampling.top_n import top_n
 
 SPECULATIVE_METHODS = (None, "mtp", "dspark")
 
@@ -181,7 +180,7 @@ def verify(logits: jax.Array, drafts: jax.Array, draft_lp: jax.Array, ndraft: ja
     nacc = jnp.sum(jnp.cumprod(acc, axis=1), axis=1)
     tok_lp = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     if num_top:
-        top_lp, top_ids = top_n(lp, num_top)
+        top_lp, top_ids = jax.lax.top_k(lp, num_top)
     else:
         top_lp, top_ids = jnp.zeros((B * Q, 0), jnp.float32), jnp.zeros((B * Q, 0), jnp.int32)
     out = SampleLogprobs(tok_lp.reshape(B, Q), top_lp.reshape(B, Q, -1), top_ids.astype(jnp.int32).reshape(B, Q, -1))

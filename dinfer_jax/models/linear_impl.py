@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-import os
 from collections.abc import Iterator
 
 import jax
@@ -86,26 +85,11 @@ def kernel_linear(x: jax.Array, w: QuantizedWeight, config) -> jax.Array:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-# The grouped form of the kernel (V4's wo_a) has been lowered for CUDA and its model path checked on the CPU, but
-# not yet run on a GPU (docs/perf/serving_h200.md, seventh session of 2026-12-07): until its GPU test passes the
-# model takes it only where this variable is 1.
-GROUPED_ENV = "DINFER_JAX_GROUPED_FP8_KERNEL"
-
-
-def grouped_kernel_enabled() -> bool:
-    """Whether :data:`GROUPED_ENV` turns the grouped kernel on (``1``; default ``0``); ValueError on other values."""
-    value = os.environ.get(GROUPED_ENV, "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{GROUPED_ENV}={value!r}: expected 0 (the default) or 1")
-    return value == "1"
-
-
 def grouped_kernel_config(x: jax.Array, w: QuantizedWeight):
     """The kernel's configuration for the grouped product ``x [..., G, K]`` with ``w [G·R, K]`` (group ``g``'s
-    ``[R, K]`` weight in rows ``g·R …``) when the kernel is on, :func:`grouped_kernel_enabled`, and takes it — as
-    :func:`kernel_config` for the stacked weight, and each group a whole number of scale blocks and weight
-    tiles — else None."""
-    if x.ndim < 2 or not isinstance(w, QuantizedWeight) or not grouped_kernel_enabled():
+    ``[R, K]`` weight in rows ``g·R …``) when the kernel takes it — as :func:`kernel_config` for the stacked
+    weight, and each group a whole number of scale blocks and weight tiles — else None."""
+    if x.ndim < 2 or not isinstance(w, QuantizedWeight):
         return None
     cfg = kernel_config(x[..., 0, :], w)
     groups, n = x.shape[-2], w.shape[0]
@@ -125,5 +109,5 @@ def kernel_grouped_linear(x: jax.Array, w: QuantizedWeight, config) -> jax.Array
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-__all__ = ["GROUPED_ENV", "LINEAR_IMPLS", "check_linear_impl", "grouped_kernel_config", "grouped_kernel_enabled",
-           "kernel_config", "kernel_grouped_linear", "kernel_linear", "linear_impl", "resolve_linear_impl"]
+__all__ = ["LINEAR_IMPLS", "check_linear_impl", "grouped_kernel_config", "kernel_config", "kernel_grouped_linear",
+           "kernel_linear", "linear_impl", "resolve_linear_impl"]

@@ -23,9 +23,8 @@ Choices made here (not DeepInfer behaviour, or where DeepInfer's reference is am
   raw logits instead (lowest index on ties); ``False`` reproduces DeepInfer's path. Their logprobs are DeepInfer's
   either way (temperature 1e-5, no filters).
 * logprobs (DeepInfer ``Sampler._prepare_top_info`` / ``_update_golden_tokens``): taken from the *processed*
-  distribution of step 4 (tempered, filtered, renormalised; filtered tokens are ``-inf``). The top-n is
-  ``lax.top_k``'s (ties: lower index first; rows with fewer than n survivors list ``-inf`` entries), computed by
-  :func:`~dinfer_jax.sampling.top_n.top_n` over chunks of the vocabulary.
+  distribution of step 4 (tempered, filtered, renormalised; filtered tokens are ``-inf``). The top-n uses
+  ``lax.top_k`` (ties: lower index first; rows with fewer than n survivors list ``-inf`` entries).
   ``logprobs_mode="raw"`` gives ``log_softmax(logits)`` of the unprocessed logits instead.
 
 Everything is shape-static (N rows, V columns, n top logprobs), so one compiled step per bucket serves any
@@ -46,7 +45,6 @@ from dinfer_jax.models.group_select import int_keys, top_indices
 from ._u64 import U64
 from .params import SamplingTensors
 from .random import add_seed_offset, random_sampling
-from .top_n import top_n
 
 LOGPROBS_MODES = ("processed", "raw")
 # On a GPU the two stable sorts of a [64, 129280] vocabulary took 2.8 ms of a decode step (serving_h200.md); the
@@ -292,7 +290,7 @@ def sample(
     token_lp = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     k = st.num_top_logprobs
     if k > 0:
-        top_lp, top_ids = top_n(logprobs, k)
+        top_lp, top_ids = lax.top_k(logprobs, k)
     else:
         top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)

@@ -23,10 +23,9 @@ V4.1: 32 × 32). The kernel reads the scales per row and 32 inputs (:func:`kerne
 from the blocks by XLA in the wrapper, 1/32 of the weight's bytes; a load-time layout would save that pass).
 Output fp32 ``[M, N]``.
 
-Status: the plain form runs on the H100/H200 (``tests/test_linear_kernel_gpu.py``; ``docs/perf/linear_kernel_h200.md``).
-The grouped form (:func:`fp8_grouped_linear_sm90`, added 2026-12-07) is lowered for CUDA in the CPU tests and has
-not yet run on a GPU; the model takes it only when ``DINFER_JAX_GROUPED_FP8_KERNEL=1``
-(:mod:`dinfer_jax.models.linear_impl`).
+Status: both forms run on the H100 (``tests/test_linear_kernel_gpu.py``; ``docs/perf/linear_kernel_h200.md``): the
+plain form since 2026-12-03 (H200), the grouped form (:func:`fp8_grouped_linear_sm90`, V4's ``wo_a``) since
+2026-12-07, when the model took it by default (``docs/perf/serving_h200.md``, eighth session of 2026-12-07).
 """
 
 from __future__ import annotations
@@ -48,7 +47,9 @@ class LinearConfig:
     block_m: tokens per tile (WGMMA N; 16–256, a power of two). block_n: weight rows per item (WGMMA M; 64 or
     128, so a tile never straddles two 128-row scale blocks). block_k: reduction per pipeline step (64 or 128).
     split_k: K ranges per (token tile, row block), each a whole number of ``block_k`` steps. stages: TMA pipeline
-    depth.
+    depth. ctas_per_sm: persistent CTAs per SM (1 or 2); two give each SM two independent pipelines, so one
+    CTA's loads run while the other decodes and multiplies (the single-warpgroup kernel's only latency hiding
+    besides its stages), at half the shared memory each.
     """
 
     block_m: int
@@ -56,6 +57,7 @@ class LinearConfig:
     block_k: int
     split_k: int = 1
     stages: int = 4
+    ctas_per_sm: int = 1
 
     def check(self, n: int, k: int) -> None:
         if self.block_m not in (16, 32, 64, 128, 256):
@@ -67,6 +69,8 @@ class LinearConfig:
             raise ValueError(f"block_k={self.block_k} must be 64 or 128")
         if n % self.block_n:
             raise ValueError(f"output width {n} is not a multiple of block_n={self.block_n}")
+        if self.ctas_per_sm not in (1, 2):
+            raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
         if self.split_k < 1 or k % (self.block_k * self.split_k):
             raise ValueError(f"reduction width {k} is not a multiple of block_k · split_k = "
                              f"{self.block_k} · {self.split_k}")
@@ -195,7 +199,7 @@ def fp8_linear_t(x_t: jax.Array, codes_i8: jax.Array, scale_bits: jax.Array, *, 
         out_type=jax.ShapeDtypeStruct((sk, n, rows), jnp.float32),
         scratch_types=[plgpu.SMEM((bn, bm), jnp.float32, transforms=o_tr), plgpu.SMEM((bn, kg), jnp.uint8),
                        plgpu.Barrier(num_arrivals=1)],
-        grid=(num_sms,),
+        grid=(num_sms * cfg.ctas_per_sm,),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
