@@ -113,14 +113,15 @@ def table(rows: list[dict]) -> str:
 # Why: at 64 tokens the kernel reached only 24-34% of copy on the H200 with the block table's one configuration
 # per shape (docs/perf/linear_kernel_h200.md), and the FP8 linears are 0.43-0.53 ms of a V4-Flash slice's batch-64
 # decode step (docs/perf/serving_h200.md). Each configuration is timed the way a decode step uses it: one call per
-# weight, over enough distinct copies of the weight (>= 200 MB) that none is still in L2 when it is read again.
+# weight, over enough distinct copies of the weight (>= 120 MB, or 32 copies) that little of one is still in L2 when
+# it is read again.
 
 # the model's V4 decode calls, largest first (wo_a runs grouped: attention.output_projection)
 SWEEP_SHAPES = [("v4 wq_b", 32768, 1024, (128, 128)), ("v4 wo_b", 4096, 8192, (128, 128)),
                 ("v4 wo_a grouped 8", 8192, 4096, (128, 128)), ("v4 shared w1", 2048, 4096, (128, 128)),
                 ("v4 shared w2", 4096, 2048, (128, 128)), ("v4 wq_a", 1024, 4096, (128, 128)),
                 ("v4 wkv", 512, 4096, (128, 128))]
-SWEEP_BYTES = 200e6
+SWEEP_BYTES = 120e6   # > twice the H100's / H200's 50 MB L2
 
 
 def _phase1(tokens: int, n: int, k: int) -> list:
@@ -197,7 +198,7 @@ def sweep_linear(tokens_list: list[int], device_times, copy_bw: float, on_row=la
         grouped = "grouped" in name
         codes, scale, _ = _weight(jax.random.key(n + k), n, k, block)
         wbytes = codes.nbytes + scale.nbytes
-        copies = int(min(64, max(2, -(-SWEEP_BYTES // wbytes))))
+        copies = int(min(32, max(2, -(-SWEEP_BYTES // wbytes))))
         ws = [(jnp.array(codes, copy=True), jnp.array(scale, copy=True)) for _ in range(copies)]
         for t in tokens_list:
             case = dict(name=name, n=n, k=k, block=block, grouped=grouped, tokens=t, wbytes=wbytes, copies=copies,

@@ -351,10 +351,13 @@ case "${STAGE:?set STAGE to linear-sweep, verify-step, step-kernels, spec-kernel
       | head -40 ;;
   linear-sweep)
     # issue 9: the FP8 linear kernel at the V4 decode shapes (64 tokens): its GPU tests (two CTAs per SM are new),
-    # then block sizes, pipeline depth, CTAs per SM and K split, each over weight copies that do not fit in L2
+    # then the fp32 projections' forms (scripts/probe_linear_f32.py), then block sizes, pipeline depth, CTAs per SM
+    # and K split, each over weight copies that do not fit in L2
     timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_kernel_gpu.py 2>&1 | quiet \
       | grep "^E \|passed\|failed" | head -20
-    timeout 470 python3 scripts/bench_kernels.py linear-sweep --tokens 64 --out "$OUT/linear_sweep" 2>&1 | quiet \
+    timeout 90 python3 scripts/probe_linear_f32.py 2>&1 | quiet > "$OUT/linear_f32.txt"; grep "^|\|Error\|jax" \
+      "$OUT/linear_f32.txt"
+    timeout 370 python3 scripts/bench_kernels.py linear-sweep --tokens 64 --out "$OUT/linear_sweep" 2>&1 | quiet \
       > "$OUT/linear_sweep.txt"; grep "^|\|copy_GBps\|Error" "$OUT/linear_sweep.txt" | tail -150 ;;
   verify-step)
     # the seventh session's changes on the GPU (see the plan above): their tests, then the greedy step's kernel map
