@@ -153,7 +153,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=
 python3 -m pip install -q --no-deps .wheels/llguidance-*.whl 2>&1 | tail -1
 quiet() { grep -v "^W1\|WARNING\|stack_frame"; }
 C="--lean-buckets --kv-gib 8 --compile-threads 16 --max-tokens 128"
-case "${STAGE:?set STAGE to linear-sweep, verify-step, step-kernels, spec-kernels, rule, twolevel, seesaw, prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
+case "${STAGE:?set STAGE to sweep-and-step, linear-sweep, verify-step, step-kernels, spec-kernels, rule, twolevel, seesaw, prefix2, prefix, draw, stall, paced, cmdbuf, spec-dispatch, sampler-probe, sampler-async, rows-depth, rows-first, gather-serving, rows-kernel, engram, linear, spec, tests, steps, prefill, prefill-kernel, warmup, compile-kinds, attn, index, index-sweep, index-engine, v4-untuned, lowering, warmup-threads, warmup-reuse, cluster, first, early, h200-attn, row-gather, compile-depth, h200-sampler, sampler, topk-model, topk-reuse, pingpong, mesh, lab4 or v4-autotune}" in
   engram)
     cd scripts && timeout 570 python3 bench_serving.py --preset deepseek-v4.1-flash --layers 4 --engram-vocab 1000000 \
       --engram-tables device host-direct $C --breakdown --out "$OUT/engram" 2>&1 | quiet | grep "^|" ;;
@@ -349,6 +349,16 @@ case "${STAGE:?set STAGE to linear-sweep, verify-step, step-kernels, spec-kernel
     timeout 400 python3 scripts/probe_spec_step.py --preset deepseek-v4-flash --layers 4 --batch 64 --kernels 2>&1 \
       | quiet > "$OUT/spec_kernels.txt"; grep "^|\|^wall\|^jax\|Error\|^grown\|^largest" "$OUT/spec_kernels.txt" \
       | head -40 ;;
+  sweep-and-step)
+    # one call when device time is short: the FP8 kernel's GPU tests, the fp32-projection probe, the FP8 sweep cut
+    # at 220 s (rows are saved as they come, largest weights first), then the greedy step's kernel map
+    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_kernel_gpu.py 2>&1 | quiet \
+      | grep "^E \|passed\|failed" | head -20
+    timeout 70 python3 scripts/probe_linear_f32.py 2>&1 | quiet > "$OUT/linear_f32.txt"; grep "^|\|Error\|jax" \
+      "$OUT/linear_f32.txt"
+    timeout 220 python3 scripts/bench_kernels.py linear-sweep --tokens 64 --out "$OUT/linear_sweep" 2>&1 | quiet \
+      > "$OUT/linear_sweep.txt"; grep "Error" "$OUT/linear_sweep.txt" | head -5
+    T="0" STAGE=step-kernels bash "$0" | grep -v "^| [a-z_0-9]*fusion\|^| input\|^| loop\|^| wrapped" ;;
   linear-sweep)
     # issue 9: the FP8 linear kernel at the V4 decode shapes (64 tokens): its GPU tests (two CTAs per SM are new),
     # then the fp32 projections' forms (scripts/probe_linear_f32.py), then block sizes, pipeline depth, CTAs per SM
