@@ -350,15 +350,16 @@ case "${STAGE:?set STAGE to sweep-and-step, linear-sweep, verify-step, step-kern
       | quiet > "$OUT/spec_kernels.txt"; grep "^|\|^wall\|^jax\|Error\|^grown\|^largest" "$OUT/spec_kernels.txt" \
       | head -40 ;;
   sweep-and-step)
-    # one call when device time is short: the FP8 kernel's GPU tests, the fp32-projection probe, the FP8 sweep cut
-    # at SWEEP_S (default 190) s (rows are saved as they come, largest weights first), then the greedy step's kernel map
-    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_kernel_gpu.py 2>&1 | quiet \
-      | grep "^E \|passed\|failed" | head -20
+    # one call when device time is short, most needed first: the greedy step's kernel map, the fp32-projection
+    # probe, the FP8 sweep cut at SWEEP_S (default 190) s (rows are saved as they come, largest weights first),
+    # then the FP8 kernel's GPU tests (two CTAs per SM are new)
+    T="0" STAGE=step-kernels bash "$0" | grep -v "^| [a-z_0-9]*fusion\|^| input\|^| loop\|^| wrapped"
     timeout 70 python3 scripts/probe_linear_f32.py 2>&1 | quiet > "$OUT/linear_f32.txt"; grep "^|\|Error\|jax" \
       "$OUT/linear_f32.txt"
-    timeout ${SWEEP_S:-190} python3 scripts/bench_kernels.py linear-sweep --tokens 64 --out "$OUT/linear_sweep" 2>&1 | quiet \
-      > "$OUT/linear_sweep.txt"; grep "Error" "$OUT/linear_sweep.txt" | head -5
-    T="0" STAGE=step-kernels bash "$0" | grep -v "^| [a-z_0-9]*fusion\|^| input\|^| loop\|^| wrapped" ;;
+    timeout ${SWEEP_S:-190} python3 scripts/bench_kernels.py linear-sweep --tokens 64 --out "$OUT/linear_sweep" \
+      2>&1 | quiet > "$OUT/linear_sweep.txt"; grep "Error" "$OUT/linear_sweep.txt" | head -5
+    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_kernel_gpu.py 2>&1 | quiet \
+      | grep "^E \|passed\|failed" | head -20 ;;
   linear-sweep)
     # issue 9: the FP8 linear kernel at the V4 decode shapes (64 tokens): its GPU tests (two CTAs per SM are new),
     # then the fp32 projections' forms (scripts/probe_linear_f32.py), then block sizes, pipeline depth, CTAs per SM
