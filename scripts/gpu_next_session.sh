@@ -2,7 +2,17 @@
 # The next H200 session's runs, one stage per device call (each fits the 600 s limit); run from the repository root
 # with $OUT set and the llguidance wheel carried (.wheels). The plan, newest first (items marked done keep what they
 # found; the stages themselves follow the plan):
-#   0000000000. STAGE=verify-step (any card first, then an H200 for issue 9's figure): the seventh session of
+#   00000000000. STAGE=sweep-and-step (any card; SWEEP_S=190), then STAGE=linear-sweep (whole) if the budget
+#      allows: the eighth session of 2026-12-07 ran verify-step on an H100 (grouped wo_a test passed -> default on;
+#      the two-pass top-n was slower -> lax.top_k back; step 6.69 ms, 63% of the H100 roofline) and then got no
+#      machine for its prepared calls (eight refused starts). Left to measure: (1) the greedy step with lax.top_k
+#      back (expected ~6.40 ms of kernels on an H100); (2) scripts/probe_linear_f32.py — the fp32 projections
+#      (~0.29 ms a step: cuBLAS FFMA GEMMs, a per-step concatenate of five merged weights, weight transposes) as
+#      the model runs them against load-time layouts; if a laid-out form wins, store the fp32 projection weights
+#      that way at load; (3) the FP8 kernel's sweep at 64 tokens (block sizes, stages, two CTAs per SM, K split;
+#      0.53 ms a step at 24-34% of copy) -> per-shape decode rows in pallas_kernels/linear/tuning.py, after
+#      tests/test_linear_kernel_gpu.py passes with its two ctas_per_sm=2 cases. Then the MoE glue (below);
+#   0000000000. (done, eighth session of 2026-12-07, on an H100: serving_h200.md) STAGE=verify-step (any card first, then an H200 for issue 9's figure): the seventh session of
 #      2026-12-07 mapped the decode step's kernels to model code (hlo_kernel_map.py, on an H100: serving_h200.md)
 #      and changed three things on the CPU only: wo_a through the FP8 kernel's new grouped form (was a per-step
 #      bf16 dequantisation, 0.32 ms of 6.67), the top-5 logprobs as two short top-k passes (XLA's TopK kernel took
