@@ -162,9 +162,26 @@ def _cfg_label(cfg) -> str:
     return f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} split{cfg.split_k} s{cfg.stages}{extra}"
 
 
+def _reference(case: dict) -> np.ndarray:
+    """XLA's fp32 product of the case's activations and its first weight copy, dequantised (an independent path:
+    no kernel), per group for the grouped form."""
+    from dinfer_jax.models.qweights import QuantizedWeight, dequantize
+
+    codes, scale = case["ws"][0]
+    dense = dequantize(QuantizedWeight(codes, scale, "fp8", case["block"]), jnp.float32)
+    x = case["x"].astype(jnp.float32)
+    if case["grouped"]:
+        g = x.shape[1]
+        out = jnp.einsum("mgk,grk->mgr", x, dense.reshape(g, -1, dense.shape[1]), precision=jax.lax.Precision.HIGHEST)
+    else:
+        out = jnp.dot(x, dense.T, precision=jax.lax.Precision.HIGHEST)
+    return np.asarray(out)
+
+
 def _time_config(cfg, case: dict, device_times, copy_bw: float) -> dict:
     """One configuration on one (shape, tokens) case: device time per call (kernel, scale bytes, split-K sum) and
-    of the kernel alone, averaged over the case's weight copies."""
+    of the kernel alone, averaged over the case's weight copies, and the first copy's max error against
+    :func:`_reference` relative to the output's scale (a wrong configuration shows as order 1; exact ones ~1e-6)."""
     from pallas_kernels.linear.kernel_sm90 import fp8_grouped_linear_sm90, fp8_linear_sm90
     from pallas_kernels.lowering_reuse import kernel_call, reuse_kernel_lowerings
 
@@ -178,7 +195,10 @@ def _time_config(cfg, case: dict, device_times, copy_bw: float) -> dict:
     row = dict(shape=case["name"], n=case["n"], k=case["k"], tokens=case["tokens"], config=_cfg_label(cfg),
                rule=cfg == case["rule"], copies=copies)
     try:
-        total, per_name = device_times(jax.jit(calls), case["x"], case["ws"])
+        f = jax.jit(calls)
+        got, want = np.asarray(f(case["x"], case["ws"])[0]), case["want"]
+        row["err"] = float(np.abs(got - want).max() / (np.abs(want).max() or 1.0))
+        total, per_name = device_times(f, case["x"], case["ws"])
         row["ms"] = total / copies
         row["kernel_ms"] = sum(v for key, v in per_name.items() if "fp8_linear" in key) / copies
         row["GBps"] = case["wbytes"] / (row["ms"] * 1e-3) / 1e9
@@ -204,6 +224,7 @@ def sweep_linear(tokens_list: list[int], device_times, copy_bw: float, on_row=la
             case = dict(name=name, n=n, k=k, block=block, grouped=grouped, tokens=t, wbytes=wbytes, copies=copies,
                         ws=ws, rule=config_for(t, n, k),
                         x=jax.random.normal(jax.random.key(t), (t, 8, k) if grouped else (t, k), jnp.bfloat16))
+            case["want"] = _reference(case)
             timed = []
             for cfg in dict.fromkeys(_phase1(t, n, k)):
                 if _valid(cfg, n, k):
@@ -226,18 +247,18 @@ def sweep_table(rows: list[dict]) -> str:
         if "ms" in r:
             key = (r["shape"], r["tokens"])
             best[key] = min(best.get(key, float("inf")), r["ms"])
-    lines = ["| weight | N × K | tokens | config | ms / call | kernel ms | GB/s (% copy) | vs rule |",
-             "|---|---|---:|---|---:|---:|---:|---:|"]
+    lines = ["| weight | N × K | tokens | config | ms / call | kernel ms | GB/s (% copy) | vs rule | max err |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
     rule_ms = {(r["shape"], r["tokens"]): r["ms"] for r in rows if r.get("rule") and "ms" in r}
     for r in rows:
         head = f"| {r['shape']} | {r['n']} × {r['k']} | {r['tokens']} |"
         label = r["config"] + (" (rule)" if r.get("rule") else "")
         if "error" in r:
-            lines.append(f"{head} {label} | FAILED: {r['error'][:80]} | | | |")
+            lines.append(f"{head} {label} | FAILED: {r['error'][:80]} | | | | |")
             continue
         key = (r["shape"], r["tokens"])
         ms = f"**{r['ms']:.4f}**" if r["ms"] == best[key] else f"{r['ms']:.4f}"
         vs = f"{rule_ms[key] / r['ms']:.2f}x" if key in rule_ms else "-"
         lines.append(f"{head} {label} | {ms} | {r['kernel_ms']:.4f} | {r['GBps']:.0f} "
-                     f"({100 * r['GBps'] / r['copy_GBps']:.0f}%) | {vs} |")
+                     f"({100 * r['GBps'] / r['copy_GBps']:.0f}%) | {vs} | {r['err']:.1e} |")
     return "\n".join(lines)
