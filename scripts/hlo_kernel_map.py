@@ -18,6 +18,7 @@ import argparse
 import json
 import pathlib
 import re
+from collections import Counter
 from typing import NamedTuple
 
 # "%name = <shape or (tuple of shapes)> <opcode>(": a tuple shape holds spaces, so it is matched up to its ")"
@@ -101,6 +102,15 @@ def read_module(path: pathlib.Path) -> dict[str, Instr]:
     return out
 
 
+def custom_calls(module: dict[str, Instr]) -> list[tuple[Instr, int]]:
+    """The module's custom calls (cuBLAS GEMMs, Mosaic GPU kernels, ...) grouped by target, shape, operation and
+    source, with how many instructions each group has. CUPTI names their kernels after the library's kernels
+    (``nvjet_…``, ``sm80_xmma_gemm_…``) or the kernel body, not the instruction, so the step's table cannot be
+    joined to them by name; this lists what they can be matched with by kind and count."""
+    groups = Counter(ins for ins in module.values() if not ins.detail.startswith("k"))
+    return sorted(groups.items(), key=lambda kv: (kv[0].detail, kv[0].source, kv[0].shape))
+
+
 def read_kernels(path: pathlib.Path) -> list[tuple[str, float, float]]:
     """(kernel, ms per step, launches per step) of the decode step, largest first, from ``bench_serving.json``
     (``--out`` of a ``--breakdown`` run)."""
@@ -151,6 +161,12 @@ def main() -> None:
             continue
         print(f"| {k[:60]} | {ms:.3f} | {n:.1f} | {us:.1f} | {ins.detail} | {ins.shape[:40]} | "
               f"{short_op(ins.op_name)[:90]} | {ins.source} |")
+    print("\nCustom calls of the module (their kernels carry library names; an instruction inside a layer loop "
+          "launches once per iteration):\n")
+    print("| target | instructions | shape | jax op | source |")
+    print("|---|---:|---|---|---|")
+    for ins, count in custom_calls(module):
+        print(f"| {ins.detail} | {count} | {ins.shape[:60]} | {short_op(ins.op_name)[:90]} | {ins.source} |")
 
 
 if __name__ == "__main__":
