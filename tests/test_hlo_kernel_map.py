@@ -11,6 +11,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import hlo_kernel_map as hkm  # noqa: E402
 
+GEMM_META = 'metadata={op_name="jit(_device_forward)/moe/dot_general" stack_frame_id=2}'
+ADD_META = ('metadata={op_name="jit(_device_forward)/add" source_file="/repo/dinfer_jax/models/mhc.py" '
+            'source_line=104}')
 MODULE = """HloModule jit__device_forward
 
 FileNames
@@ -36,12 +39,12 @@ StackFrames
 ENTRY %main (x: f32[64,256], w: f32[8,256]) -> f32[64,8] {
   %x = f32[64,256]{1,0} parameter(0)
   %w = f32[8,256]{1,0} parameter(1)
-  %custom-call.3 = (f32[64,8]{1,0}, s8[0]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", metadata={op_name="jit(_device_forward)/moe/dot_general" stack_frame_id=2}
-  %custom-call.4 = (f32[64,8]{1,0}, s8[0]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", metadata={op_name="jit(_device_forward)/moe/dot_general" stack_frame_id=2}
+  %custom-call.3 = (f32[64,8]{1,0}, s8[0]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", {GEMM_META}
+  %custom-call.4 = (f32[64,8]{1,0}, s8[0]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", {GEMM_META}
   %gte = f32[64,8]{1,0} get-tuple-element(%custom-call.3), index=0
-  ROOT %loop_add_fusion.3 = f32[64,8]{1,0} fusion(%gte), kind=kLoop, calls=%fused_add, metadata={op_name="jit(_device_forward)/add" source_file="/repo/dinfer_jax/models/mhc.py" source_line=104}
+  ROOT %loop_add_fusion.3 = f32[64,8]{1,0} fusion(%gte), kind=kLoop, calls=%fused_add, {ADD_META}
 }
-"""
+""".replace("{GEMM_META}", GEMM_META).replace("{ADD_META}", ADD_META)
 
 
 def test_read_module_and_custom_calls(tmp_path):
