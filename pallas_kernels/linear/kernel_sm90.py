@@ -23,9 +23,10 @@ V4.1: 32 × 32). The kernel reads the scales per row and 32 inputs (:func:`kerne
 from the blocks by XLA in the wrapper, 1/32 of the weight's bytes; a load-time layout would save that pass).
 Output fp32 ``[M, N]``.
 
-Status: both forms run on the H100 (``tests/test_linear_kernel_gpu.py``; ``docs/perf/linear_kernel_h200.md``): the
-plain form since 2026-12-03 (H200), the grouped form (:func:`fp8_grouped_linear_sm90`, V4's ``wo_a``) since
-2026-12-07, when the model took it by default (``docs/perf/serving_h200.md``, eighth session of 2026-12-07).
+Status: both forms pass ``tests/test_linear_kernel_gpu.py``: the plain form on the H200 and the H100 since
+2026-12-03 (``docs/perf/linear_kernel_h200.md``), the grouped form (:func:`fp8_grouped_linear_sm90`, V4's ``wo_a``)
+on the H100 since 2026-12-07, when the model took it by default (``docs/perf/serving_h200.md``, eighth session of
+2026-12-07). ``ctas_per_sm=2`` lowers (CPU tests) and has GPU test cases that have not run yet.
 """
 
 from __future__ import annotations
