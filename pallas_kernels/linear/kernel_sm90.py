@@ -207,19 +207,28 @@ def fp8_linear_t(x_t: jax.Array, codes_i8: jax.Array, scale_bits: jax.Array, *, 
     return kernel(x_t.astype(jnp.bfloat16), codes_i8, scale_bits)
 
 
+def _padded_call(x: jax.Array, codes: jax.Array, scale: jax.Array, block: tuple[int, int], config: LinearConfig,
+                 group_rows: int) -> jax.Array:
+    """The wrappers' common part: ``x [M, G·K]`` padded to whole token tiles and transposed, the codes as int8,
+    the scale bytes laid out, the kernel run and its K-split partial sums added → fp32 ``[M, N]``."""
+    m = x.shape[0]
+    n, k = codes.shape
+    rows = -(-m // config.block_m) * config.block_m
+    x_t = jnp.pad(x.astype(jnp.bfloat16), ((0, rows - m), (0, 0))).T
+    codes_i8 = jax.lax.bitcast_convert_type(codes, jnp.int8)
+    parts = fp8_linear_t(x_t, codes_i8, kernel_scales(scale, n, k, block, config.split_k), config=config,
+                         group_rows=group_rows)
+    return parts.sum(axis=0)[:, :m].T
+
+
 @functools.partial(jax.jit, static_argnames=("config", "block"))
 def fp8_linear_sm90(x: jax.Array, codes: jax.Array, scale: jax.Array, *, config: LinearConfig,
                     block: tuple[int, int] = (BLOCK, BLOCK)) -> jax.Array:
     """``x [M, K]`` · ``Wᵀ`` with ``W`` given as e4m3 ``codes [N, K]`` and UE8M0 ``scale [⌈N/bo⌉, ⌈K/bi⌉]``
     (``block = (bo, bi)``: V4's 128 × 128, V4.1's 32 × 32) → fp32 ``[M, N]``; the contract of
     :func:`pallas_kernels.linear.reference.fp8_linear` (bf16 products, fp32 sums)."""
-    m, n, k = _check(x, codes, scale, block, config)
-    bm = config.block_m
-    rows = -(-m // bm) * bm
-    x_t = jnp.pad(x.astype(jnp.bfloat16), ((0, rows - m), (0, 0))).T
-    codes_i8 = jax.lax.bitcast_convert_type(codes, jnp.int8)
-    parts = fp8_linear_t(x_t, codes_i8, kernel_scales(scale, n, k, block, config.split_k), config=config)
-    return parts.sum(axis=0)[:, :m].T
+    _check(x, codes, scale, block, config)
+    return _padded_call(x, codes, scale, block, config, group_rows=0)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block"))
@@ -234,13 +243,7 @@ def fp8_grouped_linear_sm90(x: jax.Array, codes: jax.Array, scale: jax.Array, *,
     if n % g or (n // g) % block[0]:
         raise ValueError(f"{n} weight rows do not split into {g} groups of whole {block[0]}-row scale blocks")
     _check(x[:, 0], codes, scale, block, config)
-    bm = config.block_m
-    rows = -(-m // bm) * bm
-    x_t = jnp.pad(x.astype(jnp.bfloat16), ((0, rows - m), (0, 0), (0, 0))).reshape(rows, g * k).T
-    codes_i8 = jax.lax.bitcast_convert_type(codes, jnp.int8)
-    parts = fp8_linear_t(x_t, codes_i8, kernel_scales(scale, n, k, block, config.split_k), config=config,
-                         group_rows=n // g)
-    return parts.sum(axis=0)[:, :m].T.reshape(m, g, n // g)
+    return _padded_call(x.reshape(m, g * k), codes, scale, block, config, group_rows=n // g).reshape(m, g, n // g)
 
 
 __all__ = ["LinearConfig", "fp8_grouped_linear_sm90", "fp8_linear_sm90", "fp8_linear_t", "kernel_scales"]
